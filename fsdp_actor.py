@@ -1,0 +1,306 @@
+"""fsdp_actor.py -- the policy side of RL: load the model, shard it with FSDP2, compute per-token log-probs,
+take optimizer steps, stream full weights out to the rollout engine, save and load checkpoints.
+
+Everything here works the same with one process (CPU or GPU), with `torchrun` on CPU (gloo) and on GPU (NCCL).
+Sequences are laid out as one row per sample: prompt + response, right-padded:
+
+    input_ids  [B, T]   p p p p r r r 0 0
+    resp_mask  [B, T]   0 0 0 1 1 1 0 0 0   (position t predicts token t+1: marks the positions *before* response tokens)
+
+Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch.
+"""
+import inspect
+import math
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+# ----------------------------------------------------------------------------------------------- distributed
+def init_distributed():
+    """Works bare (`python grpo.py`) and under torchrun. Returns (rank, world_size, device)."""
+    if "RANK" not in os.environ:  # single process: a 1-rank group keeps every code path identical
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(29500 + os.getpid() % 2000))
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        # gloo for CPU tensors even on GPU machines: vLLM and object collectives need a CPU group too
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", timeout=timedelta(minutes=60))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+# ----------------------------------------------------------------------------------------------- model
+def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
+    """A VLM through AutoModelForImageTextToText, else a text LLM through AutoModelForCausalLM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    config = AutoConfig.from_pretrained(path)
+    kw = dict(dtype=dtype)
+    if attn_implementation:
+        kw["attn_implementation"] = attn_implementation
+    try:
+        AutoModelForImageTextToText._model_mapping[type(config)]  # noqa: B018 -- probe, raises KeyError for text LLMs
+        return AutoModelForImageTextToText.from_pretrained(path, **kw)
+    except KeyError:
+        return AutoModelForCausalLM.from_pretrained(path, **kw)
+
+
+class LogProbModel(nn.Module):
+    """FSDP root around the HF model. Its forward returns log-probs of the target tokens instead of logits, so the
+    [tokens, vocab] fp32 logits exist only one chunk at a time (a 152k vocabulary would need 10 GB for 16k tokens).
+    It must be a module: FSDP2 all-gathers the root's own parameters (embeddings, lm_head) in forward hooks."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        self.hf = hf_model
+        # The rollout engines never sample image/video pad tokens; masking them here too makes the trained policy
+        # exactly the sampling distribution (it matters for tiny random models, where they hold ~1/V each).
+        cfg = hf_model.config
+        self.forbidden = [i for i in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None))
+                          if isinstance(i, int) and i >= 0]
+
+    def forward(self, input_ids, attention_mask, resp_mask, mm_inputs, temperature=1.0, chunk_size=4096):
+        hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                               **mm_inputs, **mm_token_types(self.hf, input_ids, mm_inputs)).last_hidden_state  # [B, T, H]
+        h = hidden[resp_mask]  # [N, H]   positions that predict a response token
+        targets = input_ids[:, 1:][resp_mask[:, :-1]]  # [N]   (resp_mask is 0 at the last column)
+        head = self.hf.get_output_embeddings()
+        logps, ents = [], []
+        for hc, tc in zip(h.split(chunk_size), targets.split(chunk_size)):
+            if torch.is_grad_enabled():  # recompute the chunk's logits in backward instead of keeping them
+                lp, ent = checkpoint(_chunk_logprobs, hc, tc, head.weight, temperature, self.forbidden,
+                                     use_reentrant=False)
+            else:
+                lp, ent = _chunk_logprobs(hc, tc, head.weight, temperature, self.forbidden)
+            logps.append(lp)
+            ents.append(ent)
+        return torch.cat(logps), torch.cat(ents)  # [N], [N]
+
+
+def mm_token_types(hf, input_ids, mm_inputs):
+    """transformers >= 5 builds Qwen-VL's 3-D (M-RoPE) positions only when told which tokens are image (1) and
+    video (2) pads; without it the model silently falls back to 1-D positions and disagrees with vLLM."""
+    cfg = hf.config
+    if not mm_inputs or "mm_token_type_ids" not in inspect.signature(hf.model.forward).parameters:
+        return {}
+    types = torch.zeros_like(input_ids)
+    for tid, v in ((getattr(cfg, "image_token_id", None), 1), (getattr(cfg, "video_token_id", None), 2)):
+        if tid is not None:
+            types[input_ids == tid] = v
+    return {"mm_token_type_ids": types}
+
+
+def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
+    logits = F.linear(h, weight).float() / temperature  # [n, V] fp32: log_softmax in bf16 loses ~2 digits
+    if forbidden:
+        logits[:, forbidden] = float("-inf")
+    logz = torch.logsumexp(logits, dim=-1)  # [n]
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # [n]
+    with torch.no_grad():  # entropy is a metric, not a loss term: no graph for it
+        p = torch.softmax(logits, dim=-1)
+        ent = logz - (p * logits.masked_fill(p == 0, 0)).sum(-1)  # 0 * -inf would be NaN
+    return logp, ent
+
+
+def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
+                trainable=True):
+    """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
+    in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
+    policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
+    hf.config.use_cache = False
+    if gradient_checkpointing and trainable:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not trainable:
+        hf.requires_grad_(False)
+    model = LogProbModel(hf)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks = set(getattr(hf, "_no_split_modules", None) or [])
+    for m in hf.modules():
+        if type(m).__name__ in blocks:
+            fully_shard(m, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if device.type == "cuda":
+        model.to(device)
+    model.train(trainable)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- batches
+def collate(samples, pad_id, device):
+    """samples: dicts with prompt (a data.py prompt record) and response_ids. Returns the actor's inputs."""
+    seqs = [s["prompt"]["prompt_ids"] + list(s["response_ids"]) for s in samples]
+    T = max(len(x) for x in seqs) + 1  # +1: resp_mask needs a 0 in its last column
+    B = len(seqs)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, T, dtype=torch.long)
+    resp_mask = torch.zeros(B, T, dtype=torch.bool)
+    for i, (x, s) in enumerate(zip(seqs, samples)):
+        lp, lr = len(s["prompt"]["prompt_ids"]), len(s["response_ids"])
+        input_ids[i, :len(x)] = torch.tensor(x)
+        attention_mask[i, :len(x)] = 1
+        resp_mask[i, lp - 1:lp - 1 + lr] = True
+    mm = {}
+    for key in samples[0]["prompt"]["mm_inputs"]:  # Qwen-VL: pixel rows and grids of all images, in batch order
+        mm[key] = torch.cat([s["prompt"]["mm_inputs"][key] for s in samples]).to(device)
+    resp_len = torch.tensor([len(s["response_ids"]) for s in samples])
+    return dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                resp_mask=resp_mask.to(device), mm_inputs=mm), resp_len
+
+
+def pad_responses(values, resp_len):
+    """Flat per-token values [N] -> response-aligned [B, R] (zeros past each response)."""
+    R = int(resp_len.max())
+    mask = torch.arange(R)[None, :] < resp_len[:, None]  # [B, R]
+    out = values.new_zeros(mask.shape)
+    out[mask.to(values.device)] = values
+    return out, mask.to(values.device)
+
+
+def stack_padded(rows, R, device):
+    """List of 1-D per-sample tensors -> [B, R] zero-padded."""
+    out = torch.zeros(len(rows), R, device=device)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r.to(device)
+    return out
+
+
+def make_micro_batches(lengths, max_tokens, max_samples):
+    """Group sample indices so that each micro-batch holds at most `max_tokens` padded tokens and `max_samples`
+    samples. Sorting by length keeps padding small. Every rank must run the same number of micro-batches (each
+    forward all-gathers weights collectively), so the count is agreed on and the longest groups split to match."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, cur = [], []
+    for i in order:
+        if cur and ((len(cur) + 1) * lengths[cur[0]] > max_tokens or len(cur) >= max_samples):
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    n = torch.tensor([len(groups)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=_cpu_group())
+    while len(groups) < int(n):  # split the largest group in two (a rank always has >= n samples)
+        j = max(range(len(groups)), key=lambda k: len(groups[k]) * lengths[groups[k][0]])
+        g = groups.pop(j)
+        groups[j:j] = [g[:len(g) // 2], g[len(g) // 2:]]
+    return groups
+
+
+_CPU_GROUP = None
+
+
+def _cpu_group():
+    """A gloo group for small CPU collectives (counts, Python objects) next to NCCL."""
+    global _CPU_GROUP
+    if _CPU_GROUP is None:
+        _CPU_GROUP = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    return _CPU_GROUP
+
+
+def all_reduce_cpu(x, op=dist.ReduceOp.SUM):
+    """Sum (or max) a small CPU tensor over ranks."""
+    x = torch.as_tensor(x, dtype=torch.float64).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x, op=op, group=_cpu_group())
+    return x
+
+
+@torch.no_grad()
+def compute_logprobs(model, samples, pad_id, device, temperature, max_tokens, max_samples, chunk_size=4096):
+    """Per-sample 1-D log-probs (and entropies) of the response tokens under `model`, no gradients."""
+    lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    out_lp, out_ent = [None] * len(samples), [None] * len(samples)
+    for idx in make_micro_batches(lengths, max_tokens, max_samples):
+        batch, resp_len = collate([samples[i] for i in idx], pad_id, device)
+        lp, ent = model(**batch, temperature=temperature, chunk_size=chunk_size)  # [N], [N]
+        for i, a, b in zip(idx, lp.float().cpu().split(resp_len.tolist()), ent.float().cpu().split(resp_len.tolist())):
+            out_lp[i], out_ent[i] = a, b
+    return out_lp, out_ent
+
+
+# ----------------------------------------------------------------------------------------------- optimizer
+def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
+                            fused=device.type == "cuda" or None)
+    # linear warmup from lr/warmup to lr, then constant (EasyR1's default schedule)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
+    return opt, sched
+
+
+def optimizer_step(model, opt, sched, max_grad_norm):
+    """Clip, step, and skip the step when the gradient norm is not finite (a NaN/inf batch must not poison the
+    weights). Returns the pre-clip grad norm (float)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norm = float(norm)
+    if math.isfinite(norm):
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    return norm
+
+
+# ----------------------------------------------------------------------------------------------- weights out
+def iter_full_params(model, dtype=None):
+    """Yield (hf_name, full tensor) one parameter at a time: each DTensor is all-gathered, handed over, then
+    dropped, so the peak extra memory is one tensor, never a full state-dict copy. Every rank must iterate."""
+    for name, p in model.hf.state_dict().items():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        yield name, (t.to(dtype) if dtype is not None else t).detach()
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(path, model, opt, sched, extra):
+    """Sharded model + optimizer via torch.distributed.checkpoint. Written to `<path>.tmp` and renamed when
+    complete, so a crash mid-save never leaves a checkpoint that looks whole."""
+    import json
+    import shutil
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    tmp = path + ".tmp"
+    if dist.get_rank() == 0 and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    dist.barrier(group=_cpu_group())
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    if dist.get_rank() == 0:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({**extra, "scheduler": sched.state_dict()}, f)
+        os.replace(tmp, path) if not os.path.exists(path) else (shutil.rmtree(path), os.replace(tmp, path))
+    dist.barrier(group=_cpu_group())
+
+
+def load_checkpoint(path, model, opt, sched):
+    import json
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        extra = json.load(f)
+    sched.load_state_dict(extra.pop("scheduler"))
+    return extra
+
+
+def latest_checkpoint(save_dir):
+    if not os.path.isdir(save_dir):
+        return None
+    steps = [int(d.split("_")[1]) for d in os.listdir(save_dir)
+             if d.startswith("step_") and not d.endswith(".tmp") and d.split("_")[1].isdigit()]
+    return os.path.join(save_dir, f"step_{max(steps)}") if steps else None

@@ -1,0 +1,412 @@
+"""Rollout engines: sample n responses per prompt with the current policy weights.
+
+Two engines with one interface (see the spec's "Rollout engine interface"):
+  HFRollout    plain transformers `generate` on its own unsharded copy of the policy (CPU tests, small GPU runs)
+  VLLMRollout  vLLM colocated with the trainer, SPMD under torchrun (one engine per rank, no Ray)
+  make_rollout picks one ("auto": vLLM when it imports and CUDA is there, else HF).
+
+Log-prob convention, identical in both engines: the log-prob of each sampled token under the distribution it was
+actually sampled from, i.e. log_softmax over the *processed* scores: image/video pad tokens forbidden, logits divided
+by the temperature, then top-p truncation (renormalised over the nucleus). vLLM calls this
+logprobs_mode="processed_logprobs" (its default "raw_logprobs" ignores the temperature, which makes it useless for
+a trainer computing log_softmax(logits / T)). With top_p == 1 (the GRPO default) this equals the trainer's
+log_softmax(logits / T) with the same tokens forbidden (fsdp_actor masks them too); with top_p < 1 it is the nucleus-renormalised value.
+Greedy (temperature == 0): log_softmax of the untempered logits.
+"""
+import contextlib
+import dataclasses
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from fsdp_actor import mm_token_types  # M-RoPE needs the image-token types at prefill, exactly as in training
+
+
+# ------------------------------------------------------------------------------------------------ shared helpers
+def special_token_ids(model_path):
+    """(eos_ids, forbidden_ids) of a checkpoint folder, read the same way by both engines so they stop alike.
+    eos: generation_config's eos list (Qwen lists <|im_end|> and <|endoftext|>) plus the tokenizer's eos.
+    forbidden: the image/video pad ids; sampling one would corrupt the next forward's vision placement."""
+    from transformers import AutoConfig, GenerationConfig
+    eos = []
+
+    def add(x):
+        for i in (x if isinstance(x, (list, tuple)) else [x]):
+            if isinstance(i, int) and i >= 0 and i not in eos:
+                eos.append(i)
+
+    try:
+        add(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except (OSError, ValueError):  # no generation_config.json
+        pass
+    cfg = AutoConfig.from_pretrained(model_path)
+    if not eos:
+        add(getattr(cfg.get_text_config(), "eos_token_id", None))
+    try:
+        from transformers import AutoTokenizer
+        add(AutoTokenizer.from_pretrained(model_path).eos_token_id)
+    except Exception:  # a folder without tokenizer files still works from the configs
+        pass
+    if not eos:
+        raise ValueError(f"{model_path}: no eos_token_id in generation_config, config or tokenizer")
+    forbidden = [i for i in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None))
+                 if isinstance(i, int) and i >= 0]
+    return eos, forbidden
+
+
+def _to_result(ids, logprobs, eos):
+    """Cut after the first EOS (kept) and build the spec's dict. `finished` means "stopped by EOS", the same test
+    in both engines (vLLM's finish_reason would also say "stop" for stop strings, which we never set)."""
+    ids = list(ids)
+    cut = next((i + 1 for i, t in enumerate(ids) if t in eos), None)
+    if cut is not None:
+        ids = ids[:cut]
+        logprobs = logprobs[:cut] if logprobs is not None else None
+    return {"response_ids": ids, "finished": cut is not None, "logprobs": logprobs}
+
+
+# ------------------------------------------------------------------------------------------------ HF engine
+def _load_hf_model(path, dtype):
+    """A VLM through AutoModelForImageTextToText, else a text LLM through AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    try:
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText"
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+class _SampledLogprobs:
+    """Last logits processor: sees exactly the scores HF samples from (after suppression, temperature, top-p).
+    The token sampled at step t only appears in input_ids at step t+1, so each call gathers the previous step's
+    log-prob and keeps one [rows, V] log-softmax (not [T, rows, V] like output_scores would)."""
+
+    def __init__(self):
+        self.prev, self.out = None, []
+
+    def __call__(self, input_ids, scores):  # input_ids [rows, L], scores [rows, V]
+        if self.prev is not None:
+            self.out.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))  # [rows]
+        self.prev = torch.log_softmax(scores.float(), dim=-1)  # [rows, V]
+        return scores
+
+    def finish(self, last_tokens):  # [rows] -> [rows, T]
+        self.out.append(self.prev.gather(1, last_tokens[:, None]).squeeze(1))
+        return torch.stack(self.out, dim=1)
+
+
+class HFRollout:
+    """transformers `generate` on an own unsharded copy of the policy. Prompts are generated one at a time (the n
+    copies batched), each under torch.manual_seed(seeds[i]) inside fork_rng: the samples of prompt i depend only on
+    (weights, prompt i, seeds[i]) and the caller's global RNG stream is left untouched."""
+
+    def __init__(self, model_path, device=None, dtype=torch.float32):
+        from transformers import GenerationConfig
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = _load_hf_model(model_path, dtype).to(self.device).eval()
+        self.dtype = dtype
+        self.eos_ids, self.forbidden_ids = special_token_ids(model_path)
+        # A clean generation config: checkpoint defaults (Qwen-VL ships top_k=1, top_p=0.001,
+        # repetition_penalty=1.05) would otherwise fill every knob we leave unset and change the distribution.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0])
+        # name -> tensor sharing storage with the model: sync_weights copies into these in place
+        self._params = self.model.state_dict()
+
+    @torch.no_grad()
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds):
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        return [self._generate_one(p, n, temperature, top_p, max_tokens, s) for p, s in zip(prompts, seeds)]
+
+    def _generate_one(self, prompt, n, temperature, top_p, max_tokens, seed):
+        from transformers import (LogitsProcessorList, SuppressTokensLogitsProcessor, TemperatureLogitsWarper,
+                                  TopPLogitsWarper)
+        greedy = temperature == 0
+        rows = 1 if greedy else n  # greedy samples are identical: compute one and copy it
+        ids = torch.tensor([prompt["prompt_ids"]] * rows, device=self.device)  # [rows, Lp]
+        # Qwen-VL packs the patches of all images of the batch along dim 0 (pixel_values [P, D] per prompt,
+        # image_grid_thw [I, 3]), so n copies of a prompt are n concatenated copies of each tensor.
+        mm = {}
+        for k, v in (prompt.get("mm_inputs") or {}).items():
+            v = torch.cat([v] * rows).to(self.device)
+            mm[k] = v.to(self.dtype) if v.is_floating_point() else v
+        # Our own processors, in vLLM's order (ban -> temperature -> top-p), with the recorder last. HF would put
+        # its own warpers *after* any custom processor, so they are all switched off in the generate() call below.
+        procs = LogitsProcessorList()
+        if self.forbidden_ids:
+            procs.append(SuppressTokensLogitsProcessor(self.forbidden_ids, device=self.device))
+        if not greedy and temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(temperature))
+        if not greedy and top_p < 1.0:
+            procs.append(TopPLogitsWarper(top_p))
+        rec = _SampledLogprobs()
+        procs.append(rec)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            seqs = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **mm,
+                                       **mm_token_types(self.model, ids, mm),
+                                       do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0,
+                                       max_new_tokens=max_tokens, logits_processor=procs,
+                                       eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0])
+        gen = seqs[:, ids.shape[1]:]  # [rows, T]
+        logp = rec.finish(gen[:, -1])  # [rows, T]
+        out = [_to_result(g.tolist(), lp.tolist(), self.eos_ids) for g, lp in zip(gen, logp)]
+        return [dict(out[0]) for _ in range(n)] if greedy else out
+
+    @torch.no_grad()
+    def sync_weights(self, named_tensors):
+        """Copy streamed (HF state_dict name, full tensor) pairs into the model, one tensor at a time."""
+        for name, t in named_tensors:
+            dst = self._params.get(name)
+            if dst is None:
+                raise KeyError(f"sync_weights: {name!r} is not a parameter of {type(self.model).__name__}")
+            if dst.shape != t.shape:  # copy_ would silently broadcast a wrong shape
+                raise ValueError(f"sync_weights: {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(t)
+
+    def sleep(self):  # the HF engine keeps its weights; nothing to release
+        pass
+
+    def wake(self, tags=None):
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ vLLM engine
+def _set_vllm_env():
+    """Must run before `import vllm` (some settings are read at import or engine creation)."""
+    # In-process engine: sync_weights reaches the nn.Module directly (no tensor serialisation to a subprocess);
+    # external_launcher also requires it for deterministic SPMD execution.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM 0.26 builds the FlashInfer sampler by default and fails where flashinfer is not installed; our
+    # processed_logprobs mode and per-request seeds use the PyTorch sampler anyway.
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
+def _init_world_for_external_dp():
+    """Data-parallel rollout under torchrun = vLLM's "ExternalDP" (vllm/distributed/parallel_state.py,
+    initialize_model_parallel: ranks are laid out as ExternalDP x DP x PP x PCP x TP, "every dp rank can generate
+    independently (in verl integration)"). It only works if torch.distributed already spans ALL torchrun ranks when
+    LLM() is built:
+      - if it is not initialised, vLLM's worker calls init_process_group(world_size=parallel_config.world_size,
+        rank=$RANK) (v1/worker/gpu_worker.py init_worker_distributed_environment -> parallel_state.py
+        init_distributed_environment); with tensor_parallel_size=1 on 2 ranks that is world_size=1, rank=1: a
+        one-rank world in which rank 1 does not exist, so init_world_group(range(1)) finds no group containing it
+        and GroupCoordinator asserts `self_cpu_group is not None` (parallel_state.py ~l.454). TP == WORLD_SIZE
+        works only because then the two sizes agree.
+      - if it is initialised, vLLM skips init_process_group, builds its world group over all ranks and carves
+        TP groups of consecutive ranks out of it; the leading -1 dimension becomes the independent replicas.
+    The alternative, LLM(data_parallel_size=world/TP) with external_launcher, is vLLM's *internal* DP: every step
+    all-reduces across DP ranks (gpu_model_runner coordinate_batch_across_dp, LLMEngine.has_unfinished_requests_dp)
+    and pads with dummy batches, i.e. replicas run in lock step for nothing on a dense model. TRL (colocate mode),
+    veRL and EasyR1 all use the ExternalDP route; it predates vLLM 0.10 (older releases carry the same layout
+    comment without PCP: "ExternalDP x DP x PP x TP")."""
+    if dist.is_initialized():
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("cuda:nccl,cpu:gloo")  # gloo too: object collectives and vLLM's CPU groups
+
+
+def _engine_arg_names():
+    from vllm.engine.arg_utils import EngineArgs
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+class VLLMRollout:
+    """vLLM colocated with the trainer. Under torchrun (WORLD_SIZE > 1) every rank builds its own LLM with
+    distributed_executor_backend="external_launcher": TP groups of tensor_parallel_size consecutive ranks, and
+    WORLD_SIZE / TP independent data-parallel replicas. Each call of generate() must be made by all ranks of a TP
+    group together (it gathers their prompts); different TP groups never wait for each other.
+
+    sleep_level: 1 offloads the weights to CPU while asleep (always safe); 2 discards them (no CPU copy, no
+    copy-back), which is only valid if sync_weights() runs between every sleep() and the next generate();
+    generate() raises otherwise instead of sampling from garbage."""
+
+    def __init__(self, model_path, tensor_parallel_size=1, gpu_memory_utilization=0.6, max_model_len=None,
+                 max_num_batched_tokens=None, limit_mm_per_prompt=None, enable_sleep_mode=True, seed=0,
+                 dtype="bfloat16", enforce_eager=False, sleep_level=1, **engine_kwargs):
+        _set_vllm_env()
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise RuntimeError("VLLMRollout needs the in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
+        import vllm
+        from vllm import LLM
+        from transformers import AutoConfig
+        self.version = vllm.__version__
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.tp = tensor_parallel_size
+        if world % self.tp:
+            raise ValueError(f"WORLD_SIZE={world} is not a multiple of tensor_parallel_size={self.tp}")
+        self.eos_ids, self.forbidden_ids = special_token_ids(model_path)
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        kw = dict(model=model_path, tensor_parallel_size=self.tp, dtype=dtype,
+                  gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                  max_num_batched_tokens=max_num_batched_tokens, enable_sleep_mode=enable_sleep_mode, seed=seed,
+                  enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", disable_log_stats=True)
+        if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):  # text-only models reject it
+            kw["limit_mm_per_prompt"] = limit_mm_per_prompt or {"image": 1, "video": 0}
+        if world > 1:
+            _init_world_for_external_dp()
+            kw["distributed_executor_backend"] = "external_launcher"
+        kw.update(engine_kwargs)
+        known = _engine_arg_names()
+        dropped = [k for k in kw if k not in known]
+        if dropped:  # e.g. logprobs_mode appeared in vLLM 0.10.1
+            warnings.warn(f"vLLM {self.version} does not know {dropped}; ignoring them")
+        self.processed_logprobs = "logprobs_mode" not in dropped
+        self.llm = LLM(**{k: v for k, v in kw.items() if k in known})
+        self.sleep_mode, self.sleep_level = enable_sleep_mode, sleep_level
+        self.asleep, self.weights_lost = set(), False
+        # A gloo group per TP group (same consecutive-rank layout as vLLM's TP groups) to gather prompt records.
+        self.tp_group = None
+        if self.tp > 1:
+            self.tp_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(r, r + self.tp)) for r in range(0, world, self.tp)], backend="gloo")
+
+    # ---- generation
+    def _sampling_params(self, rows, temperature, top_p, max_tokens, seed):
+        from vllm import SamplingParams
+        greedy = temperature == 0
+        # logit_bias is clamped to [-100, 100] by vLLM: -100 is probability ~e-44, i.e. forbidden
+        bias = {i: -100.0 for i in self.forbidden_ids} or None
+        return SamplingParams(n=rows, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                              max_tokens=max_tokens, seed=seed, logprobs=0, logit_bias=bias,
+                              stop_token_ids=list(self.eos_ids), detokenize=False)
+
+    @staticmethod
+    def _vllm_prompt(p):
+        # one <|image_pad|> per image: vLLM's own multimodal processor expands it
+        out = {"prompt_token_ids": list(p["raw_prompt_ids"])}
+        if p.get("images"):
+            out["multi_modal_data"] = {"image": list(p["images"])}
+        return out
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds):
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if self.weights_lost:
+            raise RuntimeError("sleep(level=2) discarded the weights: call sync_weights() before generate()")
+        self.wake()
+        mine = [(self._vllm_prompt(p), s) for p, s in zip(prompts, seeds)]
+        everyone, offset = [mine], 0
+        if self.tp_group is not None:  # every TP rank must feed its engine the same requests in the same order
+            everyone = [None] * self.tp
+            dist.all_gather_object(everyone, mine, group=self.tp_group)
+            offset = sum(len(x) for x in everyone[:dist.get_rank(self.tp_group)])
+        items = [it for part in everyone for it in part]
+        greedy = temperature == 0
+        rows = 1 if greedy else n  # vLLM rejects n > 1 with greedy sampling; greedy copies are identical anyway
+        params = [self._sampling_params(rows, temperature, top_p, max_tokens, s) for _, s in items]
+        outs = self.llm.generate([pr for pr, _ in items], params, use_tqdm=False)
+        # raw logprobs (vLLM < 0.10.1) are only the sampling distribution's when nothing processes the logits
+        want_lp = self.processed_logprobs or (temperature == 1.0 and top_p >= 1.0)
+        results = []
+        for o in outs[offset:offset + len(mine)]:
+            group = []
+            for c in o.outputs:
+                ids = list(c.token_ids)
+                lp = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if want_lp and c.logprobs else None
+                group.append(_to_result(ids, lp, self.eos_ids))
+            results.append([dict(group[0]) for _ in range(n)] if greedy else group)
+        return results
+
+    # ---- weights
+    def _inner_model(self):
+        """The nn.Module inside the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+        executor = getattr(self.llm.llm_engine, "model_executor", None)
+        if executor is None:
+            raise RuntimeError("no in-process model executor: VLLM_ENABLE_V1_MULTIPROCESSING must be 0")
+        worker = executor.driver_worker
+        worker = getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
+        return worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.get_model()
+
+    def _reset_caches(self):
+        """After a weight change: cached KV blocks and cached vision-encoder outputs (keyed by image hash) were
+        computed with the old weights; without the encoder reset a vision-tower update is invisible."""
+        self.llm.reset_prefix_cache()
+        reset_encoder = getattr(self.llm.llm_engine, "reset_encoder_cache", None)
+        if reset_encoder is not None:  # vLLM >= 0.11-ish; older engines drop encoder outputs per request
+            reset_encoder()
+
+    @torch.no_grad()
+    def sync_weights(self, named_tensors):
+        """Stream (HF name, full tensor) pairs into vLLM's load_weights, one tensor at a time (each moves to the
+        GPU only as the loader consumes it; no state-dict copy). No renaming: the Qwen2-VL / Qwen2.5-VL /
+        Qwen3-VL hf_to_vllm_mapper maps transformers-5 in-memory names (model.language_model.*, model.visual.*,
+        lm_head.*) as well as checkpoint names, and text Qwen2/Qwen3 use HF names directly. Each TP rank gets the
+        full tensors and keeps its own shard; unknown names make vLLM's AutoWeightsLoader raise."""
+        if "weights" in self.asleep:
+            self.wake(["weights"])  # load_weights writes into the weight memory: it must be mapped again
+        model = self._inner_model()
+        dev = next(model.parameters()).device
+        loaded = model.load_weights((name, t.to(dev, non_blocking=True)) for name, t in named_tensors)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if self.weights_lost and loaded is not None:  # after level-2 sleep every parameter must be resent
+            missing = {n for n, _ in model.named_parameters()} - set(loaded)
+            if missing:
+                raise RuntimeError(f"after sleep(level=2) these weights were not resent: {sorted(missing)[:5]}...")
+        self.weights_lost = False
+        self._reset_caches()
+
+    # ---- memory
+    def sleep(self):
+        """Release the GPU memory for training. The encoder cache is dropped every step (stale after the next
+        sync anyway); the prefix cache goes with the KV cache."""
+        self._reset_caches()
+        if not self.sleep_mode or self.asleep:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep = {"weights", "kv_cache"}
+        self.weights_lost = self.sleep_level >= 2
+
+    def wake(self, tags=None):
+        """Re-map memory for `tags` (default all): "weights" first when loading new weights keeps the KV cache
+        unallocated until generation, lowering the peak during sync."""
+        todo = [t for t in ("weights", "kv_cache") if t in self.asleep and (tags is None or t in tags)]
+        if not todo:
+            return
+        try:
+            self.llm.wake_up(tags=todo)
+        except TypeError:  # old vLLM without tags: wakes everything
+            self.llm.wake_up()
+            todo = list(self.asleep)
+        self.asleep -= set(todo)
+
+
+# ------------------------------------------------------------------------------------------------ factory
+def _vllm_usable():
+    if not torch.cuda.is_available():
+        return False
+    _set_vllm_env()
+    try:
+        import vllm  # noqa: F401
+        return True
+    except Exception as e:  # a broken install falls back to HF with a note, rather than crashing "auto"
+        warnings.warn(f"vLLM not usable ({e!r}); using the HF rollout engine")
+        return False
+
+
+def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, cfg=None, **overrides):
+    """engine: "auto" | "vllm" | "hf". vLLM settings come from cfg (grpo.Config) where it has them, then overrides."""
+    if engine == "auto":
+        engine = "vllm" if _vllm_usable() else "hf"
+    if engine == "hf":
+        return HFRollout(model_path, device=device, dtype=dtype)
+    if engine != "vllm":
+        raise ValueError(f"unknown rollout engine {engine!r}: choose auto, vllm or hf")
+    get = lambda k, d: getattr(cfg, k, d) if cfg is not None else d  # noqa: E731
+    max_len = None
+    if get("max_prompt_length", None) and get("max_response_length", None):
+        max_len = get("max_prompt_length", 0) + get("max_response_length", 0)
+    kw = dict(tensor_parallel_size=get("tensor_parallel_size", 1),
+              gpu_memory_utilization=get("gpu_memory_utilization", 0.6), max_model_len=max_len,
+              max_num_batched_tokens=get("max_num_batched_tokens", None),
+              limit_mm_per_prompt=get("limit_mm_per_prompt", None), enable_sleep_mode=get("enable_sleep_mode", True),
+              seed=get("seed", 0), dtype=dtype, enforce_eager=get("enforce_eager", False),
+              sleep_level=get("sleep_level", 1))
+    kw.update(overrides)
+    return VLLMRollout(model_path, **kw)

@@ -1,0 +1,131 @@
+"""The FSDP2 actor: log-probs equal a plain HF forward pass; micro-batching does not change loss or gradients."""
+import os
+
+import pytest
+import torch
+
+import data
+import fsdp_actor as A
+import tiny_model
+from grpo import agg_loss, policy_loss
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    A.init_distributed()  # a 1-rank gloo group, as `python grpo.py` gets
+    path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"))
+    proc = data.load_processor(path)
+    train, _ = data.demo_data(str(tmp_path_factory.mktemp("data")), n_train=8, n_val=2)
+    ds = data.PromptDataset(train, proc, format_prompt=data.DEMO_FORMAT_PROMPT, min_pixels=56 * 56,
+                            max_pixels=112 * 112)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(6):  # different prompts, images and response lengths (1..9 tokens)
+        resp = torch.randint(3, 300, (1 + (i * 5) % 9,), generator=g).tolist()
+        samples.append(dict(prompt=ds[i % len(ds)], response_ids=resp))
+    return path, proc, samples
+
+
+def reference_logprobs(path, samples, pad_id):
+    """Plain HF forward, one sample at a time, float64 log_softmax over the full logits."""
+    hf = A.load_hf_model(path, dtype=torch.float32).eval()
+    out = []
+    for s in samples:
+        ids = torch.tensor([s["prompt"]["prompt_ids"] + s["response_ids"]])
+        mm = s["prompt"]["mm_inputs"]
+        with torch.no_grad():
+            logits = hf(input_ids=ids, attention_mask=torch.ones_like(ids), **mm,
+                        **A.mm_token_types(hf, ids, mm)).logits[0].double()
+        logits[:, [hf.config.image_token_id, hf.config.video_token_id]] = float("-inf")  # never sampled
+        lp = torch.log_softmax(logits, -1)
+        Lp, Lr = len(s["prompt"]["prompt_ids"]), len(s["response_ids"])
+        tgt = torch.tensor(s["response_ids"])
+        out.append(lp[Lp - 1:Lp - 1 + Lr].gather(-1, tgt[:, None]).squeeze(-1))
+    return out
+
+
+def test_logprobs_match_plain_hf_forward(setup):
+    path, proc, samples = setup
+    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
+    model.eval()
+    ref = reference_logprobs(path, samples, proc.tokenizer.pad_token_id)
+    # tiny micro-batches and tiny chunks: padding, batching and chunking must not change any value
+    for max_tokens, chunk in ((10_000, 4096), (40, 3)):
+        lps, ents = A.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
+                                       max_tokens=max_tokens, max_samples=4, chunk_size=chunk)
+        for a, b, e in zip(lps, ref, ents):
+            assert a.shape == b.shape
+            assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
+            assert (e > 0).all() and (e <= torch.log(torch.tensor(512.0)) + 1e-4).all()
+
+
+def test_mrope_positions_are_used(setup):
+    """Without the image-token types the model would use 1-D positions: the log-probs must differ."""
+    path, proc, samples = setup
+    hf = A.load_hf_model(path, dtype=torch.float32).eval()
+    s = samples[1]
+    ids = torch.tensor([s["prompt"]["prompt_ids"] + s["response_ids"]])
+    kw = A.mm_token_types(hf, ids, s["prompt"]["mm_inputs"])
+    assert "mm_token_type_ids" in kw and int(kw["mm_token_type_ids"].sum()) > 0
+    with torch.no_grad():
+        a = hf(input_ids=ids, **s["prompt"]["mm_inputs"], **kw).logits
+        b = hf(input_ids=ids, **s["prompt"]["mm_inputs"]).logits
+    assert not torch.allclose(a, b)
+
+
+def test_micro_batching_gives_the_same_gradient(setup):
+    path, proc, samples = setup
+    pad = proc.tokenizer.pad_token_id
+    adv = [1.0, -0.5, 0.25, -1.0, 0.75, 0.0]
+    num_tokens = sum(len(s["response_ids"]) for s in samples)
+    g = torch.Generator().manual_seed(1)
+    olds = [-torch.rand(len(s["response_ids"]), generator=g) * 8 for s in samples]
+
+    def grads(max_tokens):
+        torch.manual_seed(0)
+        model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+        total = 0.0
+        for idx in A.make_micro_batches([len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples],
+                                        max_tokens, 64):
+            mb = [samples[i] for i in idx]
+            batch, resp_len = A.collate(mb, pad, torch.device("cpu"))
+            lp, _ = model(**batch)
+            logp, mask = A.pad_responses(lp, resp_len)
+            old = A.stack_padded([olds[i] for i in idx], logp.shape[1], logp.device)  # off-policy: ratios != 1
+            loss, _ = policy_loss(logp, old, torch.tensor([adv[i] for i in idx]), mask)
+            loss = agg_loss(loss, mask, "token", num_tokens=num_tokens)
+            loss.backward()
+            total += float(loss.detach())
+        return total, {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    l1, g1 = grads(100_000)  # one micro-batch
+    l2, g2 = grads(40)  # several
+    assert len(A.make_micro_batches([40] * 6, 40, 64)) == 6
+    assert l1 == pytest.approx(l2, rel=1e-4)
+    assert g1.keys() == g2.keys() and len(g1) > 10
+    for n in g1:
+        assert torch.allclose(g1[n], g2[n], atol=1e-5, rtol=1e-3), n
+
+
+def test_optimizer_skips_non_finite_steps(setup):
+    path, _, _ = setup
+    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+    opt, sched = A.build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 2, torch.device("cpu"))
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    norm = A.optimizer_step(model, opt, sched, 1.0)
+    assert norm != norm  # NaN reported
+    for n, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), before[n]), n  # and nothing changed
+    assert sched.get_last_lr()[0] == pytest.approx(1e-3)  # warmup: (s+1)/2 -> step 1 reaches lr
+
+
+def test_full_params_stream_hf_names(setup):
+    path, _, _ = setup
+    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+    hf = A.load_hf_model(path)
+    names = dict(A.iter_full_params(model))
+    assert names.keys() == hf.state_dict().keys()
+    for k, v in hf.state_dict().items():
+        assert torch.equal(names[k], v), k

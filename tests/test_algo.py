@@ -1,0 +1,116 @@
+"""The algorithm's formulas against numbers worked out by hand."""
+import math
+
+import pytest
+import torch
+
+from grpo import agg_loss, compute_advantages, kl_penalty, policy_loss
+
+S = 1 / math.sqrt(1 / 3)  # 1/std of [1,0,0,1] (unbiased std = sqrt(1/3))
+
+
+def test_grpo_advantages_hand_computed():
+    adv = compute_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]]))
+    assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) * S, atol=1e-5)
+    assert torch.equal(adv[1], torch.zeros(4))  # equal rewards: zero, not NaN
+
+
+def test_single_sample_groups_are_finite():
+    for est in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus"):
+        adv = compute_advantages(torch.tensor([[1.0], [0.0]]), est)
+        assert torch.isfinite(adv).all(), est
+
+
+def test_other_estimators_hand_computed():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    assert torch.allclose(compute_advantages(r, "dr_grpo"), torch.tensor([[0.5, -0.5, -0.5, 0.5]]))
+    # RLOO: r_i - mean of the other three
+    assert torch.allclose(compute_advantages(r, "rloo"), torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
+    r2 = torch.tensor([[1.0, 0.0], [3.0, 3.0]])
+    # REINFORCE++: group mean removed -> [.5,-.5,0,0], then whitened over the batch (std = sqrt(1/6))
+    expect = torch.tensor([[0.5, -0.5], [0.0, 0.0]]) / math.sqrt(1 / 6)
+    assert torch.allclose(compute_advantages(r2, "reinforce_plus_plus"), expect, atol=1e-5)
+    assert torch.equal(compute_advantages(torch.ones(2, 3), "rloo"), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="adv_estimator"):
+        compute_advantages(r, "nope")
+
+
+def test_kl_estimators_hand_computed():
+    lp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    assert kl_penalty(lp, ref, "k1").item() == pytest.approx(math.log(2))
+    assert kl_penalty(lp, ref, "abs").item() == pytest.approx(math.log(2))
+    assert kl_penalty(lp, ref, "k2").item() == pytest.approx(0.5 * math.log(2) ** 2)
+    assert kl_penalty(lp, ref, "k3").item() == pytest.approx(0.5 + math.log(2) - 1)
+    assert kl_penalty(lp, ref, "low_var_kl").item() == pytest.approx(0.5 + math.log(2) - 1)
+    assert kl_penalty(lp, lp, "k3").item() == 0.0
+    # k3 is an unbiased KL estimate: E_p[k3] over samples of p equals KL(p||q) for two categoricals
+    p, q = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.4, 0.4, 0.2])
+    exact = (p * (p / q).log()).sum()
+    est = (p * kl_penalty(p.log(), q.log(), "k3")).sum()
+    assert est.item() == pytest.approx(exact.item(), rel=1e-5)
+
+
+def test_ppo_clip_and_dual_clip_hand_computed():
+    old = torch.zeros(1, 4)
+    ratio = torch.tensor([[1.5, 0.5, 5.0, 1.1]])
+    adv_tok = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    # one token per sequence, so each row is its own case
+    logp = ratio.log().T  # [4, 1]
+    loss, m = policy_loss(logp, old.T, adv_tok, torch.ones(4, 1), "ppo_clip", 0.2, 0.3, 3.0)
+    # A=+1 r=1.5: max(-1.5, -1.3) = -1.3 ; A=-1 r=0.5: max(0.5, 0.8) = 0.8 ;
+    # A=-1 r=5: max(5, 1.3) = 5 -> dual clip min(5, 3) = 3 ; A=+1 r=1.1: -1.1 (inside the range)
+    assert torch.allclose(loss.flatten(), torch.tensor([-1.3, 0.8, 3.0, -1.1]), atol=1e-6)
+    assert m["clipfrac"].flatten().tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert m["dual_clipfrac"].flatten().tolist() == [0.0, 0.0, 1.0, 0.0]
+    # without dual clip the third token keeps its loss of 5
+    loss_nd, _ = policy_loss(logp, old.T, adv_tok, torch.ones(4, 1), "ppo_clip", 0.2, 0.3, 0.0)
+    assert loss_nd.flatten()[2].item() == pytest.approx(5.0)
+
+
+def test_on_policy_gradient_is_minus_advantage():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, _ = policy_loss(logp, logp.detach(), torch.tensor([2.0]), torch.ones(1, 2))
+    agg_loss(loss, torch.ones(1, 2), "token").backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.0, -1.0]]))  # -A / num_tokens * ratio(=1)
+
+
+def test_gspo_sequence_ratio_hand_computed():
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.3, 0.0, 0.3], [0.1, 0.1, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    loss, m = policy_loss(logp, old, torch.tensor([1.0, 1.0]), mask, "gspo", 3e-4, 4e-4)
+    # seq ratios exp(0.2) and exp(0.1): both above 1+4e-4 and A>0, so both clipped to 1.0004, no gradient
+    assert torch.allclose(loss, torch.full((2, 3), -1.0004), atol=1e-6)
+    assert m["clipfrac"][0].tolist() == [1.0, 1.0, 1.0]
+    loss_in, _ = policy_loss(torch.tensor([[1e-4, -1e-4]]), torch.zeros(1, 2), torch.tensor([1.0]),
+                             torch.ones(1, 2), "gspo", 3e-4, 4e-4)
+    assert torch.allclose(loss_in, torch.full((1, 2), -1.0), atol=1e-7)  # geometric mean ratio exactly 1
+
+
+def test_cispo_hand_computed():
+    logp = torch.tensor([[math.log(2.0), math.log(0.5)]], requires_grad=True)
+    loss, m = policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), "cispo", 0.2, 0.28)
+    # weights: min(2, 1.28) = 1.28 and 0.5 (no lower clip), detached; loss = -A * w * logp
+    assert torch.allclose(loss, torch.tensor([[-1.28 * math.log(2.0), -0.5 * math.log(0.5)]]), atol=1e-6)
+    loss.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.28, -0.5]]))  # clipped tokens keep a gradient
+    assert m["clipfrac"].tolist() == [[1.0, 0.0]]
+
+
+def test_loss_aggregation_modes_hand_computed():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert agg_loss(loss, mask, "token").item() == pytest.approx(10 / 4)
+    assert agg_loss(loss, mask, "seq").item() == pytest.approx((2.0 + 4.0) / 2)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", max_len=5).item() == pytest.approx(10 / (2 * 5))
+    # a fully masked row contributes nothing and makes no NaN
+    mask0 = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    assert agg_loss(loss, mask0, "token").item() == pytest.approx(2.0)
+    assert agg_loss(loss, mask0, "seq").item() == pytest.approx(1.0)
+    assert agg_loss(loss, torch.zeros(2, 3), "token").item() == 0.0
+    # splitting a batch and passing the global normalisers reproduces the whole
+    for mode in ("token", "seq", "seq-mean-token-sum-norm"):
+        whole = agg_loss(loss, mask, mode, max_len=3)
+        parts = sum(agg_loss(loss[i:i + 1], mask[i:i + 1], mode, num_tokens=4, num_seqs=2, max_len=3)
+                    for i in range(2))
+        assert parts.item() == pytest.approx(whole.item()), mode

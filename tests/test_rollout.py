@@ -1,0 +1,158 @@
+"""HF rollout engine on CPU with the tiny Qwen2.5-VL: seeding, EOS handling, forbidden tokens, log-probs, weight sync."""
+import pytest
+import torch
+
+from fsdp_actor import mm_token_types
+from PIL import Image
+
+import rollout
+import tiny_model
+
+
+def make_record(path, image, question):
+    """A prompt record as data.encode_prompt makes it, built from the tokenizer and the image processor directly
+    (AutoProcessor needs torchvision for the video processor, which this box lacks)."""
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ImgProc = getattr(transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor)
+    ip = ImgProc.from_pretrained(path)
+    mm = dict(ip(images=[image], return_tensors="pt"))  # pixel_values [P, D], image_grid_thw [1, 3]
+    n_pad = int(mm["image_grid_thw"].prod()) // ip.merge_size ** 2
+    text = (f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    raw = tok(text)["input_ids"]
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    ids = [x for t in raw for x in ([pad] * n_pad if t == pad else [t])]
+    return dict(prompt_ids=ids, raw_prompt_ids=raw, images=[image], mm_inputs=mm, answer="red", prompt_text=question)
+
+
+@pytest.fixture(scope="module")
+def path():
+    return tiny_model.build_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    return rollout.make_rollout("hf", model_path=path, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(path):
+    return [make_record(path, Image.new("RGB", (84, 56), (220, 40, 40)), "What is the color of the shape?"),
+            make_record(path, Image.new("RGB", (56, 112), (40, 70, 220)), "Which color?")]
+
+
+def test_auto_picks_hf_without_cuda(path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert isinstance(rollout.make_rollout("auto", model_path=path, dtype=torch.float32), rollout.HFRollout)
+
+
+def test_seeded_and_independent_of_other_prompts(engine, prompts):
+    state = torch.random.get_rng_state()
+    kw = dict(n=3, temperature=1.0, top_p=0.9, max_tokens=12)
+    both = engine.generate(prompts, seeds=[11, 22], **kw)
+    assert torch.equal(state, torch.random.get_rng_state())  # the caller's RNG stream is untouched
+    again = engine.generate(prompts, seeds=[11, 22], **kw)
+    alone = engine.generate(prompts[1:], seeds=[22], **kw)
+    assert both == again
+    assert alone[0] == both[1]  # prompt 1's samples do not depend on prompt 0 being in the call
+    other = engine.generate(prompts[1:], seeds=[23], **kw)
+    assert [o["response_ids"] for o in other[0]] != [o["response_ids"] for o in alone[0]]
+    assert len(both) == 2 and all(len(g) == 3 for g in both)
+    samples = [o["response_ids"] for o in both[0]]
+    assert len({tuple(s) for s in samples}) > 1  # the n copies are different samples
+
+
+def test_eos_iff_finished_and_no_pad_tokens(engine, prompts):
+    # temperature 3 flattens the random model's distribution: EOS (2 of 512 ids) shows up in some samples,
+    # and so would the image/video pad ids if they were not forbidden
+    out = engine.generate(prompts, n=8, temperature=3.0, top_p=1.0, max_tokens=40, seeds=[5, 6])
+    flat = [o for g in out for o in g]
+    eos = set(engine.eos_ids)
+    for o in flat:
+        ids = o["response_ids"]
+        assert o["finished"] == (ids[-1] in eos)
+        assert not any(t in eos for t in ids[:-1])  # cut right after the first EOS
+        assert o["finished"] or len(ids) == 40
+        assert len(o["logprobs"]) == len(ids)
+        assert not set(ids) & set(engine.forbidden_ids)
+    assert any(o["finished"] for o in flat) and not all(o["finished"] for o in flat)
+    assert sum(len(o["response_ids"]) for o in flat) > 300  # enough draws for a pad id to have shown up
+
+
+def _manual_logprobs(engine, prompt, response, temperature, ban=True):
+    """log_softmax(logits / T) of the response tokens from one full forward pass (what the trainer computes)."""
+    ids = torch.tensor([prompt["prompt_ids"] + response])  # [1, L]
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids, attention_mask=torch.ones_like(ids), **prompt["mm_inputs"],
+                              **mm_token_types(engine.model, ids, prompt["mm_inputs"])).logits[0]
+    Lp = len(prompt["prompt_ids"])
+    logits = logits[Lp - 1:Lp - 1 + len(response)].float()  # [T, V]: position t predicts token t+1
+    if ban:
+        logits[:, engine.forbidden_ids] = float("-inf")
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(1, torch.tensor(response)[:, None]).squeeze(1)  # [T]
+
+
+def test_logprobs_match_forward_pass(engine, prompts):
+    T = 0.7
+    out = engine.generate(prompts[:1], n=2, temperature=T, top_p=1.0, max_tokens=10, seeds=[3])[0]
+    for o in out:
+        manual = _manual_logprobs(engine, prompts[0], o["response_ids"], T)
+        assert torch.allclose(torch.tensor(o["logprobs"]), manual, atol=1e-4), (o["logprobs"], manual)
+        # the trainer does not ban the pad ids: their probability mass is the only difference
+        unbanned = _manual_logprobs(engine, prompts[0], o["response_ids"], T, ban=False)
+        assert (torch.tensor(o["logprobs"]) - unbanned).abs().max() < 0.05
+
+
+def test_greedy_and_top_p(engine, prompts):
+    g = engine.generate(prompts[:1], n=3, temperature=0, top_p=1.0, max_tokens=8, seeds=[0])[0]
+    assert g[0] == g[1] == g[2]
+    manual = _manual_logprobs(engine, prompts[0], g[0]["response_ids"], 1.0)
+    assert torch.allclose(torch.tensor(g[0]["logprobs"]), manual, atol=1e-4)
+    # greedy tokens are the argmax of the forward pass
+    ids = torch.tensor([prompts[0]["prompt_ids"] + g[0]["response_ids"]])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids, **prompts[0]["mm_inputs"],
+                              **mm_token_types(engine.model, ids, prompts[0]["mm_inputs"])).logits[0]
+    Lp = len(prompts[0]["prompt_ids"])
+    assert logits[Lp - 1:-1].argmax(-1).tolist() == g[0]["response_ids"]
+    # top-p: log-probs are renormalised over the nucleus, so they are >= the untruncated ones
+    p = engine.generate(prompts[:1], n=2, temperature=1.0, top_p=0.5, max_tokens=8, seeds=[1])[0]
+    for o in p:
+        full = _manual_logprobs(engine, prompts[0], o["response_ids"], 1.0)
+        assert (torch.tensor(o["logprobs"]) >= full - 1e-5).all()
+
+
+def test_sync_weights(engine, prompts):
+    kw = dict(n=1, temperature=0, top_p=1.0, max_tokens=8, seeds=[0, 0])
+    before = engine.generate(prompts, **kw)
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    engine.sync_weights((k, v + 0.5 * torch.randn(v.shape, generator=g)) for k, v in original.items())
+    changed = engine.generate(prompts, **kw)
+    assert changed != before
+    # vision-only change: same text weights, different image features -> different answer
+    engine.sync_weights(original.items())
+    assert engine.generate(prompts, **kw) == before
+    engine.sync_weights((k, v * 3.0) for k, v in original.items() if k.startswith("model.visual.") and v.dim() > 1)
+    assert engine.generate(prompts, **kw) != before
+    engine.sync_weights(original.items())
+    assert engine.generate(prompts, **kw) == before
+    with pytest.raises(KeyError):
+        engine.sync_weights([("model.not_a_layer.weight", torch.zeros(1))])
+    with pytest.raises(ValueError):
+        engine.sync_weights([("lm_head.weight", torch.zeros(3, 3))])
+    engine.sleep()
+    engine.wake()
+
+
+def test_text_only_model():
+    path = tiny_model.build_tiny_model(arch="qwen2")
+    eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
+    assert eng.forbidden_ids == []
+    ids = [1, 2, 3, 4]
+    rec = dict(prompt_ids=ids, raw_prompt_ids=ids, images=[], mm_inputs={}, answer="", prompt_text="")
+    out = eng.generate([rec], n=2, temperature=1.0, top_p=1.0, max_tokens=6, seeds=[0])[0]
+    assert len(out) == 2 and all(len(o["response_ids"]) == len(o["logprobs"]) for o in out)

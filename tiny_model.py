@@ -1,0 +1,319 @@
+"""Builds small Qwen-VL checkpoints in code (no hub access needed).
+
+build_tiny_model():   a tiny random-weight Qwen2.5-VL / Qwen2-VL / Qwen2 with a BPE tokenizer
+                      trained in code; trains in seconds on a 2-core CPU (the demo and the tests).
+build_random_model(): the real Qwen2.5-VL-3B/7B-Instruct dimensions with random bf16 weights,
+                      for GPU throughput benchmarks without downloading anything.
+
+Both save with save_pretrained (model, tokenizer, processor, generation_config) so every consumer
+(AutoModel*, AutoProcessor, vLLM) loads them exactly like a hub checkpoint. Builds are cached: a
+marker file is written last inside a temp dir that is then renamed into place, so a crashed build
+never looks complete.
+"""
+import json
+import os
+import random
+import shutil
+import tempfile
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                  "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+DEFAULT_SYSTEM = "You are a helpful assistant."
+# Qwen2-VL style template: string content or a list of {"type": "image"|"video"|"text"} items;
+# one <|image_pad|> per image (the processor expands it to the real number of patches).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Words of the synthetic colour task: frequent in the corpus so BPE gives each a single token
+# (a one-token answer keeps the demo's reward signal dense).
+TASK_WORDS = "red green blue yellow shape color circle square triangle answer".split()
+FILLER_WORDS = ("the a of is what which this image picture shows one word with in it and "
+                "think so because therefore number count left right").split()
+MARKER = "BUILD_COMPLETE.json"
+CACHE_ROOT = os.path.expanduser("~/.cache/vlm_rl")
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen2")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def _corpus(n_lines=3000, seed=0):
+    rng = random.Random(seed)
+    lines = [DEFAULT_SYSTEM, "system", "user", "assistant",
+             "What is the color of the shape? Answer with one word."]
+    for _ in range(n_lines):
+        words = [rng.choice(TASK_WORDS) if rng.random() < 0.6 else rng.choice(FILLER_WORDS)
+                 for _ in range(rng.randint(2, 10))]
+        if rng.random() < 0.3:  # capitalised / digit variants so the vocab is not degenerate
+            words[0] = words[0].capitalize()
+        if rng.random() < 0.2:
+            words.append(str(rng.randint(0, 99)))
+        lines.append(" ".join(words) + rng.choice([".", "?", "!", ",", ":", ""]))
+    # Lines that *start* with a task word make the no-leading-space variant frequent too; the
+    # chat scaffolding repeated so the template costs few tokens.
+    lines += [w for w in TASK_WORDS for _ in range(200)]
+    lines += [DEFAULT_SYSTEM, "system", "user", "assistant"] * 100
+    return lines
+
+
+def build_tokenizer(vocab_size=512):
+    """Byte-level BPE (like Qwen's) trained on the synthetic corpus, plus Qwen special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL_TOKENS), min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                 pad_token="<|endoftext|>", unk_token=None,
+                                 additional_special_tokens=SPECIAL_TOKENS,
+                                 model_max_length=32768)
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def _token_ids(tok):
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    assert all(isinstance(i, int) and i >= 0 for i in ids.values()), ids
+    return ids
+
+
+# ----------------------------------------------------------------------------- configs
+def _vl_classes(arch):
+    if arch == "qwen2_5_vl":
+        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                                  Qwen2_5_VLProcessor)
+        return Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    if arch == "qwen2_vl":
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+        return Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    raise ValueError(f"unknown VL arch {arch!r}; expected one of {ARCHS}")
+
+
+def _text_config(ids, vocab_size, hidden, intermediate, layers, heads, kv_heads, mrope_section,
+                 tie, max_pos=4096):
+    rope = {"rope_type": "default", "rope_theta": 1000000.0}
+    if mrope_section is not None:
+        # transformers 5 reads M-RoPE from rope_parameters (4.x: rope_scaling, converted on load);
+        # the sections split head_dim/2 rotary frequencies over (time, height, width).
+        rope["mrope_section"] = list(mrope_section)
+    return dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                max_position_embeddings=max_pos, rms_norm_eps=1e-6, hidden_act="silu",
+                rope_parameters=rope, bos_token_id=ids["<|endoftext|>"],
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+                tie_word_embeddings=tie)
+
+
+def tiny_config(arch, ids, vocab_size):
+    """Config of the tiny demo model. head_dim = 128/4 = 32, so mrope_section sums to 16."""
+    mrope = None if arch == "qwen2" else [4, 6, 6]
+    text = _text_config(ids, vocab_size, hidden=128, intermediate=256, layers=2, heads=4,
+                        kv_heads=2, mrope_section=mrope, tie=False)
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+        cfg = Qwen2Config(**text)
+        cfg.architectures = ["Qwen2ForCausalLM"]
+        return cfg
+    Cfg, Model, _ = _vl_classes(arch)
+    if arch == "qwen2_5_vl":
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                      out_hidden_size=128, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
+                      hidden_act="silu", tokens_per_second=2)
+    else:  # Qwen2-VL names: embed_dim = ViT width, hidden_size = output (LLM) width
+        vision = dict(depth=2, embed_dim=64, mlp_ratio=2, hidden_size=128, num_heads=2,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    return _vl_config(Cfg, Model, text, vision, ids, tie=False)
+
+
+def _vl_config(Cfg, Model, text, vision, ids, tie):
+    cfg = Cfg(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie)
+    cfg.architectures = [Model.__name__]
+    return cfg
+
+
+# Real Qwen2.5-VL-Instruct dimensions (from the hub config.json files).
+PRESETS = {
+    "qwen2_5_vl_3b": dict(hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2,
+                          vocab_size=151936, tie=True),
+    # The 7B checkpoint's embedding is padded to 152064 rows (unlike the 3B's 151936).
+    "qwen2_5_vl_7b": dict(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4,
+                          vocab_size=152064, tie=False),
+}
+
+
+def preset_config(preset, ids):
+    """Config of a real-size Qwen2.5-VL (vocab of the real model, not of the small tokenizer)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"],
+                        p["heads"], p["kv_heads"], mrope_section=[16, 24, 24], tie=p["tie"],
+                        max_pos=128000)
+    text.update(sliding_window=32768, max_window_layers=p["layers"], use_sliding_window=False)
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                  out_hidden_size=p["hidden"], patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                  hidden_act="silu", tokens_per_second=2, in_channels=3)
+    Cfg, Model, _ = _vl_classes("qwen2_5_vl")
+    return _vl_config(Cfg, Model, text, vision, ids, tie=p["tie"])
+
+
+# ----------------------------------------------------------------------------- saving
+def _save_processor(arch, tok, out, min_pixels, max_pixels):
+    """Write the processor as the classic per-component files (preprocessor_config.json,
+    video_preprocessor_config.json, tokenizer files, chat_template.jinja), i.e. the layout of the
+    hub Qwen-VL repos. We cannot use Processor.save_pretrained here: in transformers 5 the
+    processor refuses to exist without a video processor, and that needs torchvision, which the
+    CPU box lacks. Machines with torchvision load these files with plain AutoProcessor; without
+    it, use data.load_processor."""
+    import transformers
+    # The PIL backend (transformers 5: *Pil; 4.x: the slow class) works without torchvision and
+    # saves as the plain "Qwen2VLImageProcessor" type, so each machine picks its own backend.
+    ImgProc = getattr(transformers, "Qwen2VLImageProcessorPil", None)
+    if ImgProc is None:
+        ImgProc = transformers.Qwen2VLImageProcessor
+    ImgProc(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(out)
+    proc_class = _vl_classes(arch)[2].__name__
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    path = os.path.join(out, "preprocessor_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    # min/max_pixels + processor_class: what transformers 4.x and older vLLM versions read.
+    cfg.update(processor_class=proc_class, min_pixels=min_pixels, max_pixels=max_pixels, size=size)
+    _write_json(path, cfg)
+    video = {k: cfg[k] for k in ("image_mean", "image_std", "do_convert_rgb", "do_normalize",
+                                 "do_rescale", "do_resize", "rescale_factor", "resample",
+                                 "patch_size", "temporal_patch_size", "merge_size")}
+    video.update(video_processor_type="Qwen2VLVideoProcessor", processor_class=proc_class,
+                 min_pixels=min_pixels, max_pixels=max_pixels, size=size)
+    _write_json(os.path.join(out, "video_preprocessor_config.json"), video)
+    if not os.path.isfile(os.path.join(out, "chat_template.jinja")):  # older tokenizers embed it
+        with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+            f.write(CHAT_TEMPLATE)
+
+
+def _write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+
+
+def _save_generation_config(ids, out):
+    from transformers import GenerationConfig
+    GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+                     pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"],
+                     do_sample=False).save_pretrained(out)
+
+
+def _is_complete(path):
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def _atomic_build(out_dir, build_fn, meta):
+    """Run build_fn(tmp_dir) and rename tmp_dir to out_dir; the marker is written last."""
+    out_dir = os.path.abspath(os.path.expanduser(out_dir))
+    if _is_complete(out_dir):
+        return out_dir
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
+    try:
+        build_fn(tmp)
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump(meta, f)
+        if os.path.exists(out_dir):  # a half-written folder from an older crash
+            if _is_complete(out_dir):  # another process won the race
+                return out_dir
+            shutil.rmtree(out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not _is_complete(out_dir):  # lost a race to a concurrent builder: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0) -> str:
+    """Build (or reuse) the tiny random model; returns its folder (pass it to from_pretrained)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v1")
+
+    def build(tmp):
+        tok = build_tokenizer()
+        ids = _token_ids(tok)
+        vocab_size = (len(tok) + 63) // 64 * 64  # aligned rows, like Qwen's padded embeddings
+        cfg = tiny_config(arch, ids, vocab_size)
+        torch.manual_seed(seed)
+        if arch == "qwen2":
+            from transformers import Qwen2ForCausalLM as Model
+        else:
+            Model = _vl_classes(arch)[1]
+        model = Model(cfg).to(torch.float32).eval()  # fp32: the CPU demo trains in fp32
+        model.save_pretrained(tmp)
+        _save_generation_config(ids, tmp)
+        tok.save_pretrained(tmp)
+        if arch != "qwen2":  # 4..16 image tokens per image keeps CPU steps fast
+            _save_processor(arch, tok, tmp, min_pixels=56 * 56, max_pixels=112 * 112)
+
+    return _atomic_build(out_dir, build, {"arch": arch, "seed": seed, "version": 1})
+
+
+def build_random_model(out_dir, preset, seed=0, device=None) -> str:
+    """Real-size Qwen2.5-VL with random bf16 weights (GPU benchmarks). Too slow for CPU CI."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def build(tmp):
+        tok = build_tokenizer()
+        ids = _token_ids(tok)
+        cfg = preset_config(preset, ids)
+        Model = _vl_classes("qwen2_5_vl")[1]
+        torch.manual_seed(seed)
+        # Built directly in bf16 on the target device: no fp32 copy, GPU init takes seconds.
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                model = Model(cfg).eval()
+        finally:
+            torch.set_default_dtype(old)
+        model.save_pretrained(tmp)
+        _save_generation_config(ids, tmp)
+        tok.save_pretrained(tmp)
+        _save_processor("qwen2_5_vl", tok, tmp, min_pixels=3136, max_pixels=512 * 512)
+
+    return _atomic_build(out_dir, build, {"preset": preset, "seed": seed, "version": 1})
+
+
+def count_params(cfg, arch="qwen2_5_vl") -> int:
+    """Parameter count of a config without allocating (meta device)."""
+    Model = _vl_classes(arch)[1]
+    with torch.device("meta"):
+        model = Model(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+if __name__ == "__main__":
+    import sys
+    print(build_tiny_model(*(sys.argv[1:2] or [None])))
