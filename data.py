@@ -241,7 +241,8 @@ def draw_color_image(rng: random.Random):
     color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
     fill = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLORS[color])
     img = Image.new("RGB", (w, h), bg)
-    s = rng.randint(int(0.5 * min(w, h)), int(0.9 * min(w, h)))  # big enough to survive resizing
+    lo = float(os.environ.get("COLOR_SHAPE_MIN", "0.5"))
+    s = rng.randint(int(lo * min(w, h)), int(0.9 * min(w, h)))  # big enough to survive resizing
     x, y = rng.randint(0, w - s), rng.randint(0, h - s)
     draw = ImageDraw.Draw(img)
     if shape == "circle":
@@ -283,7 +284,7 @@ def make_color_dataset(out_path: str, n_rows: int, seed: int) -> str:
 
 def demo_data(data_dir=None, n_train=2000, n_val=200):
     """(train_path, val_path) of the colour task; created once. Different seeds -> unseen val."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/color-v1")
+    data_dir = os.path.expanduser(data_dir or os.environ.get("COLOR_DIR", "~/.cache/vlm_rl/color-v1"))
     train = os.path.join(data_dir, f"train-{n_train}.parquet")
     val = os.path.join(data_dir, f"val-{n_val}.parquet")
     if not os.path.isfile(train):

@@ -14,10 +14,11 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.distributed as dist
+import tyro
 
 import fsdp_actor as A
 
@@ -42,7 +43,7 @@ class Config:
     filter_overlong_prompts: bool = True
     # --- rollout ---
     rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
-    n: int = 8  # samples per prompt (the group)
+    n: Annotated[int, tyro.conf.arg(aliases=("--rollout-n", "--num-generations"))] = 8  # samples per prompt (the group); under torchrun spell it --rollout-n (torchrun reads --n as its own --nnodes)
     temperature: float = 1.0
     top_p: float = 1.0
     val_temperature: float = 0.0  # 0 = greedy
@@ -84,6 +85,7 @@ class Config:
     resume: bool = True  # continue from the newest checkpoint in output_dir
     seed: int = 1
     log_samples: int = 4  # generations written to samples.jsonl per step
+    debug_skip_sync: bool = False  # never send new weights to the engine: rollout/logprob_diff_* must then grow
 
 
 # ================================================================================================ algorithm
@@ -193,10 +195,10 @@ def setup(cfg: Config):
     ctx.processor = data.load_processor(ctx.model_path, cfg.min_pixels, cfg.max_pixels)
     ctx.tokenizer = getattr(ctx.processor, "tokenizer", ctx.processor)
     ctx.pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
-    data_kw = dict(processor=ctx.processor, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+    data_kw = dict(processor_or_tokenizer=ctx.processor, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                    image_key=cfg.image_key, image_dir=cfg.image_dir, format_prompt=fmt,
                    min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                   max_prompt_length=cfg.max_prompt_length if cfg.filter_overlong_prompts else None)
+                   max_prompt_length=cfg.max_prompt_length, filter_overlong=cfg.filter_overlong_prompts)
     ctx.train = data.PromptDataset(train_files, **data_kw)
     ctx.val = data.PromptDataset(val_files, **data_kw) if val_files else None
     if len(ctx.train) < cfg.rollout_batch_size:
@@ -310,13 +312,16 @@ def update_policy(ctx, samples):
         for m in range(n_mini):
             mini = [samples[i] for i in order[m * per_mini:(m + 1) * per_mini]]
             # global normalisers: the mini-batch's loss is the same whatever the micro-batching and rank count
-            num_tokens, num_seqs = A.all_reduce_cpu([sum(len(s["response_ids"]) for s in mini), len(mini)]).tolist()
+            # (a sample with loss_mask 0, e.g. DAPO's truncated ones, takes no part in the loss or its normalisers)
+            num_tokens, num_seqs = A.all_reduce_cpu([sum(len(s["response_ids"]) * s.get("loss_mask", 1) for s in mini),
+                                                     sum(s.get("loss_mask", 1) for s in mini)]).tolist()
             lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in mini]
             for idx in A.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device):
                 mb = [mini[i] for i in idx]
                 batch, resp_len = A.collate(mb, ctx.pad_id, dev)
                 lp, ent = ctx.model(**batch, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)  # [N]
                 logp, mask = A.pad_responses(lp, resp_len)  # [b, R]
+                mask = mask & torch.tensor([s.get("loss_mask", 1) > 0 for s in mb], device=dev)[:, None]
                 R = logp.shape[1]
                 if mb[0].get("old_logp") is not None:
                     old = A.stack_padded([s["old_logp"] for s in mb], R, dev)
@@ -374,7 +379,9 @@ def train_step(ctx, step, collect=collect_rollouts):
     t = time.time()
     ctx.rollout.wake()
     samples = collect(ctx, step, metrics)
+    free_awake = cuda_free_gb()
     ctx.rollout.sleep()
+    metrics["memory/free_engine_awake_gb"], metrics["memory/free_engine_asleep_gb"] = free_awake, cuda_free_gb()
     T["gen"] = time.time() - t
     # ---- 3. advantages: normalise within each group of n ----
     rewards = torch.tensor([s["reward"] for s in samples]).view(-1, cfg.n)  # [G, n]
@@ -403,7 +410,8 @@ def train_step(ctx, step, collect=collect_rollouts):
     T["update"] = time.time() - t
     # ---- 6. sync the new weights into the rollout engine ----
     t = time.time()
-    ctx.rollout.sync_weights(A.iter_full_params(ctx.model, ctx.compute_dtype))
+    if not cfg.debug_skip_sync:
+        ctx.rollout.sync_weights(A.iter_full_params(ctx.model, ctx.compute_dtype))
     T["sync"] = time.time() - t
     T["step"] = time.time() - t_step
     # ---- metrics ----
@@ -412,8 +420,25 @@ def train_step(ctx, step, collect=collect_rollouts):
     metrics.update({f"timing/{k}": v for k, v in T.items()})
     metrics["throughput/tokens_per_s"] = n_tok / T["step"] / ctx.world  # per device, like EasyR1
     metrics["throughput/tokens_per_s_total"] = n_tok / T["step"]
+    metrics.update(memory_metrics(ctx))
     metrics["step"] = step + 1
     return metrics, samples
+
+
+def cuda_free_gb():
+    return torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def memory_metrics(ctx):
+    """Peaks since the last call (GPU allocated by torch, GPU reserved by torch's caching allocator; vLLM's pool
+    is separate) and the process's peak resident host memory."""
+    import resource
+    out = {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if torch.cuda.is_available():
+        out["memory/gpu_peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        out["memory/gpu_reserved_gb"] = torch.cuda.memory_reserved() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    return out
 
 
 def sample_metrics(ctx, samples, prefix):
@@ -504,6 +529,5 @@ def format_line(m):
 
 
 if __name__ == "__main__":
-    import tyro
     train(tyro.cli(Config))
     dist.destroy_process_group()

@@ -135,7 +135,9 @@ def color_reward(items: list[dict]) -> list[dict]:
         found = set(COLOR_WORDS.findall(response.lower()))  # \b: "redo" is not "red"
         fmt = 1.0 if len(found) == 1 else 0.0
         acc = 1.0 if found == {gt.strip().lower()} else 0.0
-        out.append(_combine(acc, fmt, 0.1))
+        # accuracy alone: a bonus for naming *a* colour pays a text-only policy that always says the same one,
+        # and the demo then collapses onto it before it learns to look at the image
+        out.append(_combine(acc, fmt, float(os.environ.get("COLOR_FORMAT_WEIGHT", "0"))))
     return out
 
 

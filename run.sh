@@ -15,7 +15,7 @@ case "${1:-demo}" in
       --format-prompt '{{ content }} You FIRST think about the reasoning process as an internal monologue and then provide the final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in \boxed{}.' \
       --reward-function math --max-prompt-length 2048 --max-response-length 2048 \
       --min-pixels 3136 --max-pixels 1003520 \
-      --rollout-batch-size 512 --global-batch-size 128 --n 5 --temperature 1.0 --top-p 1.0 \
+      --rollout-batch-size 512 --global-batch-size 128 --rollout-n 5 --temperature 1.0 --top-p 1.0 \
       --micro-batch-size-per-device 16 --max-token-len-per-device 16384 \
       --lr 1e-6 --kl-coef 1e-2 --kl-penalty low_var_kl --clip-ratio-low 0.2 --clip-ratio-high 0.3 \
       --tensor-parallel-size 2 --gpu-memory-utilization 0.6 \
@@ -26,7 +26,7 @@ case "${1:-demo}" in
       --rdzv_id "${RDZV_ID:-vlm_rl}" grpo.py \
       --model-path Qwen/Qwen2.5-VL-7B-Instruct \
       --train-files hiyouga/geometry3k@train --val-files hiyouga/geometry3k@test --reward-function math \
-      --max-response-length 2048 --rollout-batch-size 512 --global-batch-size 128 --n 5 --lr 1e-6 \
+      --max-response-length 2048 --rollout-batch-size 512 --global-batch-size 128 --rollout-n 5 --lr 1e-6 \
       --tensor-parallel-size 2 --output-dir outputs/multinode ;;
   dapo)  # DAPO on the demo task
     python dapo.py ;;

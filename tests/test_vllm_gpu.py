@@ -64,7 +64,8 @@ def ref_logprobs(ref, rec, response, temperature, forbidden):
     ids = torch.tensor([rec["prompt_ids"] + response], device="cuda")
     mm = {k: v.cuda() for k, v in rec["mm_inputs"].items()}
     with torch.no_grad():
-        logits = ref(input_ids=ids, attention_mask=torch.ones_like(ids), **mm).logits[0].float()
+        logits = ref(input_ids=ids, attention_mask=torch.ones_like(ids), **mm,
+                     **rollout.mm_token_types(ref, ids, mm)).logits[0].float()
     Lp = len(rec["prompt_ids"])
     logits = logits[Lp - 1:Lp - 1 + len(response)]  # [T, V]
     logits[:, forbidden] = float("-inf")

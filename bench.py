@@ -1,0 +1,105 @@
+"""bench.py -- seconds per phase of a GRPO step on a real-sized, randomly initialised Qwen2.5-VL.
+
+    python bench.py --preset qwen2_5_vl_3b --max-steps 3            # one GPU (the design card's speed bar)
+    torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
+
+Random weights with the real dimensions (tiny_model.build_random_model: no download) and geo3k-like prompts: one
+512x512 figure and about 100 text tokens. A random policy almost never emits EOS, so every response runs to
+max_response_length: the worst case, and the same work on every run. Any flag of grpo.Config can be given; the
+defaults below are the benchmark's. Writes <output_dir>/metrics.jsonl and prints a summary line per phase
+(mean over the steps after the first, which pays for warm-up).
+"""
+import json
+import os
+import random
+import sys
+from dataclasses import replace
+
+import grpo
+
+WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
+         "of x if is parallel to perpendicular measure degrees round answer nearest tenth").split()
+
+
+def make_geo_dataset(path, n_rows, seed=0, size=512, words=95):
+    """EasyR1-format parquet: one size x size line drawing per row and a ~100-token question."""
+    import io
+
+    import datasets
+    from PIL import Image, ImageDraw
+    rng = random.Random(seed)
+    rows = {"problem": [], "answer": [], "images": []}
+    for _ in range(n_rows):
+        im = Image.new("RGB", (size, size), "white")
+        d = ImageDraw.Draw(im)
+        for _ in range(rng.randint(3, 8)):
+            d.line([rng.randint(0, size) for _ in range(4)], fill="black", width=3)
+        r = rng.randint(40, size // 3)
+        d.ellipse([size // 2 - r, size // 2 - r, size // 2 + r, size // 2 + r], outline="black", width=3)
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        rows["problem"].append("<image>" + " ".join(rng.choice(WORDS) for _ in range(words)) + "?")
+        rows["answer"].append(str(rng.randint(1, 90)))
+        rows["images"].append([{"bytes": buf.getvalue(), "path": None}])
+    tmp = path + ".tmp"
+    datasets.Dataset.from_dict(rows).to_parquet(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def defaults(workdir, model_path, data_path):
+    return grpo.Config(
+        model_path=model_path, train_files=data_path, val_files="", reward_function="math",
+        format_prompt="{{ content }} Put the final answer in \\boxed{}.",
+        max_prompt_length=1024, max_response_length=1024, min_pixels=3136, max_pixels=512 * 512,
+        rollout_batch_size=64, global_batch_size=64, n=8, temperature=1.0, lr=1e-6, kl_coef=1e-2,
+        micro_batch_size_per_device=64, max_token_len_per_device=32768, gpu_memory_utilization=0.5,
+        max_num_batched_tokens=16384, max_steps=3, val_freq=0, save_freq=0, resume=False,
+        output_dir=os.path.join(workdir, "run"))
+
+
+def summarize(metrics_path):
+    rows = [json.loads(x) for x in open(metrics_path) if '"timing/step"' in x]
+    steady = rows[1:] or rows
+    keys = sorted({k for r in steady for k in r if k.startswith(("timing/", "throughput/", "memory/"))})
+    return {k: sum(r[k] for r in steady if k in r) / sum(1 for r in steady if k in r) for k in keys}
+
+
+def main():
+    argv = sys.argv[1:]
+    preset = "qwen2_5_vl_3b"
+    if "--preset" in argv:
+        i = argv.index("--preset")
+        preset = argv[i + 1]
+        del argv[i:i + 2]
+    workdir = os.environ.get("BENCH_DIR", os.path.expanduser(f"~/.cache/vlm_rl/bench-{preset}"))
+    rank = int(os.environ.get("RANK", "0"))
+    model_path, data_path = os.path.join(workdir, "model"), os.path.join(workdir, "geo.parquet")
+    if rank == 0:  # rank 0 builds (once, cached); the others wait for its marker file
+        import tiny_model
+        os.makedirs(workdir, exist_ok=True)
+        tiny_model.build_random_model(model_path, preset)
+        if not os.path.exists(data_path):
+            make_geo_dataset(data_path, 256)
+    else:
+        import time
+        while not (os.path.exists(os.path.join(model_path, "BUILD_COMPLETE.json")) and os.path.exists(data_path)):
+            time.sleep(2)
+    import tyro
+    cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
+    cfg = replace(cfg, resume=False)
+    if rank == 0 and os.path.exists(os.path.join(cfg.output_dir, "metrics.jsonl")):
+        os.remove(os.path.join(cfg.output_dir, "metrics.jsonl"))
+    grpo.train(cfg)
+    if rank == 0:
+        summary = summarize(os.path.join(cfg.output_dir, "metrics.jsonl"))
+        summary["preset"] = preset
+        print("BENCH_RESULT " + json.dumps(summary), flush=True)
+        with open(os.path.join(cfg.output_dir, "bench_summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# gpu_check.sh PHASE -- the GPU runs behind BENCHMARKS.md, as run on the H200 device (vLLM installed in /tmp/vsite).
+#   a: [GPU0] vLLM engine tests, 1-GPU demo with vLLM, stale-sync check  ||  [GPU1] 3B-shaped phase benchmark
+#   b: 2 GPUs under torchrun: demo at TP 1 (two data-parallel engines) and at TP 2
+# Results go to $OUT (logs and metrics.jsonl files).
+set -u
+export PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \
+  VLLM_ENABLE_V1_MULTIPROCESSING=0
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+DEMO="--rollout-engine vllm --enforce-eager --gpu-memory-utilization 0.25"
+python -c "import tiny_model, data; tiny_model.build_tiny_model(); data.demo_data()" 2>&1 | tail -1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+case "${1:-a}" in
+a)
+  (CUDA_VISIBLE_DEVICES=1 timeout 560 python bench.py --preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} \
+     > "$OUT/bench3b.log" 2>&1; cp ~/.cache/vlm_rl/bench-qwen2_5_vl_3b/run/metrics.jsonl "$OUT/bench3b_metrics.jsonl") &
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python -m pytest -m gpu -q -s -x tests/test_vllm_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python grpo.py $DEMO --output-dir /tmp/demo1 > "$OUT/demo1.log" 2>&1
+  cp /tmp/demo1/metrics.jsonl "$OUT/demo1_metrics.jsonl"; tail -2 "$OUT/demo1.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python grpo.py $DEMO --debug-skip-sync --max-steps 20 --val-freq 0 \
+     --output-dir /tmp/stale > "$OUT/stale.log" 2>&1
+  cp /tmp/stale/metrics.jsonl "$OUT/stale_metrics.jsonl"; tail -2 "$OUT/stale.log"
+  wait; tail -2 "$OUT/bench3b.log" ;;
+b)
+  for tp in 1 2; do
+    timeout 280 torchrun --standalone --nproc_per_node 2 grpo.py $DEMO --tensor-parallel-size $tp \
+      --output-dir /tmp/demo2_tp$tp > "$OUT/demo2_tp$tp.log" 2>&1
+    cp /tmp/demo2_tp$tp/metrics.jsonl "$OUT/demo2_tp${tp}_metrics.jsonl"; tail -2 "$OUT/demo2_tp$tp.log"
+  done ;;
+esac
