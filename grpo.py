@@ -314,7 +314,7 @@ def update_policy(ctx, samples):
             # global normalisers: the mini-batch's loss is the same whatever the micro-batching and rank count
             # (a sample with loss_mask 0, e.g. DAPO's truncated ones, takes no part in the loss or its normalisers)
             num_tokens, num_seqs = A.all_reduce_cpu([sum(len(s["response_ids"]) * s.get("loss_mask", 1) for s in mini),
-                                                     sum(s.get("loss_mask", 1) for s in mini)]).tolist()
+                                                     sum(s.get("loss_mask", 1) for s in mini)]).clamp(min=1).tolist()
             lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in mini]
             for idx in A.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device):
                 mb = [mini[i] for i in idx]

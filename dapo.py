@@ -1,0 +1,126 @@
+"""dapo.py -- DAPO (arXiv 2503.14476) as a small layer on top of grpo.py.
+
+    python dapo.py                                    # the demo, with DAPO's recipe
+    torchrun --nproc_per_node 8 dapo.py --model-path Qwen/Qwen2.5-VL-7B-Instruct --reward-function dapo \
+        --max-response-length 20480 --overlong-buffer-length 4096 --gen-batch-size 1536 --rollout-batch-size 512 ...
+
+DAPO = GRPO plus four changes. Two are options of grpo.py, set here as defaults: clip-higher (eps_low 0.2,
+eps_high 0.28) and the token-level loss; and no KL, so no reference model. Two live in this file's collect step:
+  * dynamic sampling: a group whose samples all score the same (all right or all wrong) has zero advantage and
+    teaches nothing, so keep generating prompts and keep only groups with mixed `filter_key` until the batch is full;
+  * overlong shaping: the soft length penalty is added to the reward, and optionally truncated samples are masked
+    out of the loss (their reward says "wrong" when the answer was only cut off).
+"""
+from dataclasses import dataclass
+from typing import Literal
+
+import torch.distributed as dist
+import tyro
+
+import fsdp_actor as A
+import grpo
+import rewards
+
+
+@dataclass
+class DAPOConfig(grpo.Config):
+    clip_ratio_high: float = 0.28  # clip-higher: room for low-probability tokens to grow (entropy stays up)
+    kl_coef: float = 0.0  # no KL term and no reference model: long-CoT policies drift far from the start anyway
+    loss_avg_mode: Literal["token", "seq", "seq-mean-token-sum-norm"] = "token"  # long answers weigh per token
+    # soft overlong punishment: 0 up to max_response_length - buffer, then down to -factor at max_response_length
+    # (paper: buffer 4096 of 20480; the demo's 8 tokens get a buffer of 2; 0 = off)
+    overlong_buffer_length: int = 2
+    overlong_penalty_factor: float = 1.0
+    overlong_filtering: bool = False  # truncated samples take no part in the loss (kept for the advantages)
+    # dynamic sampling
+    filter_groups: bool = True
+    filter_key: str = "accuracy"  # the score a group must vary in (EasyR1's filter_key; veRL's "acc")
+    gen_batch_size: int = 0  # prompts generated per try, all ranks together; 0 = rollout_batch_size (paper: 3x)
+    max_try_make_batch: int = 20  # tries before giving up with an error; 0 = unlimited
+    output_dir: str = "outputs/dapo"
+
+
+def shape_overlong(samples, cfg):
+    """Add DAPO's soft overlong penalty to each sample's reward (and its "overall" score); mask truncated samples
+    out of the loss when overlong_filtering is on. In place; every sample gets scores["overlong_penalty"]."""
+    for s in samples:
+        pen = 0.0
+        if cfg.overlong_buffer_length > 0:
+            pen = rewards.overlong_penalty(len(s["response_ids"]), cfg.max_response_length,
+                                           cfg.overlong_buffer_length, cfg.overlong_penalty_factor)
+        s["scores"]["overlong_penalty"] = pen
+        s["scores"]["overall"] = s["reward"] = s["reward"] + pen
+        if cfg.overlong_filtering and not s["finished"]:
+            s["loss_mask"] = 0
+    return samples
+
+
+def select_groups(samples, n, key="accuracy", limit=None):
+    """Dynamic sampling's filter, a pure function. samples: flat, n per group, in group order. Returns the samples of
+    the groups whose `key` scores are not all equal (for 0/1 accuracy: mean strictly between 0 and 1), at most
+    `limit` groups, and the number of groups that failed the filter."""
+    kept, failed = [], 0
+    for g in range(0, len(samples), n):
+        group = samples[g:g + n]
+        if len({float(s["scores"][key]) for s in group}) > 1:  # zero variance = zero advantage = no gradient
+            if limit is None or len(kept) < limit * n:
+                kept += group
+        else:
+            failed += 1
+    return kept, failed
+
+
+def collect_dynamic(ctx, step, metrics):
+    """DAPO's batch: generate gen_batch_size prompts per try until every rank holds its share of groups with mixed
+    `filter_key`. All ranks make the same number of generate calls (the engines of a tensor-parallel group
+    generate together), so the loop ends on an all-reduced MIN of "I have enough"."""
+    cfg = ctx.cfg
+    gen = cfg.gen_batch_size or cfg.rollout_batch_size
+    share = cfg.rollout_batch_size // ctx.world  # groups this rank must return
+    if gen % ctx.world:
+        raise ValueError(f"gen_batch_size={gen} must be divisible by the number of ranks ({ctx.world})")
+    kept, tries = [], 0
+    counts = [0.0] * 5  # groups generated, failed the filter, passed, samples truncated, sum of filter_key
+    while True:
+        drawn = grpo.draw_prompts(ctx, ctx.cursor, gen)
+        ctx.cursor += gen  # every rank advances the same stream, so resume stays exact
+        samples = shape_overlong(grpo.generate_and_score(ctx, drawn, cfg.n, cfg.temperature), cfg)
+        tries += 1
+        if cfg.filter_groups and cfg.filter_key not in samples[0]["scores"]:
+            raise ValueError(f"filter_key={cfg.filter_key!r} is not a score of reward {cfg.reward_function!r}: "
+                             f"choose one of {sorted(samples[0]['scores'])}")
+        if cfg.filter_groups:
+            new, failed = select_groups(samples, cfg.n, cfg.filter_key, limit=share - len(kept) // cfg.n)
+        else:
+            new, failed = samples[:(share * cfg.n - len(kept))], 0
+        passed = len(samples) // cfg.n - failed
+        kept += new
+        for i, v in enumerate([len(samples) // cfg.n, failed, passed, sum(not s["finished"] for s in samples),
+                               sum(float(s["scores"].get(cfg.filter_key, 0)) for s in samples)]):
+            counts[i] += v
+        if A.all_reduce_cpu(float(len(kept) >= share * cfg.n), op=dist.ReduceOp.MIN).item() == 1:
+            break
+        if cfg.max_try_make_batch and tries >= cfg.max_try_make_batch:
+            tot = A.all_reduce_cpu(counts).tolist()
+            raise RuntimeError(
+                f"dynamic sampling: after {tries} tries (max_try_make_batch={cfg.max_try_make_batch}) of "
+                f"{gen} prompts, {int(tot[2])} of {int(tot[0])} groups had mixed {cfg.filter_key!r} "
+                f"({int(tot[1])} were all-equal) but a step needs {cfg.rollout_batch_size} on every rank. Raise "
+                f"--max-try-make-batch (0 = unlimited) or --gen-batch-size, or check the reward/task: nearly every "
+                f"group is all-correct or all-wrong (mean {cfg.filter_key}={tot[4] / max(tot[0] * cfg.n, 1):.3f}).")
+    for g, i in enumerate(range(0, len(kept), cfg.n)):  # renumber the groups of the assembled batch
+        for s in kept[i:i + cfg.n]:
+            s["group"] = g
+    tot = A.all_reduce_cpu(counts).tolist()
+    metrics.update({"dapo/tries": tries, "dapo/groups_generated": tot[0], "dapo/groups_filtered": tot[1],
+                    "dapo/groups_kept": float(cfg.rollout_batch_size),
+                    "dapo/groups_surplus": tot[2] - cfg.rollout_batch_size,  # passed, but the batch was full
+                    "dapo/truncated_ratio": tot[3] / max(tot[0] * cfg.n, 1),
+                    # the filtered batch's reward/* is biased towards 0.5: this is the policy's real accuracy
+                    f"dapo/generated_{cfg.filter_key}": tot[4] / max(tot[0] * cfg.n, 1)})
+    return kept
+
+
+if __name__ == "__main__":
+    grpo.train(tyro.cli(DAPOConfig), collect=collect_dynamic)
+    dist.destroy_process_group()

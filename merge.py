@@ -1,0 +1,77 @@
+"""merge.py -- turn a training checkpoint into a Hugging Face model folder you can load, serve or upload.
+
+    python merge.py outputs/demo/checkpoints/step_150 outputs/demo/hf
+    python merge.py CKPT OUT --model-path Qwen/Qwen2.5-VL-7B-Instruct --dtype bfloat16
+
+A checkpoint is what grpo.py saves: the FSDP2-sharded model and optimizer through torch.distributed.checkpoint
+(one shard per rank), plus trainer_state.json. Only the model's tensors are read (the optimizer state, twice the
+model's size, stays on disk); no process group and no GPU are needed, whatever the number of ranks that saved it.
+"""
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass
+class Args:
+    checkpoint: str  # e.g. outputs/demo/checkpoints/step_150
+    output: str  # the HF folder to write
+    model_path: str | None = None  # the base model; default: the one recorded in the checkpoint
+    dtype: str = "bfloat16"  # bfloat16 | float16 | float32
+
+
+def base_model_path(checkpoint, model_path=None):
+    if model_path:
+        return model_path
+    state = json.load(open(os.path.join(checkpoint, "trainer_state.json")))
+    path = state.get("config", {}).get("model_path")
+    if not path:  # the demo: the tiny model was built in code and cached
+        import tiny_model
+        path = tiny_model.build_tiny_model()
+    return path
+
+
+def merge(checkpoint, output, model_path=None, dtype="bfloat16"):
+    import torch.distributed.checkpoint as dcp
+
+    import fsdp_actor as A
+    if not os.path.exists(os.path.join(checkpoint, ".metadata")):
+        raise FileNotFoundError(f"{checkpoint}: not a checkpoint folder (no .metadata); pass checkpoints/step_N")
+    path = base_model_path(checkpoint, model_path)
+    hf = A.load_hf_model(path, dtype=torch.float32)
+    # the saved names are those of the FSDP root, fsdp_actor.LogProbModel: "hf." + the HF names
+    state = {"model": {"hf." + k: v for k, v in hf.state_dict().items()}}
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # reads just these keys, from every rank's shard
+    hf.load_state_dict({k[3:]: v for k, v in state["model"].items()})
+    hf.to(getattr(torch, dtype))
+    tmp = output.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf.save_pretrained(tmp)
+    copy_tokenizer_files(path, tmp)
+    if os.path.exists(output):
+        shutil.rmtree(output)
+    os.replace(tmp, output)  # a crash never leaves a half-written model folder under the final name
+    return output
+
+
+def copy_tokenizer_files(path, out):
+    """Tokenizer, processor, chat template and generation config, so the folder is complete on its own."""
+    if not os.path.isdir(path):  # a hub name: fetch the small files only
+        from huggingface_hub import snapshot_download
+        path = snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"])
+    for name in os.listdir(path):
+        src = os.path.join(path, name)
+        if (os.path.isfile(src) and not name.endswith(WEIGHT_FILES) and not name.endswith(".index.json")
+                and name not in ("config.json", "BUILD_COMPLETE.json") and not os.path.exists(os.path.join(out, name))):
+            shutil.copy2(src, os.path.join(out, name))
+
+
+if __name__ == "__main__":
+    import tyro
+    a = tyro.cli(Args)
+    print(f"wrote {merge(a.checkpoint, a.output, a.model_path, a.dtype)}")

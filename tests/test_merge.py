@@ -1,0 +1,36 @@
+"""merge.py: a saved (sharded) checkpoint becomes an HF folder with exactly the trained weights."""
+import json
+import os
+
+import torch
+
+import fsdp_actor as A
+import merge
+import tiny_model
+
+
+def test_checkpoint_to_hf_folder(tmp_path):
+    A.init_distributed()
+    path = tiny_model.build_tiny_model(str(tmp_path / "tiny"))
+    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+    opt, sched = A.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():  # one real optimizer step, so the weights differ from the base model
+        p.grad = torch.distributed.tensor.distribute_tensor(torch.randn(p.shape, generator=g), p.device_mesh,
+                                                             p.placements)
+    A.optimizer_step(model, opt, sched, 1e9)
+    trained = {k: v.clone() for k, v in A.iter_full_params(model)}
+    ckpt = str(tmp_path / "ckpt" / "step_1")
+    os.makedirs(os.path.dirname(ckpt))
+    A.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
+    out = merge.merge(ckpt, str(tmp_path / "hf"), dtype="float32")
+    assert not os.path.exists(out + ".tmp")
+    merged = A.load_hf_model(out).state_dict()
+    base = A.load_hf_model(path).state_dict()
+    assert merged.keys() == trained.keys()
+    for k in trained:
+        assert torch.equal(merged[k], trained[k]), k
+    assert any(not torch.equal(base[k], trained[k]) for k in trained)
+    # the folder is complete on its own: tokenizer, processor, chat template
+    assert os.path.exists(os.path.join(out, "tokenizer.json"))
+    assert json.load(open(os.path.join(out, "config.json")))["architectures"]
