@@ -13,20 +13,22 @@ python -c "import tiny_model, data; tiny_model.build_tiny_model(); data.demo_dat
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-a}" in
 a)
-  (CUDA_VISIBLE_DEVICES=1 timeout 560 python bench.py --preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} \
+  (CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-530} python bench.py --preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} \
      > "$OUT/bench3b.log" 2>&1; cp ~/.cache/vlm_rl/bench-qwen2_5_vl_3b/run/metrics.jsonl "$OUT/bench3b_metrics.jsonl") &
   CUDA_VISIBLE_DEVICES=0 timeout 200 python -m pytest -m gpu -q -s -x tests/test_vllm_gpu.py > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
-  CUDA_VISIBLE_DEVICES=0 timeout 240 python grpo.py $DEMO --output-dir /tmp/demo1 > "$OUT/demo1.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python grpo.py $DEMO --output-dir /tmp/demo1 ${DEMO1_ARGS:-} > "$OUT/demo1.log" 2>&1
   cp /tmp/demo1/metrics.jsonl "$OUT/demo1_metrics.jsonl"; tail -2 "$OUT/demo1.log"
-  CUDA_VISIBLE_DEVICES=0 timeout 100 python grpo.py $DEMO --debug-skip-sync --max-steps 20 --val-freq 0 \
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python grpo.py $DEMO --debug-skip-sync --max-steps ${STALE_STEPS:-20} --val-freq 0 \
      --output-dir /tmp/stale > "$OUT/stale.log" 2>&1
   cp /tmp/stale/metrics.jsonl "$OUT/stale_metrics.jsonl"; tail -2 "$OUT/stale.log"
   wait; tail -2 "$OUT/bench3b.log" ;;
 b)
-  for tp in 1 2; do
-    timeout 280 torchrun --standalone --nproc_per_node 2 grpo.py $DEMO --tensor-parallel-size $tp \
-      --output-dir /tmp/demo2_tp$tp > "$OUT/demo2_tp$tp.log" 2>&1
+  timeout 150 torchrun --standalone --nproc_per_node 2 tests/test_vllm_gpu.py --tp 1 > "$OUT/spmd_tp1.log" 2>&1; tail -2 "$OUT/spmd_tp1.log"
+  timeout 150 torchrun --standalone --nproc_per_node 2 tests/test_vllm_gpu.py --tp 2 > "$OUT/spmd_tp2.log" 2>&1; tail -2 "$OUT/spmd_tp2.log"
+  for tp in ${TPS:-1 2}; do
+    timeout ${DEMO2_TIMEOUT:-280} torchrun --standalone --nproc_per_node 2 grpo.py $DEMO --tensor-parallel-size $tp \
+      --output-dir /tmp/demo2_tp$tp ${DEMO2_ARGS:-} > "$OUT/demo2_tp$tp.log" 2>&1
     cp /tmp/demo2_tp$tp/metrics.jsonl "$OUT/demo2_tp${tp}_metrics.jsonl"; tail -2 "$OUT/demo2_tp$tp.log"
   done ;;
 esac

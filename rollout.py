@@ -248,7 +248,7 @@ class VLLMRollout:
                   enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", disable_log_stats=True)
         if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):  # text-only models reject it
             kw["limit_mm_per_prompt"] = limit_mm_per_prompt or {"image": 1, "video": 0}
-        if world > 1:
+        if world > 1 or dist.is_initialized():  # SPMD whenever a trainer set up torch.distributed, even 1 rank
             _init_world_for_external_dp()
             kw["distributed_executor_backend"] = "external_launcher"
         kw.update(engine_kwargs)
