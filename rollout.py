@@ -369,6 +369,7 @@ class VLLMRollout:
         todo = [t for t in ("weights", "kv_cache") if t in self.asleep and (tags is None or t in tags)]
         if not todo:
             return
+        torch.cuda.empty_cache()  # the trainer's cached-but-free blocks would otherwise stand in vLLM's way
         try:
             self.llm.wake_up(tags=todo)
         except TypeError:  # old vLLM without tags: wakes everything
