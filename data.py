@@ -27,7 +27,7 @@ MIN_PIXELS, MAX_PIXELS = 262144, 4194304
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220),
           "yellow": (230, 200, 40)}
 SHAPES = ("circle", "square", "triangle")
-COLOR_QUESTION = "<image>What is the color of the shape?"
+COLOR_QUESTION = "<image>What is the main color of the picture?"
 DEMO_FORMAT_PROMPT = "{{ content }} Answer with one word."
 
 
@@ -234,23 +234,24 @@ class PromptDataset:
 
 # ----------------------------------------------------------------------------- synthetic task
 def draw_color_image(rng: random.Random):
-    """One saturated shape on a grey-ish background. Returns (image, colour name, shape name)."""
+    """A picture filled with one saturated colour (jittered) and 1-3 small grey shapes as distractors.
+    Returns (image, colour name, shape name). The colour covers most of the picture: a tiny random vision tower
+    then sees it clearly, so RL from scratch learns the task in minutes on a CPU."""
     w, h = rng.randint(56, 112), rng.randint(56, 112)
-    grey = rng.randint(90, 170)
-    bg = tuple(min(255, max(0, grey + rng.randint(-12, 12))) for _ in range(3))
     color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
     fill = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLORS[color])
-    img = Image.new("RGB", (w, h), bg)
-    lo = float(os.environ.get("COLOR_SHAPE_MIN", "0.5"))
-    s = rng.randint(int(lo * min(w, h)), int(0.9 * min(w, h)))  # big enough to survive resizing
-    x, y = rng.randint(0, w - s), rng.randint(0, h - s)
+    img = Image.new("RGB", (w, h), fill)
     draw = ImageDraw.Draw(img)
-    if shape == "circle":
-        draw.ellipse([x, y, x + s - 1, y + s - 1], fill=fill)
-    elif shape == "square":
-        draw.rectangle([x, y, x + s - 1, y + s - 1], fill=fill)
-    else:
-        draw.polygon([(x + s // 2, y), (x, y + s - 1), (x + s - 1, y + s - 1)], fill=fill)
+    for _ in range(rng.randint(1, 3)):
+        s = rng.randint(int(0.15 * min(w, h)), int(0.3 * min(w, h)))
+        x, y = rng.randint(0, w - s), rng.randint(0, h - s)
+        grey = (rng.randint(90, 170),) * 3
+        if shape == "circle":
+            draw.ellipse([x, y, x + s - 1, y + s - 1], fill=grey)
+        elif shape == "square":
+            draw.rectangle([x, y, x + s - 1, y + s - 1], fill=grey)
+        else:
+            draw.polygon([(x + s // 2, y), (x, y + s - 1), (x + s - 1, y + s - 1)], fill=grey)
     return img, color, shape
 
 
@@ -284,7 +285,7 @@ def make_color_dataset(out_path: str, n_rows: int, seed: int) -> str:
 
 def demo_data(data_dir=None, n_train=2000, n_val=200):
     """(train_path, val_path) of the colour task; created once. Different seeds -> unseen val."""
-    data_dir = os.path.expanduser(data_dir or os.environ.get("COLOR_DIR", "~/.cache/vlm_rl/color-v1"))
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/color-v2")
     train = os.path.join(data_dir, f"train-{n_train}.parquet")
     val = os.path.join(data_dir, f"val-{n_val}.parquet")
     if not os.path.isfile(train):

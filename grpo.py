@@ -101,9 +101,13 @@ def compute_advantages(rewards, estimator="grpo", eps=1e-6):
         if n == 1:
             return torch.zeros_like(rewards)
         return (rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1))
-    if estimator == "reinforce_plus_plus":  # REINFORCE++ (baseline variant): group baseline, batch normalisation
+    if estimator == "reinforce_plus_plus":  # REINFORCE++-baseline: group baseline, then whitened over the batch
         adv = rewards - rewards.mean(dim=1, keepdim=True)
-        return (adv - adv.mean()) / (adv.std() + eps) if adv.numel() > 1 else adv
+        # over the *global* batch (the paper's point), so the statistics are summed over ranks
+        cnt, s, sq = A.all_reduce_cpu([adv.numel(), adv.sum(), adv.square().sum()]).tolist()
+        mean = s / cnt
+        std = math.sqrt(max(sq - cnt * mean * mean, 0.0) / max(cnt - 1, 1))  # unbiased, like torch.std
+        return (adv - mean) / (std + eps)
     raise ValueError(f"adv_estimator={estimator!r}: choose grpo, dr_grpo, rloo or reinforce_plus_plus")
 
 

@@ -137,7 +137,7 @@ def color_reward(items: list[dict]) -> list[dict]:
         acc = 1.0 if found == {gt.strip().lower()} else 0.0
         # accuracy alone: a bonus for naming *a* colour pays a text-only policy that always says the same one,
         # and the demo then collapses onto it before it learns to look at the image
-        out.append(_combine(acc, fmt, float(os.environ.get("COLOR_FORMAT_WEIGHT", "0"))))
+        out.append(_combine(acc, fmt, 0.0))
     return out
 
 

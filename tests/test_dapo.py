@@ -1,0 +1,125 @@
+"""dapo.py: the dynamic-sampling filter (by hand and as a property), the overlong shaping, the error when the batch
+cannot be filled, and one short end-to-end run."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import grpo
+from dapo import DAPOConfig, collect_dynamic, select_groups, shape_overlong
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake(accs, n, length=3, finished=True):
+    """Samples of len(accs)//n groups with the given accuracies (reward = accuracy)."""
+    return [dict(response_ids=[1] * length, finished=finished, reward=float(a), group=i // n,
+                 scores={"overall": float(a), "accuracy": float(a)}) for i, a in enumerate(accs)]
+
+
+def test_select_groups_by_hand():
+    s = fake([1, 1, 1, 0, 0, 0, 0, 1, 0, 0], n=2)  # groups: all-right, mixed, all-wrong, mixed, all-wrong
+    kept, failed = select_groups(s, 2, "accuracy")
+    assert kept == s[2:4] + s[6:8] and failed == 3
+    kept, failed = select_groups(s, 2, "accuracy", limit=1)  # the batch is full after one group
+    assert kept == s[2:4] and failed == 3
+    assert select_groups(s, 2, "accuracy", limit=0)[0] == []
+    # "overall" varies where accuracy does not: the key decides
+    s2 = fake([1, 1], n=2)
+    s2[0]["scores"]["overall"] = 0.5
+    assert select_groups(s2, 2, "accuracy")[0] == [] and select_groups(s2, 2, "overall")[0] == s2
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 5), groups=st.integers(0, 8), limit=st.integers(0, 10), data=st.data())
+def test_select_groups_never_keeps_zero_variance_nor_too_many(n, groups, limit, data):
+    accs = data.draw(st.lists(st.sampled_from([0.0, 0.25, 1.0]), min_size=n * groups, max_size=n * groups))
+    kept, failed = select_groups(fake(accs, n), n, "accuracy", limit=limit)
+    assert len(kept) % n == 0 and len(kept) <= limit * n
+    for g in range(0, len(kept), n):
+        grp = kept[g:g + n]
+        assert len({s["group"] for s in grp}) == 1  # whole groups, in order
+        assert len({s["scores"]["accuracy"] for s in grp}) > 1  # never a zero-variance group
+    mixed = sum(len(set(accs[g:g + n])) > 1 for g in range(0, len(accs), n))
+    assert failed == groups - mixed and len(kept) == min(mixed, limit) * n
+
+
+def test_overlong_shaping_and_filtering():
+    cfg = DAPOConfig(max_response_length=10, overlong_buffer_length=4, overlong_penalty_factor=0.5,
+                     overlong_filtering=True)
+    s = fake([1, 1, 0], n=3)
+    s[1]["response_ids"] = [1] * 8  # 2 tokens into the buffer of 4: -0.5 * 2/4
+    s[2]["response_ids"], s[2]["finished"] = [1] * 10, False  # cut off: the full -0.5, and masked out
+    shape_overlong(s, cfg)
+    assert [x["reward"] for x in s] == [1.0, 0.75, -0.5]
+    assert [x["scores"]["overall"] for x in s] == [1.0, 0.75, -0.5]
+    assert [x["scores"]["overlong_penalty"] for x in s] == [0.0, -0.25, -0.5]
+    assert [x.get("loss_mask", 1) for x in s] == [1, 1, 0]
+    assert s[2]["scores"]["accuracy"] == 0.0  # the filter still sees the raw accuracy
+    off = shape_overlong(fake([1], 1, length=10, finished=False), DAPOConfig(max_response_length=10,
+                                                                             overlong_buffer_length=0))
+    assert off[0]["reward"] == 1.0 and "loss_mask" not in off[0]
+
+
+def stub_ctx(monkeypatch, accs_per_try, **cfg_kw):
+    """A ctx whose generate_and_score returns the given accuracies, try after try (one rank, no model)."""
+    cfg = DAPOConfig(**{"rollout_batch_size": 2, "n": 2, "overlong_buffer_length": 0, **cfg_kw})
+    tries = iter(accs_per_try)
+    monkeypatch.setattr(grpo, "draw_prompts", lambda ctx, cursor, count: [(cursor + i, {}) for i in range(count)])
+    monkeypatch.setattr(grpo, "generate_and_score", lambda ctx, drawn, n, t: fake(next(tries), n))
+    return SimpleNamespace(cfg=cfg, rank=0, world=1, cursor=0)
+
+
+def test_collect_fills_the_batch_exactly(monkeypatch):
+    ctx = stub_ctx(monkeypatch, [[1, 1, 0, 1], [0, 0, 0, 0], [1, 0, 0, 1]])  # 1 mixed, then 0, then 2 (1 spare)
+    m = {}
+    out = collect_dynamic(ctx, 0, m)
+    assert len(out) == 4 and [s["group"] for s in out] == [0, 0, 1, 1]
+    assert ctx.cursor == 6  # three tries of 2 prompts
+    assert m["dapo/tries"] == 3 and m["dapo/groups_generated"] == 6 and m["dapo/groups_filtered"] == 3
+    assert m["dapo/groups_kept"] == 2 and m["dapo/groups_surplus"] == 1
+    assert m["dapo/generated_accuracy"] == pytest.approx(5 / 12)
+
+
+def test_collect_errors_after_max_try_make_batch(monkeypatch):
+    ctx = stub_ctx(monkeypatch, [[1, 1, 1, 1]] * 3, max_try_make_batch=3)
+    with pytest.raises(RuntimeError, match="max_try_make_batch=3.*--max-try-make-batch.*all-correct or all-wrong"):
+        collect_dynamic(ctx, 0, {})
+    ctx = stub_ctx(monkeypatch, [[1, 1, 1, 1]], filter_key="nope")
+    with pytest.raises(ValueError, match="filter_key='nope'"):
+        collect_dynamic(ctx, 0, {})
+
+
+def test_dapo_defaults_are_the_papers():
+    c = DAPOConfig()
+    assert (c.clip_ratio_low, c.clip_ratio_high, c.kl_coef, c.loss_avg_mode) == (0.2, 0.28, 0.0, "token")
+    assert c.reward_function == grpo.Config().reward_function  # `python dapo.py` runs the demo
+
+
+def test_dapo_end_to_end_smoke(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    # 2 tries per step at most would often fail on the untrained model: leave the tries unlimited here
+    args = ["--max-steps", "2", "--rollout-batch-size", "2", "--rollout-n", "4", "--global-batch-size", "2",
+            "--gen-batch-size", "4", "--max-try-make-batch", "0", "--val-freq", "0", "--overlong-filtering",
+            "--output-dir", str(tmp_path)]
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "dapo.py")] + args, cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for k in ("dapo/tries", "dapo/groups_generated", "dapo/groups_kept", "dapo/groups_filtered"):
+            assert k in r, k
+        assert r["dapo/groups_kept"] == 2 and r["dapo/groups_generated"] >= 2
+        parts = r["dapo/groups_kept"] + r["dapo/groups_filtered"] + r["dapo/groups_surplus"]
+        assert r["dapo/groups_generated"] == parts
+        assert "actor/kl" not in r  # no reference model
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert cfg["clip_ratio_high"] == 0.28 and cfg["kl_coef"] == 0.0
