@@ -66,9 +66,10 @@ class LogProbModel(nn.Module):
         self.forbidden = [i for i in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None))
                           if isinstance(i, int) and i >= 0]
 
-    def forward(self, input_ids, attention_mask, resp_mask, mm_inputs, temperature=1.0, chunk_size=4096):
-        hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                               **mm_inputs, **mm_token_types(self.hf, input_ids, mm_inputs)).last_hidden_state  # [B, T, H]
+    def forward(self, input_ids, resp_mask, mm_inputs, owner=None, temperature=1.0, chunk_size=4096):
+        """mm_inputs: processor outputs of the *distinct* prompts of the batch; owner: (for each row the distinct
+        prompt it shows, for each distinct prompt its number of images), as built by collate."""
+        hidden = self.hidden_states(input_ids, mm_inputs, owner)  # [B, T, H]
         h = hidden[resp_mask]  # [N, H]   positions that predict a response token
         targets = input_ids[:, 1:][resp_mask[:, :-1]]  # [N]   (resp_mask is 0 at the last column)
         head = self.hf.get_output_embeddings()
@@ -82,6 +83,36 @@ class LogProbModel(nn.Module):
             logps.append(lp)
             ents.append(ent)
         return torch.cat(logps), torch.cat(ents)  # [N], [N]
+
+
+    def hidden_states(self, input_ids, mm_inputs, owner):
+        # No attention mask: rows are right-padded and attention is causal, so no real token ever sees a pad (the
+        # pads' own outputs are never read). A padding mask would also keep SDPA off its flash kernel (and, with
+        # grouped-query attention, on the slow O(T^2)-memory math path).
+        kw = dict(input_ids=input_ids, attention_mask=None, use_cache=False)
+        if not mm_inputs:
+            return self.hf.model(**kw).last_hidden_state
+        kw.update(mm_token_types(self.hf, input_ids, mm_inputs))
+        owner, counts = owner  # per row: its distinct prompt; per distinct prompt: its number of images
+        grid = mm_inputs["image_grid_thw"]  # [I, 3], distinct prompts' images in order
+        per_prompt = lambda x: list(x.split(counts))  # noqa: E731 -- image rows -> one chunk per distinct prompt
+        row_grid = torch.cat([per_prompt(grid)[i] for i in owner])  # [I_rows, 3] the images as the rows show them
+        if self.hf.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
+            # The n samples of a prompt share its image: run the vision tower once per distinct image (not n times)
+            # and scatter its features into every row that shows it. Gradients from all rows add up in one place.
+            feats = self.hf.model.get_image_features(mm_inputs["pixel_values"], grid)
+            feats = list(getattr(feats, "pooler_output", feats))  # per image [tokens, H]
+            starts = [sum(counts[:i]) for i in range(len(counts))]
+            embeds = self.hf.model.get_input_embeddings()(input_ids)  # [B, T, H]
+            rows = torch.cat([f for i in owner for f in feats[starts[i]:starts[i] + counts[i]]]).to(embeds.dtype)
+            embeds = embeds.masked_scatter((input_ids == self.hf.config.image_token_id)[..., None], rows)
+            return self.hf.model(inputs_embeds=embeds, image_grid_thw=row_grid, **kw).last_hidden_state
+        # other VLMs (e.g. Qwen3-VL, whose vision tower also feeds deeper layers): the model's own path, with one
+        # copy of the pixels per row
+        patches = per_prompt(grid.prod(-1))
+        pixels = mm_inputs["pixel_values"].split([int(p.sum()) for p in patches])
+        return self.hf.model(pixel_values=torch.cat([pixels[i] for i in owner]), image_grid_thw=row_grid,
+                             **kw).last_hidden_state
 
 
 def mm_token_types(hf, input_ids, mm_inputs):
@@ -143,19 +174,24 @@ def collate(samples, pad_id, device):
     T = max(len(x) for x in seqs) + 1  # +1: resp_mask needs a 0 in its last column
     B = len(seqs)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, T, dtype=torch.long)
     resp_mask = torch.zeros(B, T, dtype=torch.bool)
     for i, (x, s) in enumerate(zip(seqs, samples)):
         lp, lr = len(s["prompt"]["prompt_ids"]), len(s["response_ids"])
         input_ids[i, :len(x)] = torch.tensor(x)
-        attention_mask[i, :len(x)] = 1
         resp_mask[i, lp - 1:lp - 1 + lr] = True
+    # the distinct prompts of the batch (the n samples of a prompt share its images) and which one each row shows
+    distinct, owner = {}, []
+    for s in samples:
+        owner.append(distinct.setdefault(id(s["prompt"]), len(distinct)))
+    prompts = list({id(s["prompt"]): s["prompt"] for s in samples}.values())
     mm = {}
-    for key in samples[0]["prompt"]["mm_inputs"]:  # Qwen-VL: pixel rows and grids of all images, in batch order
-        mm[key] = torch.cat([s["prompt"]["mm_inputs"][key] for s in samples]).to(device)
+    keys = {k for p in prompts for k in p["mm_inputs"]}  # Qwen-VL: pixel_values [P, D], image_grid_thw [I, 3]
+    for key in keys:
+        mm[key] = torch.cat([p["mm_inputs"][key] for p in prompts if key in p["mm_inputs"]]).to(device)
+    counts = [len(p["mm_inputs"].get("image_grid_thw", ())) for p in prompts]  # images per distinct prompt
     resp_len = torch.tensor([len(s["response_ids"]) for s in samples])
-    return dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                resp_mask=resp_mask.to(device), mm_inputs=mm), resp_len
+    return dict(input_ids=input_ids.to(device), resp_mask=resp_mask.to(device), mm_inputs=mm,
+                owner=(owner, counts)), resp_len
 
 
 def pad_responses(values, resp_len):
@@ -175,11 +211,17 @@ def stack_padded(rows, R, device):
     return out
 
 
-def make_micro_batches(lengths, max_tokens, max_samples):
+def make_micro_batches(lengths, max_tokens, max_samples, groups=None):
     """Group sample indices so that each micro-batch holds at most `max_tokens` padded tokens and `max_samples`
-    samples. Sorting by length keeps padding small. Every rank must run the same number of micro-batches (each
-    forward all-gathers weights collectively), so the count is agreed on and the longest groups split to match."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    samples. Sorting by length keeps padding small; with `groups` (the prompt of each sample) the samples of a
+    prompt stay together, so its image goes through the vision tower once per micro-batch. Every rank must run the
+    same number of micro-batches (each forward all-gathers weights collectively), so the count is agreed on and
+    the longest micro-batches split to match."""
+    groups = groups if groups is not None else list(range(len(lengths)))
+    top = {}
+    for g, n in zip(groups, lengths):
+        top[g] = max(top.get(g, 0), n)
+    order = sorted(range(len(lengths)), key=lambda i: (-top[groups[i]], str(groups[i]), -lengths[i]))
     groups, cur = [], []
     for i in order:
         if cur and ((len(cur) + 1) * lengths[cur[0]] > max_tokens or len(cur) >= max_samples):
@@ -222,7 +264,7 @@ def compute_logprobs(model, samples, pad_id, device, temperature, max_tokens, ma
     """Per-sample 1-D log-probs (and entropies) of the response tokens under `model`, no gradients."""
     lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples]
     out_lp, out_ent = [None] * len(samples), [None] * len(samples)
-    for idx in make_micro_batches(lengths, max_tokens, max_samples):
+    for idx in make_micro_batches(lengths, max_tokens, max_samples, [id(s["prompt"]) for s in samples]):
         batch, resp_len = collate([samples[i] for i in idx], pad_id, device)
         lp, ent = model(**batch, temperature=temperature, chunk_size=chunk_size)  # [N], [N]
         for i, a, b in zip(idx, lp.float().cpu().split(resp_len.tolist()), ent.float().cpu().split(resp_len.tolist())):

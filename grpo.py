@@ -320,7 +320,8 @@ def update_policy(ctx, samples):
             num_tokens, num_seqs = A.all_reduce_cpu([sum(len(s["response_ids"]) * s.get("loss_mask", 1) for s in mini),
                                                      sum(s.get("loss_mask", 1) for s in mini)]).clamp(min=1).tolist()
             lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in mini]
-            for idx in A.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device):
+            for idx in A.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device,
+                                            [id(s["prompt"]) for s in mini]):
                 mb = [mini[i] for i in idx]
                 batch, resp_len = A.collate(mb, ctx.pad_id, dev)
                 lp, ent = ctx.model(**batch, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)  # [N]

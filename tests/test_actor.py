@@ -19,10 +19,14 @@ def setup(tmp_path_factory):
     ds = data.PromptDataset(train, proc, format_prompt=data.DEMO_FORMAT_PROMPT, min_pixels=56 * 56,
                             max_pixels=112 * 112)
     g = torch.Generator().manual_seed(0)
+    two = data.encode_prompt({"problem": "<image> and <image>: same colour?", "answer": "no",
+                              "images": [data.to_pil(r["images"][0]) for r in ds.rows.select([0, 1])]},
+                             proc, min_pixels=56 * 56, max_pixels=112 * 112)
+    prompts = [ds[0], ds[1], two, ds[2]]  # one record per prompt, shared by its samples (as after a rollout)
     samples = []
-    for i in range(6):  # different prompts, images and response lengths (1..9 tokens)
+    for i in range(8):  # 2 samples per prompt, response lengths 1..9 tokens
         resp = torch.randint(3, 300, (1 + (i * 5) % 9,), generator=g).tolist()
-        samples.append(dict(prompt=ds[i % len(ds)], response_ids=resp))
+        samples.append(dict(prompt=prompts[i % len(prompts)], response_ids=resp))
     return path, proc, samples
 
 
@@ -57,6 +61,15 @@ def test_logprobs_match_plain_hf_forward(setup):
             assert a.shape == b.shape
             assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
             assert (e > 0).all() and (e <= torch.log(torch.tensor(512.0)) + 1e-4).all()
+    # the generic path (one copy of the pixels per row, the model's own vision call) gives the same values
+    model.hf.config.model_type = "generic_vlm"
+    try:
+        lps, _ = A.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
+                                    max_tokens=10_000, max_samples=8)
+    finally:
+        model.hf.config.model_type = "qwen2_5_vl"
+    for a, b in zip(lps, ref):
+        assert torch.allclose(a.double(), b, atol=2e-5)
 
 
 def test_mrope_positions_are_used(setup):
@@ -76,7 +89,7 @@ def test_mrope_positions_are_used(setup):
 def test_micro_batching_gives_the_same_gradient(setup):
     path, proc, samples = setup
     pad = proc.tokenizer.pad_token_id
-    adv = [1.0, -0.5, 0.25, -1.0, 0.75, 0.0]
+    adv = [1.0, -0.5, 0.25, -1.0, 0.75, 0.0, 0.5, -0.25]
     num_tokens = sum(len(s["response_ids"]) for s in samples)
     g = torch.Generator().manual_seed(1)
     olds = [-torch.rand(len(s["response_ids"]), generator=g) * 8 for s in samples]
@@ -100,7 +113,7 @@ def test_micro_batching_gives_the_same_gradient(setup):
 
     l1, g1 = grads(100_000)  # one micro-batch
     l2, g2 = grads(40)  # several
-    assert len(A.make_micro_batches([40] * 6, 40, 64)) == 6
+    assert len(A.make_micro_batches([40] * 8, 40, 64)) == 8
     assert l1 == pytest.approx(l2, rel=1e-4)
     assert g1.keys() == g2.keys() and len(g1) > 10
     for n in g1:
@@ -129,3 +142,12 @@ def test_full_params_stream_hf_names(setup):
     assert names.keys() == hf.state_dict().keys()
     for k, v in hf.state_dict().items():
         assert torch.equal(names[k], v), k
+
+
+def test_micro_batches_respect_bounds_and_keep_prompts_together():
+    lengths, groups = [10, 12, 30, 28, 5, 6], ["a", "a", "b", "b", "c", "c"]
+    mbs = A.make_micro_batches(lengths, 60, 64, groups)
+    assert sorted(i for mb in mbs for i in mb) == list(range(6))
+    assert all(len(mb) * max(lengths[i] for i in mb) <= 60 for mb in mbs)
+    assert mbs == [[2, 3], [1, 0, 5, 4]]  # longest prompt first; each prompt's samples side by side
+    assert all(len(mb) <= 3 for mb in A.make_micro_batches(lengths, 10_000, 3, groups))
