@@ -1,6 +1,7 @@
 """bench.py -- seconds per phase of a GRPO step on a real-sized, randomly initialised Qwen2.5-VL.
 
     python bench.py --preset qwen2_5_vl_3b --max-steps 3            # one GPU (the design card's speed bar)
+    python bench.py report benchmarks/h200/*.jsonl                    # the tables of BENCHMARKS.md
     torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
 
 Random weights with the real dimensions (tiny_model.build_random_model: no download) and geo3k-like prompts: one
@@ -65,8 +66,42 @@ def summarize(metrics_path):
     return {k: sum(r[k] for r in steady if k in r) / sum(1 for r in steady if k in r) for k in keys}
 
 
+def report(paths):
+    """Markdown summary of metrics.jsonl files (BENCHMARKS.md is pasted from this output, never typed)."""
+    out = ["| run | steps | reward first -> last (mean of 5) | val first -> last | logprob diff mean / max "
+           "(over steps) | free GPU GiB engine awake / asleep | torch reserved GiB min / max | s/step (after 1st) |",
+           "|---|---|---|---|---|---|---|---|"]
+    phases = []
+    for p in paths:
+        rows = [json.loads(x) for x in open(p)]
+        tr = [r for r in rows if "timing/step" in r]
+        val = [r["val/mean"] for r in rows if "val/mean" in r]
+        f = lambda k, rs=tr: [r[k] for r in rs if k in r]  # noqa: E731
+        rew = f("reward/mean")
+        d_mean, d_max = f("rollout/logprob_diff_mean"), f("rollout/logprob_diff_max")
+        res = f("memory/gpu_reserved_gb")
+        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+        out.append(f"| {os.path.basename(p)} | {len(tr)} | {mean(rew[:5]):.3f} -> {mean(rew[-5:]):.3f} | "
+                   + (f"{val[0]:.3f} -> {val[-1]:.3f}" if val else "-") + " | "
+                   + (f"{mean(d_mean):.2e} / {max(d_max):.2e}" if d_mean else "-") + " | "
+                   + f"{mean(f('memory/free_engine_awake_gb')):.1f} / {mean(f('memory/free_engine_asleep_gb')):.1f} | "
+                   + (f"{min(res):.1f} / {max(res):.1f}" if res else "-") + f" | {mean(f('timing/step')[1:]):.2f} |")
+        phases.append((os.path.basename(p), summarize(p)))
+    out += ["", "| run | " + " | ".join(k for k in PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+    for name, s in phases:
+        out.append(f"| {name} | " + " | ".join(f"{s[k]:.2f}" if k in s else "-" for k in PHASES) + " |")
+    return "\n".join(out)
+
+
+PHASES = ["timing/gen", "timing/old_logprob", "timing/ref_logprob", "timing/update", "timing/sync", "timing/step",
+          "throughput/tokens_per_s", "memory/gpu_peak_allocated_gb", "memory/host_peak_rss_gb"]
+
+
 def main():
     argv = sys.argv[1:]
+    if argv[:1] == ["report"]:
+        print(report(argv[1:]))
+        return
     preset = "qwen2_5_vl_3b"
     if "--preset" in argv:
         i = argv.index("--preset")

@@ -28,14 +28,14 @@ class DAPOConfig(grpo.Config):
     kl_coef: float = 0.0  # no KL term and no reference model: long-CoT policies drift far from the start anyway
     loss_avg_mode: Literal["token", "seq", "seq-mean-token-sum-norm"] = "token"  # long answers weigh per token
     # soft overlong punishment: 0 up to max_response_length - buffer, then down to -factor at max_response_length
-    # (paper: buffer 4096 of 20480; the demo's 8 tokens get a buffer of 2; 0 = off)
-    overlong_buffer_length: int = 2
+    # (paper: buffer 4096 of 20480; 0 = off, the demo's default: its answers are a few tokens long)
+    overlong_buffer_length: int = 0
     overlong_penalty_factor: float = 1.0
     overlong_filtering: bool = False  # truncated samples take no part in the loss (kept for the advantages)
     # dynamic sampling
     filter_groups: bool = True
     filter_key: str = "accuracy"  # the score a group must vary in (EasyR1's filter_key; veRL's "acc")
-    gen_batch_size: int = 0  # prompts generated per try, all ranks together; 0 = rollout_batch_size (paper: 3x)
+    gen_batch_size: int = 0  # prompts generated per try, all ranks together; 0 = 3 x rollout_batch_size (the paper's)
     max_try_make_batch: int = 20  # tries before giving up with an error; 0 = unlimited
     output_dir: str = "outputs/dapo"
 
@@ -75,7 +75,7 @@ def collect_dynamic(ctx, step, metrics):
     `filter_key`. All ranks make the same number of generate calls (the engines of a tensor-parallel group
     generate together), so the loop ends on an all-reduced MIN of "I have enough"."""
     cfg = ctx.cfg
-    gen = cfg.gen_batch_size or cfg.rollout_batch_size
+    gen = cfg.gen_batch_size or 3 * cfg.rollout_batch_size
     share = cfg.rollout_batch_size // ctx.world  # groups this rank must return
     if gen % ctx.world:
         raise ValueError(f"gen_batch_size={gen} must be divisible by the number of ranks ({ctx.world})")

@@ -25,7 +25,7 @@ DATA_EXTS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
 MIN_PIXELS, MAX_PIXELS = 262144, 4194304
 
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220),
-          "yellow": (230, 200, 40)}
+          "white": (235, 235, 235)}  # four colours far apart in RGB: a close pair (red/yellow) gets confused
 SHAPES = ("circle", "square", "triangle")
 COLOR_QUESTION = "<image>What is the main color of the picture?"
 DEMO_FORMAT_PROMPT = "{{ content }} Answer with one word."
@@ -285,7 +285,7 @@ def make_color_dataset(out_path: str, n_rows: int, seed: int) -> str:
 
 def demo_data(data_dir=None, n_train=2000, n_val=200):
     """(train_path, val_path) of the colour task; created once. Different seeds -> unseen val."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/color-v2")
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/color-v3")
     train = os.path.join(data_dir, f"train-{n_train}.parquet")
     val = os.path.join(data_dir, f"val-{n_val}.parquet")
     if not os.path.isfile(train):

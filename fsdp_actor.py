@@ -141,7 +141,7 @@ def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
 
 
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
-                trainable=True):
+                trainable=True, freeze_vision_tower=False):
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in."""
@@ -153,6 +153,10 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not trainable:
         hf.requires_grad_(False)
+    if freeze_vision_tower:  # EasyR1's option: train the language model on fixed image features
+        for name, p in hf.named_parameters():
+            if ".visual." in f".{name}":
+                p.requires_grad_(False)
     model = LogProbModel(hf)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)

@@ -37,13 +37,13 @@ class Config:
     format_prompt: str | None = None  # jinja template (string or .jinja file) around {{ content }}
     reward_function: str = "color"  # math | r1v | color | dapo | path/to/file.py:fn
     max_prompt_length: int = 512
-    max_response_length: int = 8
+    max_response_length: int = 4  # the demo's: its answer is one word
     min_pixels: int = 56 * 56
     max_pixels: int = 112 * 112
     filter_overlong_prompts: bool = True
     # --- rollout ---
     rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
-    n: Annotated[int, tyro.conf.arg(aliases=("--rollout-n", "--num-generations"))] = 8  # samples per prompt (the group); under torchrun spell it --rollout-n (torchrun reads --n as its own --nnodes)
+    n: Annotated[int, tyro.conf.arg(aliases=("--rollout-n", "--num-generations"))] = 16  # samples per prompt (the group); under torchrun spell it --rollout-n (torchrun reads --n as its own --nnodes)
     temperature: float = 1.0
     top_p: float = 1.0
     val_temperature: float = 0.0  # 0 = greedy
@@ -58,7 +58,7 @@ class Config:
     micro_batch_size_per_device: int = 64  # samples per forward/backward, at most
     max_token_len_per_device: int = 16384  # padded tokens per forward/backward, at most
     # --- optimisation ---
-    lr: float = 2e-3  # the demo's; real models want ~1e-6
+    lr: float = 1e-3  # the demo's (a tiny model trained from scratch); real models want ~1e-6
     weight_decay: float = 1e-2
     lr_warmup_steps: int = 0
     max_grad_norm: float = 1.0
@@ -73,6 +73,7 @@ class Config:
     kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
+    freeze_vision_tower: bool = False  # train the language model only (the vision tower keeps its weights)
     gradient_checkpointing: bool = True
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     logprob_chunk_size: int = 4096
@@ -212,7 +213,8 @@ def setup(cfg: Config):
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     ctx.model = A.build_actor(ctx.model_path, device, torch.float32, ctx.compute_dtype,
-                              cfg.gradient_checkpointing, cfg.attn_implementation)
+                              cfg.gradient_checkpointing, cfg.attn_implementation,
+                              freeze_vision_tower=cfg.freeze_vision_tower)
     ctx.ref = None
     if cfg.kl_coef > 0:
         ctx.ref = A.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,

@@ -19,7 +19,7 @@ logging.getLogger("math_verify").setLevel(logging.CRITICAL)
 MATH_FORMAT_WEIGHT = 0.1  # EasyR1 examples/reward_function/math.py default
 R1V_FORMAT_WEIGHT = 0.5  # EasyR1 examples/reward_function/r1v.py default
 MAX_ANSWER_CHARS = 1000  # longer "answers" are garbage; keep sympy from chewing on them
-COLORS = ("red", "green", "blue", "yellow")
+COLORS = ("red", "green", "blue", "white")
 
 
 # ---------------------------------------------------------------- grading helpers

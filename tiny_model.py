@@ -40,7 +40,7 @@ CHAT_TEMPLATE = (
 )
 # Words of the synthetic colour task: frequent in the corpus so BPE gives each a single token
 # (a one-token answer keeps the demo's reward signal dense).
-TASK_WORDS = "red green blue yellow shape color circle square triangle answer".split()
+TASK_WORDS = "red green blue white yellow shape color circle square triangle answer".split()
 FILLER_WORDS = ("the a of is what which this image picture shows one word with in it and "
                 "think so because therefore number count left right").split()
 MARKER = "BUILD_COMPLETE.json"
@@ -258,7 +258,7 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0) -> str:
     """Build (or reuse) the tiny random model; returns its folder (pass it to from_pretrained)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v1")
+    out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v2")
 
     def build(tmp):
         tok = build_tokenizer()

@@ -127,7 +127,7 @@ def test_r1v(response, gt, expected):
         ("red or blue", "red", (0.0, 0.0, 0.0)),
         ("green", "red", (0.0, 1.0, 0.0)),  # a colour, the wrong one: no reward (format is only logged)
         ("redo the bluest yellowish", "red", (0.0, 0.0, 0.0)),  # word boundaries
-        ("I'd redo it: yellow", "yellow", (1.0, 1.0, 1.0)),
+        ("I'd redo it: white", "white", (1.0, 1.0, 1.0)),
         ("", "red", (0.0, 0.0, 0.0)),
         ("rouge 🔴", "red", (0.0, 0.0, 0.0)),
     ],
