@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # gpu_check.sh PHASE -- the GPU runs behind BENCHMARKS.md, as run on the H200 device (vLLM installed in /tmp/vsite).
-#   a: [GPU0] vLLM engine tests, 1-GPU demo with vLLM, stale-sync check  ||  [GPU1] 3B-shaped phase benchmark
+#   a: [GPU0] vLLM engine tests, short 1-GPU demo, stale-sync check  ||  [GPU1] 3B-shaped phase benchmark
+#   c: [GPU0] the full 1-GPU demo with vLLM  ||  [GPU1] the benchmark again (when BENCH_STEPS is set)
 #   b: 2 GPUs under torchrun: demo at TP 1 (two data-parallel engines) and at TP 2
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
@@ -8,11 +9,11 @@ export PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_ST
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \
   VLLM_ENABLE_V1_MULTIPROCESSING=0
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-DEMO="--rollout-engine vllm --enforce-eager --gpu-memory-utilization 0.25"
+DEMO="--rollout-engine vllm --enforce-eager --gpu-memory-utilization ${GPU_MEM:-0.25}"
 python -c "import tiny_model, data; tiny_model.build_tiny_model(); data.demo_data()" 2>&1 | tail -1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-a}" in
-a)
+a)  # first lease: engine tests, a short 1-GPU demo, the stale-sync check, the 3B benchmark (in parallel on GPU1)
   (CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-530} python bench.py --preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} \
      > "$OUT/bench3b.log" 2>&1; cp ~/.cache/vlm_rl/bench-qwen2_5_vl_3b/run/metrics.jsonl "$OUT/bench3b_metrics.jsonl") &
   CUDA_VISIBLE_DEVICES=0 timeout 200 python -m pytest -m gpu -q -s -x tests/test_vllm_gpu.py > "$OUT/gpu_tests.log" 2>&1
@@ -23,12 +24,19 @@ a)
      --output-dir /tmp/stale > "$OUT/stale.log" 2>&1
   cp /tmp/stale/metrics.jsonl "$OUT/stale_metrics.jsonl"; tail -2 "$OUT/stale.log"
   wait; tail -2 "$OUT/bench3b.log" ;;
-b)
-  timeout 150 torchrun --standalone --nproc_per_node 2 tests/test_vllm_gpu.py --tp 1 > "$OUT/spmd_tp1.log" 2>&1; tail -2 "$OUT/spmd_tp1.log"
-  timeout 150 torchrun --standalone --nproc_per_node 2 tests/test_vllm_gpu.py --tp 2 > "$OUT/spmd_tp2.log" 2>&1; tail -2 "$OUT/spmd_tp2.log"
+c)  # [GPU0] the demo to the end with vLLM on one GPU  ||  [GPU1] the 3B-shaped benchmark
+  if [ -n "${BENCH_STEPS:-}" ]; then
+    (CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-330} python bench.py --preset qwen2_5_vl_3b --max-steps $BENCH_STEPS \
+       > "$OUT/bench3b.log" 2>&1; cp ~/.cache/vlm_rl/bench-qwen2_5_vl_3b/run/metrics.jsonl "$OUT/bench3b_metrics.jsonl") &
+  fi
+  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO1_TIMEOUT:-300} python grpo.py $DEMO --output-dir /tmp/demo1 ${DEMO1_ARGS:-} \
+    > "$OUT/demo1.log" 2>&1
+  cp /tmp/demo1/metrics.jsonl "$OUT/demo1_metrics.jsonl"; tail -c 300 "$OUT/demo1.log"
+  wait ;;
+b)  # 2 GPUs under torchrun: the demo at TP 1 (two data-parallel engines) and at TP 2
   for tp in ${TPS:-1 2}; do
     timeout ${DEMO2_TIMEOUT:-280} torchrun --standalone --nproc_per_node 2 grpo.py $DEMO --tensor-parallel-size $tp \
       --output-dir /tmp/demo2_tp$tp ${DEMO2_ARGS:-} > "$OUT/demo2_tp$tp.log" 2>&1
-    cp /tmp/demo2_tp$tp/metrics.jsonl "$OUT/demo2_tp${tp}_metrics.jsonl"; tail -2 "$OUT/demo2_tp$tp.log"
+    cp /tmp/demo2_tp$tp/metrics.jsonl "$OUT/demo2_tp${tp}_metrics.jsonl"; tail -c 300 "$OUT/demo2_tp$tp.log"
   done ;;
 esac

@@ -51,6 +51,7 @@ class Config:
     gpu_memory_utilization: float = 0.6
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = False
+    limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
     # --- batch arithmetic (EasyR1's names: batch sizes count prompts, micro-batches count samples) ---
     rollout_batch_size: int = 16  # prompts per step, over all ranks
     global_batch_size: int = 16  # prompts per optimizer step; rollout_batch_size / global_batch_size updates per step
@@ -530,7 +531,7 @@ def format_line(m):
     keys = [("reward/mean", "reward"), ("reward/accuracy", "acc"), ("val/mean", "val"),
             ("response_length/mean", "len"), ("actor/kl", "kl"), ("actor/entropy", "ent"),
             ("actor/grad_norm", "gnorm"), ("rollout/logprob_diff_mean", "lpdiff"),
-            ("timing/gen", "t_gen"), ("timing/update", "t_upd"), ("timing/step", "t_step"),
+            ("dapo/tries", "tries"), ("dapo/generated_accuracy", "gen_acc"), ("timing/gen", "t_gen"), ("timing/update", "t_upd"), ("timing/step", "t_step"),
             ("throughput/tokens_per_s", "tok/s/dev")]
     return f"step {m['step']:4d} | " + " ".join(f"{n}={m[k]:.3g}" for k, n in keys if k in m)
 

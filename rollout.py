@@ -246,8 +246,10 @@ class VLLMRollout:
                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                   max_num_batched_tokens=max_num_batched_tokens, enable_sleep_mode=enable_sleep_mode, seed=seed,
                   enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", disable_log_stats=True)
-        if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):  # text-only models reject it
+        if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):  # text-only models reject these
             kw["limit_mm_per_prompt"] = limit_mm_per_prompt or {"image": 1, "video": 0}
+        else:
+            engine_kwargs.pop("mm_processor_kwargs", None)
         if world > 1 or dist.is_initialized():  # SPMD whenever a trainer set up torch.distributed, even 1 rank
             _init_world_for_external_dp()
             kw["distributed_executor_backend"] = "external_launcher"
@@ -406,8 +408,12 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, cfg=None
     kw = dict(tensor_parallel_size=get("tensor_parallel_size", 1),
               gpu_memory_utilization=get("gpu_memory_utilization", 0.6), max_model_len=max_len,
               max_num_batched_tokens=get("max_num_batched_tokens", None),
-              limit_mm_per_prompt=get("limit_mm_per_prompt", None), enable_sleep_mode=get("enable_sleep_mode", True),
+              limit_mm_per_prompt={"image": get("limit_images", 1), "video": 0},
+              enable_sleep_mode=get("enable_sleep_mode", True),
               seed=get("seed", 0), dtype=dtype, enforce_eager=get("enforce_eager", False),
               sleep_level=get("sleep_level", 1))
+    if get("min_pixels", None) and get("max_pixels", None):
+        # vLLM runs the HF image processor itself: give it the trainer's pixel bounds so both make the same grid
+        kw["mm_processor_kwargs"] = {"min_pixels": get("min_pixels", 0), "max_pixels": get("max_pixels", 0)}
     kw.update(overrides)
     return VLLMRollout(model_path, **kw)

@@ -24,10 +24,18 @@ def run(args, out, nproc=1, timeout=600):
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
 
 
+DENSE_REWARD = """
+def dense(items):  # a reward that varies within every group from the first step (the demo's starts at ~0)
+    return [{"overall": len(set(it["response"])) / 10, "accuracy": 0.0} for it in items]
+"""
+
+
 def test_one_and_two_processes_give_the_same_first_step(tmp_path):
+    (tmp_path / "r.py").write_text(DENSE_REWARD)
     # one mini-batch: its loss is a function of the global batch only, however it is spread over ranks
-    one = run(["--max-steps", "1", "--global-batch-size", "4"], tmp_path / "one")
-    two = run(["--max-steps", "1", "--global-batch-size", "4"], tmp_path / "two", nproc=2)
+    kw = ["--max-steps", "1", "--global-batch-size", "4", "--reward-function", f"{tmp_path / 'r.py'}:dense"]
+    one = run(kw, tmp_path / "one")
+    two = run(kw, tmp_path / "two", nproc=2)
     a, b = one[-1], two[-1]
     assert a["reward/mean"] == pytest.approx(b["reward/mean"], abs=1e-9)  # same samples (seeded per prompt)
     assert a["response_length/mean"] == pytest.approx(b["response_length/mean"], abs=1e-9)
@@ -39,12 +47,15 @@ def test_one_and_two_processes_give_the_same_first_step(tmp_path):
 
 def test_resume_is_exact(tmp_path):
     # two mini-batches per step: old log-probs are recomputed, the optimizer state carries over
-    kw = ["--global-batch-size", "2", "--save-freq", "1"]
-    straight = run(["--max-steps", "3"] + kw, tmp_path / "a")
+    (tmp_path / "r.py").write_text(DENSE_REWARD)
+    kw = ["--global-batch-size", "2", "--save-freq", "1", "--reward-function", f"{tmp_path / 'r.py'}:dense"]
+    straight = run(["--max-steps", "4"] + kw, tmp_path / "a")
     run(["--max-steps", "2"] + kw, tmp_path / "b")
     assert os.path.isdir(tmp_path / "b" / "checkpoints" / "step_2")
     assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path / "b" / "checkpoints"))
-    resumed = run(["--max-steps", "3"] + kw, tmp_path / "b")  # picks up step_2
-    assert [m["step"] for m in resumed] == [1, 2, 3]
+    resumed = run(["--max-steps", "4"] + kw, tmp_path / "b")  # picks up step_2
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    assert straight[-1]["actor/kl"] > 0 and straight[-1]["actor/grad_norm"] > 0  # the policy really moved
     for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl", "response_length/mean"):
-        assert resumed[-1][k] == pytest.approx(straight[-1][k], rel=1e-5, abs=1e-7), k
+        for i in (2, 3):  # step 4 also checks the optimizer state (its moments shaped step 3's update)
+            assert resumed[i][k] == pytest.approx(straight[i][k], rel=1e-5, abs=1e-7), (i, k)

@@ -38,7 +38,7 @@ def sharpen(sd):
 
 def perturb(sd, keep, scale=0.5):
     g = torch.Generator().manual_seed(123)
-    return {k: (v.float() + scale * torch.randn(v.shape, generator=g)).to(v.dtype)
+    return {k: (v.float() + scale * torch.randn(v.shape, generator=g).to(v.device)).to(v.dtype)
             for k, v in sd.items() if keep(k) and v.dim() > 1}
 
 
