@@ -24,19 +24,18 @@ a)  # first lease: engine tests, a short 1-GPU demo, the stale-sync check, the 3
      --output-dir /tmp/stale > "$OUT/stale.log" 2>&1
   cp /tmp/stale/metrics.jsonl "$OUT/stale_metrics.jsonl"; tail -2 "$OUT/stale.log"
   wait; tail -2 "$OUT/bench3b.log" ;;
-c)  # [GPU0] the demo to the end with vLLM on one GPU  ||  [GPU1] the 3B-shaped benchmark
+c)  # [GPU0] the full 1-GPU demo with vLLM  ||  [GPU1] the 3B-shaped benchmark (when BENCH_STEPS is set)
   if [ -n "${BENCH_STEPS:-}" ]; then
     (CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-330} python bench.py --preset qwen2_5_vl_3b --max-steps $BENCH_STEPS \
        > "$OUT/bench3b.log" 2>&1; cp ~/.cache/vlm_rl/bench-qwen2_5_vl_3b/run/metrics.jsonl "$OUT/bench3b_metrics.jsonl") &
   fi
-  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO1_TIMEOUT:-300} python grpo.py $DEMO --output-dir /tmp/demo1 ${DEMO1_ARGS:-} \
-    > "$OUT/demo1.log" 2>&1
-  cp /tmp/demo1/metrics.jsonl "$OUT/demo1_metrics.jsonl"; tail -c 300 "$OUT/demo1.log"
+  # outputs straight under $OUT: what a run wrote comes back even if it is cut off
+  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO1_TIMEOUT:-300} python grpo.py $DEMO --output-dir "$OUT/gpu1" ${DEMO1_ARGS:-} \
+    > "$OUT/gpu1.log" 2>&1; tail -c 300 "$OUT/gpu1.log"
   wait ;;
 b)  # 2 GPUs under torchrun: the demo at TP 1 (two data-parallel engines) and at TP 2
   for tp in ${TPS:-1 2}; do
     timeout ${DEMO2_TIMEOUT:-280} torchrun --standalone --nproc_per_node 2 grpo.py $DEMO --tensor-parallel-size $tp \
-      --output-dir /tmp/demo2_tp$tp ${DEMO2_ARGS:-} > "$OUT/demo2_tp$tp.log" 2>&1
-    cp /tmp/demo2_tp$tp/metrics.jsonl "$OUT/demo2_tp${tp}_metrics.jsonl"; tail -c 300 "$OUT/demo2_tp$tp.log"
+      --output-dir "$OUT/tp$tp" ${DEMO2_ARGS:-} > "$OUT/tp$tp.log" 2>&1; tail -c 300 "$OUT/tp$tp.log"
   done ;;
 esac
