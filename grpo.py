@@ -3,7 +3,7 @@
     python grpo.py                                    # the demo: tiny VLM built in code, synthetic colour task
     torchrun --nproc_per_node 8 grpo.py --model-path Qwen/Qwen2.5-VL-7B-Instruct --train-files hiyouga/geometry3k@train ...
 
-One step:  sample -> score -> advantage -> (old / ref log-probs) -> clipped loss + KL -> optimizer step -> sync.
+One step:  sync -> sample -> score -> advantage -> (old / ref log-probs) -> clipped loss + KL -> optimizer step.
 The algorithm lives in the middle section (advantages, KL estimators, policy losses, loss aggregation); the rest
 is plumbing. dapo.py imports this file and swaps in dynamic sampling and overlong shaping.
 """
@@ -51,6 +51,7 @@ class Config:
     gpu_memory_utilization: float = 0.6
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = False
+    sleep_level: int = 1  # 1: engine weights wait in CPU memory while training; 2: dropped, re-sent before generating
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
     # --- batch arithmetic (EasyR1's names: batch sizes count prompts, micro-batches count samples) ---
     rollout_batch_size: int = 16  # prompts per step, over all ranks
@@ -225,11 +226,12 @@ def setup(cfg: Config):
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
                                        dtype=ctx.compute_dtype, cfg=cfg)
     ctx.start_step, ctx.cursor = 0, 0
+    ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
     ckpt = A.latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints")) if cfg.resume else None
     if ckpt:
         state = A.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
         ctx.start_step, ctx.cursor = state["step"], state["cursor"]
-        ctx.rollout.sync_weights(A.iter_full_params(ctx.model, ctx.compute_dtype))
+        ctx.engine_stale = True
         log0(ctx, f"resumed from {ckpt} at step {ctx.start_step}")
     return ctx
 
@@ -383,6 +385,8 @@ def train_step(ctx, step, collect=collect_rollouts):
     cfg, T, metrics = ctx.cfg, {}, {}
     ctx.step = step
     t_step = time.time()
+    # ---- 0. sync: the engine gets the weights of the last update (streamed, one tensor at a time) ----
+    T["sync"] = sync_engine(ctx)
     # ---- 1. sample (generate n responses per prompt) and 2. score ----
     t = time.time()
     ctx.rollout.wake()
@@ -412,15 +416,11 @@ def train_step(ctx, step, collect=collect_rollouts):
         for s, r in zip(samples, ref):
             s["ref_logp"] = r
         T["ref_logprob"] = time.time() - t
-    # ---- 5. update the policy ----
+    # ---- 5. update the policy (the engine is now one update behind: synced before its next generation) ----
     t = time.time()
     metrics.update(update_policy(ctx, samples))
+    ctx.engine_stale = True
     T["update"] = time.time() - t
-    # ---- 6. sync the new weights into the rollout engine ----
-    t = time.time()
-    if not cfg.debug_skip_sync:
-        ctx.rollout.sync_weights(A.iter_full_params(ctx.model, ctx.compute_dtype))
-    T["sync"] = time.time() - t
     T["step"] = time.time() - t_step
     # ---- metrics ----
     metrics.update(sample_metrics(ctx, samples, "reward"))
@@ -431,6 +431,17 @@ def train_step(ctx, step, collect=collect_rollouts):
     metrics.update(memory_metrics(ctx))
     metrics["step"] = step + 1
     return metrics, samples
+
+
+def sync_engine(ctx):
+    """Stream the policy's weights into the engine if it is behind (or dropped them in a level-2 sleep). Returns
+    the seconds spent. Every rank takes part: each DTensor is all-gathered."""
+    if ctx.cfg.debug_skip_sync or not (ctx.engine_stale or getattr(ctx.rollout, "weights_lost", False)):
+        return 0.0
+    t = time.time()
+    ctx.rollout.sync_weights(A.iter_full_params(ctx.model, ctx.compute_dtype))
+    ctx.engine_stale = False
+    return time.time() - t
 
 
 def cuda_free_gb():
@@ -470,6 +481,7 @@ def validate(ctx):
     cfg = ctx.cfg
     rows = len(ctx.val) if not cfg.val_max_rows else min(cfg.val_max_rows, len(ctx.val))
     mine = list(range(ctx.rank, rows, ctx.world))
+    sync_engine(ctx)
     ctx.rollout.wake()
     samples = []
     for i in range(0, len(mine), 64):  # bounded batches keep the HF engine's memory flat
