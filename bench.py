@@ -81,12 +81,13 @@ def report(paths):
         d_mean, d_max = f("rollout/logprob_diff_mean"), f("rollout/logprob_diff_max")
         res = f("memory/gpu_reserved_gb")
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-        out.append(f"| {os.path.basename(p)} | {len(tr)} | {mean(rew[:5]):.3f} -> {mean(rew[-5:]):.3f} | "
+        name = os.path.basename(p) if os.path.basename(p) != "metrics.jsonl" else os.path.basename(os.path.dirname(p))
+        out.append(f"| {name} | {len(tr)} | {mean(rew[:5]):.3f} -> {mean(rew[-5:]):.3f} | "
                    + (f"{val[0]:.3f} -> {val[-1]:.3f}" if val else "-") + " | "
                    + (f"{mean(d_mean):.2e} / {max(d_max):.2e}" if d_mean else "-") + " | "
                    + f"{mean(f('memory/free_engine_awake_gb')):.1f} / {mean(f('memory/free_engine_asleep_gb')):.1f} | "
                    + (f"{min(res):.1f} / {max(res):.1f}" if res else "-") + f" | {mean(f('timing/step')[1:]):.2f} |")
-        phases.append((os.path.basename(p), summarize(p)))
+        phases.append((name, summarize(p)))
     out += ["", "| run | " + " | ".join(k for k in PHASES) + " |", "|---|" + "---|" * len(PHASES)]
     for name, s in phases:
         out.append(f"| {name} | " + " | ".join(f"{s[k]:.2f}" if k in s else "-" for k in PHASES) + " |")
