@@ -7,6 +7,7 @@ One step:  sync -> sample -> score -> advantage -> (old / ref log-probs) -> clip
 The algorithm lives in the middle section (advantages, KL estimators, policy losses, loss aggregation); the rest
 is plumbing. dapo.py imports this file and swaps in dynamic sampling and overlong shaping.
 """
+import functools
 import json
 import math
 import os
@@ -179,6 +180,9 @@ def setup(cfg: Config):
     if cfg.rollout_batch_size % world or cfg.rollout_batch_size % cfg.global_batch_size:
         raise ValueError(f"rollout_batch_size={cfg.rollout_batch_size} must be divisible by the number of ranks "
                          f"({world}) and by global_batch_size={cfg.global_batch_size}")
+    if cfg.temperature <= 0:
+        raise ValueError(f"temperature={cfg.temperature}: training samples need temperature > 0 (the log-probs "
+                         "divide by it); greedy is for validation (--val-temperature 0)")
     if (cfg.global_batch_size % world):
         raise ValueError(f"global_batch_size={cfg.global_batch_size} must be divisible by the number of ranks ({world})")
     random.seed(cfg.seed)
@@ -268,13 +272,9 @@ def draw_prompts(ctx, cursor, count):
     return out
 
 
-_PERMS = {}
-
-
+@functools.lru_cache(maxsize=2)  # the current epoch (and the next, while a batch straddles them)
 def _epoch_perm(N, seed):
-    if (N, seed) not in _PERMS:
-        _PERMS[(N, seed)] = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
-    return _PERMS[(N, seed)]
+    return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
 
 
 def generate_and_score(ctx, drawn, n, temperature):
@@ -290,6 +290,9 @@ def generate_and_score(ctx, drawn, n, temperature):
     texts = ctx.tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
     scores = ctx.reward_fn([{"response": t, "response_length": len(s["response_ids"]),
                              "ground_truth": s["prompt"]["answer"]} for t, s in zip(texts, samples)])
+    if len(scores) != len(samples) or not all(isinstance(sc, dict) and "overall" in sc for sc in scores):
+        raise ValueError(f"reward function {cfg.reward_function!r} must return one dict with an 'overall' score per "
+                         f"response ({len(samples)} given); got {str(scores)[:200]}")
     for s, t, sc in zip(samples, texts, scores):
         s["text"], s["scores"], s["reward"] = t, sc, float(sc["overall"])
     return samples
