@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -507,7 +508,8 @@ def train(cfg: Config, collect=collect_rollouts):
     bar = None
     if ctx.rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=cfg.max_steps, initial=ctx.start_step, desc="grpo", dynamic_ncols=True)
+        bar = tqdm(total=cfg.max_steps, initial=ctx.start_step, dynamic_ncols=True,
+                   desc=os.path.basename(sys.argv[0]).removesuffix(".py") or "train")
     if cfg.val_freq and ctx.val is not None and ctx.start_step == 0:
         val = validate(ctx)
         log0(ctx, "[val] step 0 " + " ".join(f"{k}={v:.3f}" for k, v in val.items()))
