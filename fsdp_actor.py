@@ -40,15 +40,11 @@ def init_distributed():
 # ----------------------------------------------------------------------------------------------- model
 def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
     """A VLM through AutoModelForImageTextToText, else a text LLM through AutoModelForCausalLM."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    config = AutoConfig.from_pretrained(path)
-    kw = dict(dtype=dtype)
-    if attn_implementation:
-        kw["attn_implementation"] = attn_implementation
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    kw = dict(dtype=dtype, **({"attn_implementation": attn_implementation} if attn_implementation else {}))
     try:
-        AutoModelForImageTextToText._model_mapping[type(config)]  # noqa: B018 -- probe, raises KeyError for text LLMs
         return AutoModelForImageTextToText.from_pretrained(path, **kw)
-    except KeyError:
+    except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText": a text LLM
         return AutoModelForCausalLM.from_pretrained(path, **kw)
 
 

@@ -21,7 +21,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from fsdp_actor import mm_token_types  # M-RoPE needs the image-token types at prefill, exactly as in training
+from fsdp_actor import load_hf_model, mm_token_types  # the same loading and M-RoPE inputs as the trainer
 
 
 # ------------------------------------------------------------------------------------------------ shared helpers
@@ -68,15 +68,6 @@ def _to_result(ids, logprobs, eos):
 
 
 # ------------------------------------------------------------------------------------------------ HF engine
-def _load_hf_model(path, dtype):
-    """A VLM through AutoModelForImageTextToText, else a text LLM through AutoModelForCausalLM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    try:
-        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
-    except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText"
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-
-
 class _SampledLogprobs:
     """Last logits processor: sees exactly the scores HF samples from (after suppression, temperature, top-p).
     The token sampled at step t only appears in input_ids at step t+1, so each call gathers the previous step's
@@ -104,7 +95,7 @@ class HFRollout:
     def __init__(self, model_path, device=None, dtype=torch.float32):
         from transformers import GenerationConfig
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = _load_hf_model(model_path, dtype).to(self.device).eval()
+        self.model = load_hf_model(model_path, dtype).to(self.device).eval()
         self.dtype = dtype
         self.eos_ids, self.forbidden_ids = special_token_ids(model_path)
         # A clean generation config: checkpoint defaults (Qwen-VL ships top_k=1, top_p=0.001,

@@ -53,7 +53,7 @@ def setup():
     eng = rollout.VLLMRollout(path, gpu_memory_utilization=0.3, max_model_len=1024, enforce_eager=True,
                               enable_sleep_mode=True, dtype="bfloat16", limit_mm_per_prompt={"image": 1, "video": 0})
     # the reference: bf16-rounded weights (what vLLM holds) computed in fp32
-    ref = rollout._load_hf_model(path, torch.bfloat16).float().cuda().eval()
+    ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()
     sd = {k: v.to(torch.bfloat16) for k, v in sharpen(ref.state_dict()).items()}
     eng.sync_weights(sd.items())
     ref.load_state_dict({k: v.float() for k, v in sd.items()})
@@ -181,7 +181,7 @@ def spmd_main(tp):
     got = [None] * world
     dist.all_gather_object(got, [o["response_ids"] for o in same])
     assert all(g == got[0] for g in got), got
-    sd = rollout._load_hf_model(path, torch.bfloat16).state_dict()
+    sd = rollout.load_hf_model(path, torch.bfloat16).state_dict()
     base = greedy(eng, recs)
     eng.sync_weights(perturb(sd, lambda k: True).items())
     assert greedy(eng, recs) != base
