@@ -89,9 +89,9 @@ class LogProbModel(nn.Module):
             return self.hf.model(**kw).last_hidden_state
         kw.update(mm_token_types(self.hf, input_ids, mm_inputs))
         owner, counts = owner  # per row: its distinct prompt; per distinct prompt: its number of images
-        if "image_grid_thw" not in mm_inputs:  # e.g. LLaVA-style [images, C, H, W]: one copy per row
-            mm = {k: torch.cat([v.split(counts)[i] for i in owner]) for k, v in mm_inputs.items()}
-            return self.hf.model(**mm, **kw).last_hidden_state
+        if "image_grid_thw" not in mm_inputs:
+            raise NotImplementedError(f"{type(self.hf).__name__}: images are supported for Qwen-VL-style models "
+                                      f"(processor outputs pixel_values + image_grid_thw); got {sorted(mm_inputs)}")
         grid = mm_inputs["image_grid_thw"]  # [I, 3], distinct prompts' images in order
         per_prompt = lambda x: list(x.split(counts))  # noqa: E731 -- image rows -> one chunk per distinct prompt
         row_grid = torch.cat([per_prompt(grid)[i] for i in owner])  # [I_rows, 3] the images as the rows show them
@@ -190,8 +190,7 @@ def collate(samples, pad_id, device):
     keys = {k for p in prompts for k in p["mm_inputs"]}  # Qwen-VL: pixel_values [P, D], image_grid_thw [I, 3]
     for key in keys:
         mm[key] = torch.cat([p["mm_inputs"][key] for p in prompts if key in p["mm_inputs"]]).to(device)
-    counts = [len(p["mm_inputs"].get("image_grid_thw", p["mm_inputs"].get("pixel_values", ()))) if p["mm_inputs"]
-              else 0 for p in prompts]  # images per distinct prompt
+    counts = [len(p["mm_inputs"].get("image_grid_thw", ())) for p in prompts]  # images per distinct prompt
     resp_len = torch.tensor([len(s["response_ids"]) for s in samples])
     return dict(input_ids=input_ids.to(device), resp_mask=resp_mask.to(device), mm_inputs=mm,
                 owner=(owner, counts)), resp_len
