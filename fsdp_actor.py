@@ -308,9 +308,10 @@ def iter_full_params(model, dtype=None):
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path, model, opt, sched, extra):
-    """Sharded model + optimizer via torch.distributed.checkpoint. Written to `<path>.tmp` and renamed when
-    complete, so a crash mid-save never leaves a checkpoint that looks whole."""
+def save_checkpoint(path, model, opt, sched, extra, keep=0):
+    """Sharded model + optimizer via torch.distributed.checkpoint (every rank writes its shard: on several nodes
+    the folder must be on a shared file system). Written to `<path>.tmp` and renamed when complete, so a crash
+    mid-save never leaves a checkpoint that looks whole; then only the newest `keep` are kept (0 = all)."""
     import json
     import shutil
     import torch.distributed.checkpoint as dcp
@@ -324,7 +325,12 @@ def save_checkpoint(path, model, opt, sched, extra):
     if dist.get_rank() == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump({**extra, "scheduler": sched.state_dict()}, f)
-        os.replace(tmp, path) if not os.path.exists(path) else (shutil.rmtree(path), os.replace(tmp, path))
+        if os.path.exists(path):  # a re-run of the same step
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        root = os.path.dirname(path)
+        while keep and len(steps := _saved_steps(root)) > keep:  # only after the new one is complete
+            shutil.rmtree(os.path.join(root, f"step_{steps[0]}"))
     dist.barrier(group=_cpu_group())
 
 
@@ -342,9 +348,13 @@ def load_checkpoint(path, model, opt, sched):
     return extra
 
 
-def latest_checkpoint(save_dir):
+def _saved_steps(save_dir):
+    """Steps of the complete checkpoints in save_dir, oldest first (a `.tmp` folder is an unfinished save)."""
     if not os.path.isdir(save_dir):
-        return None
-    steps = [int(d.split("_")[1]) for d in os.listdir(save_dir)
-             if d.startswith("step_") and not d.endswith(".tmp") and d.split("_")[1].isdigit()]
-    return os.path.join(save_dir, f"step_{max(steps)}") if steps else None
+        return []
+    return sorted(int(d[5:]) for d in os.listdir(save_dir) if d.startswith("step_") and d[5:].isdigit())
+
+
+def latest_checkpoint(save_dir):
+    steps = _saved_steps(save_dir)
+    return os.path.join(save_dir, f"step_{steps[-1]}") if steps else None

@@ -86,6 +86,7 @@ class Config:
     val_freq: int = 10  # validate every k steps (and before training); 0 = never
     val_max_rows: int = 0  # 0 = the whole validation set
     save_freq: int = 0  # checkpoint every k steps; 0 = only at the end
+    save_limit: int = 2  # keep the newest k checkpoints (each holds the optimizer state: 12 bytes/param); 0 = all
     output_dir: str = "outputs/demo"
     resume: bool = True  # continue from the newest checkpoint in output_dir
     seed: int = 1
@@ -526,7 +527,8 @@ def train(cfg: Config, collect=collect_rollouts):
         if (cfg.save_freq and (step + 1) % cfg.save_freq == 0) or last:
             t = time.time()
             A.save_checkpoint(os.path.join(cfg.output_dir, "checkpoints", f"step_{step + 1}"), ctx.model, ctx.opt,
-                              ctx.sched, {"step": step + 1, "cursor": ctx.cursor, "config": asdict(cfg)})
+                              ctx.sched, {"step": step + 1, "cursor": ctx.cursor, "config": asdict(cfg)},
+                              keep=cfg.save_limit)
             metrics["timing/save"] = time.time() - t
         if ctx.rank == 0:
             metrics_f.write(json.dumps(metrics) + "\n")

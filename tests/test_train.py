@@ -51,8 +51,8 @@ def test_resume_is_exact(tmp_path):
     kw = ["--global-batch-size", "2", "--save-freq", "1", "--reward-function", f"{tmp_path / 'r.py'}:dense"]
     straight = run(["--max-steps", "4"] + kw, tmp_path / "a")
     run(["--max-steps", "2"] + kw, tmp_path / "b")
-    assert os.path.isdir(tmp_path / "b" / "checkpoints" / "step_2")
-    assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path / "b" / "checkpoints"))
+    assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["step_1", "step_2"]  # complete, no .tmp left
+    assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["step_3", "step_4"]  # --save-limit 2
     resumed = run(["--max-steps", "4"] + kw, tmp_path / "b")  # picks up step_2
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     assert straight[-1]["actor/kl"] > 0 and straight[-1]["actor/grad_norm"] > 0  # the policy really moved
