@@ -45,7 +45,8 @@ class Config:
     filter_overlong_prompts: bool = True
     # --- rollout ---
     rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
-    n: Annotated[int, tyro.conf.arg(aliases=("--rollout-n", "--num-generations"))] = 16  # samples per prompt (the group); under torchrun spell it --rollout-n (torchrun reads --n as its own --nnodes)
+    n: Annotated[int, tyro.conf.arg(aliases=("--rollout-n", "--num-generations"), help=(
+        "samples per prompt (the group); under torchrun spell it --rollout-n: torchrun reads --n as its --nnodes"))] = 16
     temperature: float = 1.0
     top_p: float = 1.0
     val_temperature: float = 0.0  # 0 = greedy
@@ -186,7 +187,8 @@ def setup(cfg: Config):
         raise ValueError(f"temperature={cfg.temperature}: training samples need temperature > 0 (the log-probs "
                          "divide by it); greedy is for validation (--val-temperature 0)")
     if (cfg.global_batch_size % world):
-        raise ValueError(f"global_batch_size={cfg.global_batch_size} must be divisible by the number of ranks ({world})")
+        raise ValueError(f"global_batch_size={cfg.global_batch_size} must be divisible by the number of ranks "
+                         f"({world})")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     ctx = SimpleNamespace(cfg=cfg, rank=rank, world=world, device=device)
@@ -215,7 +217,8 @@ def setup(cfg: Config):
     ctx.train = data.PromptDataset(train_files, **data_kw)
     ctx.val = data.PromptDataset(val_files, **data_kw) if val_files else None
     if len(ctx.train) < cfg.rollout_batch_size:
-        raise ValueError(f"{train_files}: {len(ctx.train)} usable prompts < rollout_batch_size={cfg.rollout_batch_size}")
+        raise ValueError(f"{train_files}: {len(ctx.train)} usable prompts < rollout_batch_size="
+                         f"{cfg.rollout_batch_size}; lower --rollout-batch-size or add data")
     ctx.reward_fn = rewards.get_reward_fn(cfg.reward_function)
     # --- policy (fp32 master weights), reference (frozen, compute dtype), rollout engine (its own weights) ---
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
@@ -322,7 +325,8 @@ def update_policy(ctx, samples):
 
     g = torch.Generator().manual_seed(cfg.seed * 7919 + ctx.step)
     for epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(len(samples), generator=g).tolist() if n_mini > 1 or epoch > 0 else list(range(len(samples)))
+        shuffle = n_mini > 1 or epoch > 0  # mini-batches see a fresh mix of samples
+        order = torch.randperm(len(samples), generator=g).tolist() if shuffle else list(range(len(samples)))
         for m in range(n_mini):
             mini = [samples[i] for i in order[m * per_mini:(m + 1) * per_mini]]
             # global normalisers: the mini-batch's loss is the same whatever the micro-batching and rank count
@@ -550,7 +554,8 @@ def format_line(m):
     keys = [("reward/mean", "reward"), ("reward/accuracy", "acc"), ("val/mean", "val"),
             ("response_length/mean", "len"), ("actor/kl", "kl"), ("actor/entropy", "ent"),
             ("actor/grad_norm", "gnorm"), ("rollout/logprob_diff_mean", "lpdiff"),
-            ("dapo/tries", "tries"), ("dapo/generated_accuracy", "gen_acc"), ("timing/gen", "t_gen"), ("timing/update", "t_upd"), ("timing/step", "t_step"),
+            ("dapo/tries", "tries"), ("dapo/generated_accuracy", "gen_acc"),
+            ("timing/gen", "t_gen"), ("timing/update", "t_upd"), ("timing/step", "t_step"),
             ("throughput/tokens_per_s", "tok/s/dev")]
     return f"step {m['step']:4d} | " + " ".join(f"{n}={m[k]:.3g}" for k, n in keys if k in m)
 
