@@ -13,13 +13,15 @@ import threading
 
 from math_verify import parse, verify
 
+import data
+
 # math_verify logs every unparsable string; rollouts produce plenty of those.
 logging.getLogger("math_verify").setLevel(logging.CRITICAL)
 
 MATH_FORMAT_WEIGHT = 0.1  # EasyR1 examples/reward_function/math.py default
 R1V_FORMAT_WEIGHT = 0.5  # EasyR1 examples/reward_function/r1v.py default
 MAX_ANSWER_CHARS = 1000  # longer "answers" are garbage; keep sympy from chewing on them
-COLORS = ("red", "green", "blue", "white")
+COLORS = tuple(data.COLORS)  # the demo task's answers
 
 
 # ---------------------------------------------------------------- grading helpers
