@@ -101,7 +101,8 @@ def test_dapo_defaults_are_the_papers():
     assert c.reward_function == grpo.Config().reward_function  # `python dapo.py` runs the demo
 
 
-def test_dapo_end_to_end_smoke(tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_dapo_end_to_end_smoke(tmp_path, nproc):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -109,7 +110,9 @@ def test_dapo_end_to_end_smoke(tmp_path):
     args = ["--max-steps", "2", "--rollout-batch-size", "2", "--rollout-n", "4", "--global-batch-size", "2",
             "--gen-batch-size", "4", "--max-try-make-batch", "0", "--val-freq", "0", "--overlong-filtering",
             "--output-dir", str(tmp_path)]
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "dapo.py")] + args, cwd=ROOT, env=env,
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                                 if nproc > 1 else [])
+    p = subprocess.run(launch + [os.path.join(ROOT, "dapo.py")] + args, cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
