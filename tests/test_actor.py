@@ -151,3 +151,28 @@ def test_micro_batches_respect_bounds_and_keep_prompts_together():
     assert all(len(mb) * max(lengths[i] for i in mb) <= 60 for mb in mbs)
     assert mbs == [[2, 3], [1, 0, 5, 4]]  # longest prompt first; each prompt's samples side by side
     assert all(len(mb) <= 3 for mb in A.make_micro_batches(lengths, 10_000, 3, groups))
+
+
+def test_attention_runs_maskless_and_vision_once_per_image(setup, monkeypatch):
+    """The speed properties of the forward: the language model's SDPA calls get no mask (is_causal instead, which
+    lets PyTorch pick its flash kernel), and the vision tower sees each distinct image once, not once per sample."""
+    import torch.nn.functional as F
+    path, proc, samples = setup
+    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
+    calls, orig = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append((q.shape[0], attn_mask is None, is_causal))
+        return orig(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    seen = []
+    vis = model.hf.model.visual
+    monkeypatch.setattr(vis, "forward", lambda pixel_values, grid_thw, **kw: (
+        seen.append(len(grid_thw)), type(vis).forward(vis, pixel_values, grid_thw=grid_thw, **kw))[1])
+    batch, _ = A.collate(samples, proc.tokenizer.pad_token_id, torch.device("cpu"))  # 8 rows, 4 prompts, 5 images
+    with torch.no_grad():
+        model(**batch)
+    text = [c for c in calls if c[0] == len(samples)]  # the language model's calls: batch = rows
+    assert text and all(no_mask and causal for _, no_mask, causal in text)
+    assert seen == [5]  # one vision pass over the 5 distinct images
