@@ -176,3 +176,20 @@ def test_attention_runs_maskless_and_vision_once_per_image(setup, monkeypatch):
     text = [c for c in calls if c[0] == len(samples)]  # the language model's calls: batch = rows
     assert text and all(no_mask and causal for _, no_mask, causal in text)
     assert seen == [5]  # one vision pass over the 5 distinct images
+
+
+def test_qwen2_vl_logprobs_match_plain_hf_forward(tmp_path):
+    A.init_distributed()
+    path = tiny_model.build_tiny_model(str(tmp_path / "q2vl"), arch="qwen2_vl")
+    proc = data.load_processor(path)
+    train, _ = data.demo_data(str(tmp_path / "data"), n_train=4, n_val=2)
+    ds = data.PromptDataset(train, proc, format_prompt=data.DEMO_FORMAT_PROMPT, min_pixels=56 * 56,
+                            max_pixels=112 * 112)
+    p0, p1 = ds[0], ds[1]
+    samples = [dict(prompt=p0, response_ids=[5, 6, 7]), dict(prompt=p0, response_ids=[8]),
+               dict(prompt=p1, response_ids=[9, 9, 9, 9])]
+    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
+    lps, _ = A.compute_logprobs(model.eval(), samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
+                                max_tokens=10_000, max_samples=8)
+    for a, b in zip(lps, reference_logprobs(path, samples, proc.tokenizer.pad_token_id)):
+        assert torch.allclose(a.double(), b, atol=2e-5)
