@@ -9,6 +9,7 @@ Sequences are laid out as one row per sample: prompt + response, right-padded:
 
 Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch.
 """
+import functools
 import inspect
 import math
 import os
@@ -117,13 +118,18 @@ def mm_token_types(hf, input_ids, mm_inputs):
     """transformers >= 5 builds Qwen-VL's 3-D (M-RoPE) positions only when told which tokens are image (1) and
     video (2) pads; without it the model silently falls back to 1-D positions and disagrees with vLLM."""
     cfg = hf.config
-    if not mm_inputs or "mm_token_type_ids" not in inspect.signature(hf.model.forward).parameters:
+    if not mm_inputs or not _takes_mm_token_types(type(hf.model)):
         return {}
     types = torch.zeros_like(input_ids)
     for tid, v in ((getattr(cfg, "image_token_id", None), 1), (getattr(cfg, "video_token_id", None), 2)):
         if tid is not None:
             types[input_ids == tid] = v
     return {"mm_token_type_ids": types}
+
+
+@functools.cache
+def _takes_mm_token_types(model_cls):  # once per class: this runs on every forward
+    return "mm_token_type_ids" in inspect.signature(model_cls.forward).parameters
 
 
 def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
