@@ -239,8 +239,7 @@ def setup(cfg: Config):
     ckpt = A.latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints")) if cfg.resume else None
     if ckpt:
         state = A.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
-        ctx.start_step, ctx.cursor = state["step"], state["cursor"]
-        ctx.engine_stale = True
+        ctx.start_step, ctx.cursor = state["step"], state["cursor"]  # the engine is synced before step 1 anyway
         log0(ctx, f"resumed from {ckpt} at step {ctx.start_step}")
     return ctx
 
