@@ -55,7 +55,7 @@ def defaults(workdir, model_path, data_path):
         max_prompt_length=1024, max_response_length=1024, min_pixels=3136, max_pixels=512 * 512,
         rollout_batch_size=64, global_batch_size=64, n=8, temperature=1.0, lr=1e-6, kl_coef=1e-2,
         micro_batch_size_per_device=64, max_token_len_per_device=32768, gpu_memory_utilization=0.5,
-        max_num_batched_tokens=16384, max_steps=3, val_freq=0, save_freq=0, resume=False,
+        max_num_batched_tokens=16384, max_steps=3, val_freq=0, save_freq=-1, resume=False,
         output_dir=os.path.join(workdir, "run"))
 
 

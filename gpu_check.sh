@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # gpu_check.sh PHASE -- the GPU runs behind BENCHMARKS.md, as run on the H200 device (vLLM installed in /tmp/vsite).
 #   a: [GPU0] vLLM engine tests, short 1-GPU demo, stale-sync check  ||  [GPU1] 3B-shaped phase benchmark
-#   c: [GPU0] the full 1-GPU demo with vLLM  ||  [GPU1] the benchmark again (when BENCH_STEPS is set)
-#   b: 2 GPUs under torchrun: demo at TP 1 (two data-parallel engines) and at TP 2
+#   c: [GPU0] the full 1-GPU demo with vLLM, the engine tests (TESTS_TIMEOUT)  ||  [GPU1] the 3B benchmark (BENCH_STEPS)
+#   b: 2 GPUs under torchrun: demo at TP 1 (two data-parallel engines) and at TP 2; the trainer's GPU tests (TESTS_TIMEOUT)
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
 export PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -24,18 +24,26 @@ a)  # first lease: engine tests, a short 1-GPU demo, the stale-sync check, the 3
      --output-dir /tmp/stale > "$OUT/stale.log" 2>&1
   cp /tmp/stale/metrics.jsonl "$OUT/stale_metrics.jsonl"; tail -2 "$OUT/stale.log"
   wait; tail -2 "$OUT/bench3b.log" ;;
-c)  # [GPU0] the full 1-GPU demo with vLLM  ||  [GPU1] the 3B-shaped benchmark (when BENCH_STEPS is set)
+c)  # [GPU0] the full 1-GPU demo with vLLM, then the engine tests  ||  [GPU1] the 3B benchmark (when BENCH_STEPS is set)
   if [ -n "${BENCH_STEPS:-}" ]; then
     (CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-330} python bench.py --preset qwen2_5_vl_3b --max-steps $BENCH_STEPS \
-       > "$OUT/bench3b.log" 2>&1; cp ~/.cache/vlm_rl/bench-qwen2_5_vl_3b/run/metrics.jsonl "$OUT/bench3b_metrics.jsonl") &
+       --output-dir /tmp/bench3b ${BENCH_ARGS:-} > "$OUT/bench3b.log" 2>&1; cp /tmp/bench3b/metrics.jsonl "$OUT/bench3b_metrics.jsonl") &
   fi
-  # outputs straight under $OUT: what a run wrote comes back even if it is cut off
-  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO1_TIMEOUT:-300} python grpo.py $DEMO --output-dir "$OUT/gpu1" ${DEMO1_ARGS:-} \
-    > "$OUT/gpu1.log" 2>&1; tail -c 300 "$OUT/gpu1.log"
-  wait ;;
-b)  # 2 GPUs under torchrun: the demo at TP 1 (two data-parallel engines) and at TP 2
+  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO1_TIMEOUT:-300} python grpo.py $DEMO --output-dir /tmp/gpu1 ${DEMO1_ARGS:-} \
+    > "$OUT/gpu1.log" 2>&1; cp /tmp/gpu1/metrics.jsonl "$OUT/gpu1_metrics.jsonl"; tail -c 300 "$OUT/gpu1.log"
+  if [ -n "${TESTS_TIMEOUT:-}" ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout $TESTS_TIMEOUT python -m pytest -m gpu -q -s tests/test_vllm_gpu.py > "$OUT/gpu_tests.log" 2>&1
+    tail -3 "$OUT/gpu_tests.log"
+  fi
+  wait; tail -2 "$OUT/bench3b.log" 2>/dev/null ;;
+b)  # 2 GPUs under torchrun: the demo at TP 1 (two data-parallel engines) and at TP 2; then the trainer's GPU tests
   for tp in ${TPS:-1 2}; do
     timeout ${DEMO2_TIMEOUT:-280} torchrun --standalone --nproc_per_node 2 grpo.py $DEMO --tensor-parallel-size $tp \
-      --output-dir "$OUT/tp$tp" ${DEMO2_ARGS:-} > "$OUT/tp$tp.log" 2>&1; tail -c 300 "$OUT/tp$tp.log"
-  done ;;
+      --output-dir /tmp/tp$tp ${DEMO2_ARGS:-} > "$OUT/tp$tp.log" 2>&1; cp /tmp/tp$tp/metrics.jsonl "$OUT/tp${tp}_metrics.jsonl"
+    tail -c 300 "$OUT/tp$tp.log"
+  done
+  if [ -n "${TESTS_TIMEOUT:-}" ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout $TESTS_TIMEOUT python -m pytest -m gpu -q -s tests/test_grpo_gpu.py > "$OUT/grpo_gpu_tests.log" 2>&1
+    tail -3 "$OUT/grpo_gpu_tests.log"
+  fi ;;
 esac

@@ -86,7 +86,7 @@ class Config:
     max_steps: int = 150
     val_freq: int = 10  # validate every k steps (and before training); 0 = never
     val_max_rows: int = 0  # 0 = the whole validation set
-    save_freq: int = 0  # checkpoint every k steps; 0 = only at the end
+    save_freq: int = 0  # checkpoint every k steps; 0 = only at the end; -1 = never (benchmarks)
     save_limit: int = 2  # keep the newest k checkpoints (each holds the optimizer state: 12 bytes/param); 0 = all
     output_dir: str = "outputs/demo"
     resume: bool = True  # continue from the newest checkpoint in output_dir
@@ -527,7 +527,7 @@ def train(cfg: Config, collect=collect_rollouts):
             t = time.time()
             metrics.update(validate(ctx))
             metrics["timing/val"] = time.time() - t
-        if (cfg.save_freq and (step + 1) % cfg.save_freq == 0) or last:
+        if cfg.save_freq >= 0 and ((cfg.save_freq and (step + 1) % cfg.save_freq == 0) or last):
             t = time.time()
             A.save_checkpoint(os.path.join(cfg.output_dir, "checkpoints", f"step_{step + 1}"), ctx.model, ctx.opt,
                               ctx.sched, {"step": step + 1, "cursor": ctx.cursor, "config": asdict(cfg)},
