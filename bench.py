@@ -22,8 +22,9 @@ WORDS = ("in the figure triangle circle angle line segment point length area rad
          "of x if is parallel to perpendicular measure degrees round answer nearest tenth").split()
 
 
-def make_geo_dataset(path, n_rows, seed=0, size=512, words=95):
-    """EasyR1-format parquet: one size x size line drawing per row and a ~100-token question."""
+def make_geo_dataset(path, n_rows, tokenizer, seed=0, size=512, text_tokens=100):
+    """EasyR1-format parquet: one size x size line drawing per row and a question of about `text_tokens` tokens
+    under `tokenizer` (the model's: the BPE built in code splits these words finer than Qwen's would)."""
     import io
 
     import datasets
@@ -39,7 +40,10 @@ def make_geo_dataset(path, n_rows, seed=0, size=512, words=95):
         d.ellipse([size // 2 - r, size // 2 - r, size // 2 + r, size // 2 + r], outline="black", width=3)
         buf = io.BytesIO()
         im.save(buf, format="PNG")
-        rows["problem"].append("<image>" + " ".join(rng.choice(WORDS) for _ in range(words)) + "?")
+        words = []
+        while len(tokenizer(" ".join(words) + "?")["input_ids"]) < text_tokens:
+            words.append(rng.choice(WORDS))
+        rows["problem"].append("<image>" + " ".join(words) + "?")
         rows["answer"].append(str(rng.randint(1, 90)))
         rows["images"].append([{"bytes": buf.getvalue(), "path": None}])
     tmp = path + ".tmp"
@@ -110,13 +114,15 @@ def main():
         del argv[i:i + 2]
     workdir = os.environ.get("BENCH_DIR", os.path.expanduser(f"~/.cache/vlm_rl/bench-{preset}"))
     rank = int(os.environ.get("RANK", "0"))
-    model_path, data_path = os.path.join(workdir, "model"), os.path.join(workdir, "geo.parquet")
+    # v2: ~100 text tokens under the model's own tokenizer (v1 had ~360: 95 words, split finely by the BPE)
+    model_path, data_path = os.path.join(workdir, "model"), os.path.join(workdir, "geo-v2.parquet")
     if rank == 0:  # rank 0 builds (once, cached); the others wait for its marker file
         import tiny_model
         os.makedirs(workdir, exist_ok=True)
         tiny_model.build_random_model(model_path, preset)
         if not os.path.exists(data_path):
-            make_geo_dataset(data_path, 256)
+            from transformers import AutoTokenizer
+            make_geo_dataset(data_path, 256, AutoTokenizer.from_pretrained(model_path))
     else:
         import time
         while not (os.path.exists(os.path.join(model_path, "BUILD_COMPLETE.json")) and os.path.exists(data_path)):
