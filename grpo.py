@@ -469,10 +469,10 @@ def memory_metrics(ctx):
 
 
 def sample_metrics(ctx, samples, prefix):
-    """Rewards and their parts, response lengths, truncation rate: means over all ranks."""
+    """Rewards and their parts, prompt and response lengths, truncation rate: means over all ranks."""
     keys = sorted(samples[0]["scores"])
-    rows = [[s["scores"][k] for k in keys] + [len(s["response_ids"]), 0.0 if s["finished"] else 1.0, 1.0]
-            for s in samples]
+    rows = [[s["scores"][k] for k in keys] + [len(s["response_ids"]), 0.0 if s["finished"] else 1.0,
+                                               len(s["prompt"]["prompt_ids"]), 1.0] for s in samples]
     tot = A.all_reduce_cpu(torch.tensor(rows, dtype=torch.float64).sum(0))
     mx = A.all_reduce_cpu(max(len(s["response_ids"]) for s in samples), op=dist.ReduceOp.MAX)
     cnt = float(tot[-1])
@@ -481,6 +481,7 @@ def sample_metrics(ctx, samples, prefix):
     if prefix == "reward":
         out["response_length/max"] = float(mx)
         out["response_length/clip_ratio"] = float(tot[len(keys) + 1]) / cnt
+        out["prompt_length/mean"] = float(tot[len(keys) + 2]) / cnt  # image tokens included
     return out
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from grpo import agg_loss, compute_advantages, kl_penalty, policy_loss
+from grpo import agg_loss, compute_advantages, kl_penalty, policy_loss, sample_metrics
 
 S = 1 / math.sqrt(1 / 3)  # 1/std of [1,0,0,1] (unbiased std = sqrt(1/3))
 
@@ -114,3 +114,14 @@ def test_loss_aggregation_modes_hand_computed():
         parts = sum(agg_loss(loss[i:i + 1], mask[i:i + 1], mode, num_tokens=4, num_seqs=2, max_len=3)
                     for i in range(2))
         assert parts.item() == pytest.approx(whole.item()), mode
+
+
+def test_sample_metrics_by_hand():
+    from types import SimpleNamespace
+    s = lambda sc, r, p, fin: {"scores": {"overall": sc, "accuracy": sc}, "response_ids": [0] * r,  # noqa: E731
+                               "prompt": {"prompt_ids": [0] * p}, "finished": fin}
+    out = sample_metrics(SimpleNamespace(), [s(1.0, 4, 10, True), s(0.0, 8, 30, False)], "reward")
+    assert out["reward/mean"] == out["reward/accuracy"] == 0.5
+    assert out["response_length/mean"] == 6 and out["response_length/max"] == 8
+    assert out["response_length/clip_ratio"] == 0.5
+    assert out["prompt_length/mean"] == 20
