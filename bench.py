@@ -3,6 +3,7 @@
     python bench.py --preset qwen2_5_vl_3b --max-steps 3            # one GPU (the design card's speed bar)
     python bench.py report benchmarks/h200/*.jsonl                    # the tables of BENCHMARKS.md
     torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
+    python bench.py --trainer-only --profile --max-steps 2           # no engine: log-probs + update, kernel table
 
 Random weights with the real dimensions (tiny_model.build_random_model: no download) and geo3k-like prompts: one
 512x512 figure and about 100 text tokens. A random policy almost never emits EOS, so every response runs to
@@ -36,7 +37,7 @@ def make_geo_dataset(path, n_rows, tokenizer, seed=0, size=512, text_tokens=100)
         d = ImageDraw.Draw(im)
         for _ in range(rng.randint(3, 8)):
             d.line([rng.randint(0, size) for _ in range(4)], fill="black", width=3)
-        r = rng.randint(40, size // 3)
+        r = rng.randint(size // 12, size // 3)
         d.ellipse([size // 2 - r, size // 2 - r, size // 2 + r, size // 2 + r], outline="black", width=3)
         buf = io.BytesIO()
         im.save(buf, format="PNG")
@@ -102,11 +103,67 @@ PHASES = ["timing/gen", "timing/old_logprob", "timing/ref_logprob", "timing/upda
           "throughput/tokens_per_s", "memory/gpu_peak_allocated_gb", "memory/host_peak_rss_gb"]
 
 
+def synthetic_collect(ctx, step, metrics):
+    """--trainer-only: this rank's prompts with random full-length responses and random 0/1 rewards in place of
+    generation, so the trainer's phases can be timed (and profiled) without an inference engine."""
+    import torch
+    cfg = ctx.cfg
+    drawn = grpo.draw_prompts(ctx, ctx.cursor, cfg.rollout_batch_size)
+    ctx.cursor += cfg.rollout_batch_size
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 8191 + ctx.rank)
+    special = set(ctx.tokenizer.all_special_ids) | set(ctx.model.forbidden)
+    allowed = torch.tensor([i for i in range(256) if i not in special])  # byte tokens: in every vocabulary
+    samples = []
+    for k, (_, rec) in enumerate(drawn):
+        for _ in range(cfg.n):
+            ids = allowed[torch.randint(len(allowed), (cfg.max_response_length,), generator=g)].tolist()
+            r = float(torch.randint(2, (1,), generator=g))
+            samples.append(dict(prompt=rec, response_ids=ids, finished=False, rollout_logp=None, group=k, text="",
+                                scores={"overall": r}, reward=r))
+    return samples
+
+
+def run(cfg, trainer_only=False, profile=False):
+    """Train cfg.max_steps steps; with `profile`, the last step runs under torch.profiler and its kernel table
+    (sorted by device time) goes to <output_dir>/profile.txt. Returns the summary (steady-state means)."""
+    import torch
+    if trainer_only:
+        cfg = replace(cfg, rollout_engine="hf")  # built but never asked to generate: only weight syncs reach it
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 and os.path.exists(os.path.join(cfg.output_dir, "metrics.jsonl")):
+        os.remove(os.path.join(cfg.output_dir, "metrics.jsonl"))
+    base = synthetic_collect if trainer_only else grpo.collect_rollouts
+    prof = None
+    if profile:
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                        if torch.cuda.is_available() else [])
+        prof = torch.profiler.profile(activities=acts)
+
+    def collect(ctx, step, metrics):
+        if prof is not None and step == cfg.max_steps - 1:
+            prof.start()  # from here to the end of train(): the last step's collect, log-probs and update
+        return base(ctx, step, metrics)
+
+    grpo.train(cfg, collect=collect)
+    summary = {}
+    if rank == 0:
+        summary = summarize(os.path.join(cfg.output_dir, "metrics.jsonl"))
+    if prof is not None:
+        prof.stop()
+        if rank == 0:
+            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            with open(os.path.join(cfg.output_dir, "profile.txt"), "w") as f:
+                f.write(prof.key_averages().table(sort_by=key, row_limit=60))
+    return summary
+
+
 def main():
     argv = sys.argv[1:]
     if argv[:1] == ["report"]:
         print(report(argv[1:]))
         return
+    flags = {f: f in argv for f in ("--trainer-only", "--profile")}
+    argv = [a for a in argv if a not in flags]
     preset = "qwen2_5_vl_3b"
     if "--preset" in argv:
         i = argv.index("--preset")
@@ -129,12 +186,8 @@ def main():
             time.sleep(2)
     import tyro
     cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
-    cfg = replace(cfg, resume=False)
-    if rank == 0 and os.path.exists(os.path.join(cfg.output_dir, "metrics.jsonl")):
-        os.remove(os.path.join(cfg.output_dir, "metrics.jsonl"))
-    grpo.train(cfg)
+    summary = run(replace(cfg, resume=False), flags["--trainer-only"], flags["--profile"])
     if rank == 0:
-        summary = summarize(os.path.join(cfg.output_dir, "metrics.jsonl"))
         summary["preset"] = preset
         print("BENCH_RESULT " + json.dumps(summary), flush=True)
         with open(os.path.join(cfg.output_dir, "bench_summary.json"), "w") as f:

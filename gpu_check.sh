@@ -3,6 +3,7 @@
 #   a: [GPU0] vLLM engine tests, short 1-GPU demo, stale-sync check  ||  [GPU1] 3B-shaped phase benchmark
 #   c: [GPU0] the full 1-GPU demo with vLLM, the engine tests (TESTS_TIMEOUT)  ||  [GPU1] the 3B benchmark (BENCH_STEPS)
 #   b: 2 GPUs under torchrun: demo at TP 1 (two data-parallel engines) and at TP 2; the trainer's GPU tests (TESTS_TIMEOUT)
+#   p: the trainer alone on the 3B bench (no engine, no vLLM needed): phase seconds + the last step's kernel table
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
 export PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -46,4 +47,9 @@ b)  # 2 GPUs under torchrun: the demo at TP 1 (two data-parallel engines) and at
     CUDA_VISIBLE_DEVICES=0 timeout $TESTS_TIMEOUT python -m pytest -m gpu -q -s tests/test_grpo_gpu.py > "$OUT/grpo_gpu_tests.log" 2>&1
     tail -3 "$OUT/grpo_gpu_tests.log"
   fi ;;
+p)  # the trainer alone (random responses instead of generation): where the 3B update's time goes
+  CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-400} python bench.py --preset qwen2_5_vl_3b --trainer-only --profile \
+    --max-steps ${BENCH_STEPS:-2} --output-dir /tmp/prof3b ${BENCH_ARGS:-} > "$OUT/prof3b.log" 2>&1
+  cp /tmp/prof3b/metrics.jsonl "$OUT/prof3b_metrics.jsonl"; cp /tmp/prof3b/profile.txt "$OUT/prof3b_profile.txt"
+  tail -2 "$OUT/prof3b.log" ;;
 esac

@@ -22,3 +22,34 @@ def test_geo_prompts_have_one_512px_image_and_about_100_text_tokens(tmp_path):
         assert grid.tolist() == [[1, 36, 36]]  # 512 px -> 504 px (multiple of 28) -> 36 x 36 patches
         image_tokens = 36 * 36 // 4
         assert image_tokens + 100 <= len(rec["prompt_ids"]) <= image_tokens + 150  # + the chat template
+
+
+def test_trainer_only_profile_run(tmp_path):
+    """`bench.py --trainer-only --profile` on the tiny model: random full-length responses instead of an engine, the
+    phases timed, the last step's kernel table written."""
+    import json
+    import subprocess
+    path = tiny_model.build_tiny_model()
+    proc = data.load_processor(path)
+    parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 4, proc.tokenizer, size=112, text_tokens=20)
+    out = tmp_path / "run"
+    script = (
+        "import bench, dataclasses, torch.distributed as dist\n"
+        f"cfg = bench.defaults({str(tmp_path)!r}, {path!r}, {parquet!r})\n"
+        "cfg = dataclasses.replace(cfg, rollout_batch_size=2, global_batch_size=2, n=4, max_response_length=8,\n"
+        f"    min_pixels=56 * 56, max_pixels=112 * 112, max_steps=2, lr=1e-3, output_dir={str(out)!r})\n"
+        "print('SUMMARY', bench.run(cfg, trainer_only=True, profile=True))\n"
+        "dist.destroy_process_group()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(bench.__file__), env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["response_length/mean"] == 8 and r["response_length/clip_ratio"] == 1.0
+        assert r["timing/update"] > 0 and r["timing/ref_logprob"] > 0 and r["actor/kl"] >= 0
+    assert rows[1]["actor/kl"] > 0  # the update of step 1 moved the policy away from the reference
+    table = (out / "profile.txt").read_text()
+    assert "aten::" in table and "Self CPU" in table
