@@ -94,8 +94,8 @@ class LogProbModel(nn.Module):
             raise NotImplementedError(f"{type(self.hf).__name__}: images are supported for Qwen-VL-style models "
                                       f"(processor outputs pixel_values + image_grid_thw); got {sorted(mm_inputs)}")
         grid = mm_inputs["image_grid_thw"]  # [I, 3], distinct prompts' images in order
-        per_prompt = lambda x: list(x.split(counts))  # noqa: E731 -- image rows -> one chunk per distinct prompt
-        row_grid = torch.cat([per_prompt(grid)[i] for i in owner])  # [I_rows, 3] the images as the rows show them
+        grid_of = grid.split(counts)  # one [images, 3] chunk per distinct prompt
+        row_grid = torch.cat([grid_of[i] for i in owner])  # [I_rows, 3] the images as the rows show them
         if self.hf.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
             # The n samples of a prompt share its image: run the vision tower once per distinct image (not n times)
             # and scatter its features into every row that shows it. Gradients from all rows add up in one place.
@@ -108,8 +108,7 @@ class LogProbModel(nn.Module):
             return self.hf.model(inputs_embeds=embeds, image_grid_thw=row_grid, **kw).last_hidden_state
         # other VLMs (e.g. Qwen3-VL, whose vision tower also feeds deeper layers): the model's own path, with one
         # copy of the pixels per row
-        patches = per_prompt(grid.prod(-1))
-        pixels = mm_inputs["pixel_values"].split([int(p.sum()) for p in patches])
+        pixels = mm_inputs["pixel_values"].split([int(g.prod(-1).sum()) for g in grid_of])
         return self.hf.model(pixel_values=torch.cat([pixels[i] for i in owner]), image_grid_thw=row_grid,
                              **kw).last_hidden_state
 
@@ -188,10 +187,12 @@ def collate(samples, pad_id, device):
         input_ids[i, :len(x)] = torch.tensor(x)
         resp_mask[i, lp - 1:lp - 1 + lr] = True
     # the distinct prompts of the batch (the n samples of a prompt share its images) and which one each row shows
-    distinct, owner = {}, []
+    index, prompts, owner = {}, [], []
     for s in samples:
-        owner.append(distinct.setdefault(id(s["prompt"]), len(distinct)))
-    prompts = list({id(s["prompt"]): s["prompt"] for s in samples}.values())
+        if id(s["prompt"]) not in index:
+            index[id(s["prompt"])] = len(prompts)
+            prompts.append(s["prompt"])
+        owner.append(index[id(s["prompt"])])
     mm = {}
     keys = {k for p in prompts for k in p["mm_inputs"]}  # Qwen-VL: pixel_values [P, D], image_grid_thw [I, 3]
     for key in keys:
