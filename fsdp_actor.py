@@ -62,6 +62,8 @@ class LogProbModel(nn.Module):
         cfg = hf_model.config
         self.forbidden = [i for i in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None))
                           if isinstance(i, int) and i >= 0]
+        self.has_vision = getattr(cfg, "vision_config", None) is not None and hasattr(hf_model.model,
+                                                                                       "get_image_features")
 
     def forward(self, input_ids, resp_mask, mm_inputs, owner=None, temperature=1.0, chunk_size=4096):
         """mm_inputs: processor outputs of the *distinct* prompts of the batch; owner: (for each row the distinct
@@ -86,8 +88,15 @@ class LogProbModel(nn.Module):
         # pads' own outputs are never read). A padding mask would also keep SDPA off its flash kernel (and, with
         # grouped-query attention, on the slow O(T^2)-memory math path).
         kw = dict(input_ids=input_ids, attention_mask=None, use_cache=False)
-        if not mm_inputs:
+        if not mm_inputs and not self.has_vision:
             return self.hf.model(**kw).last_hidden_state
+        if not mm_inputs:
+            # Every rank must run the same sharded modules in the same order (each vision block is an FSDP unit
+            # whose weights are all-gathered collectively): a text-only micro-batch still runs the vision tower
+            # first, on one blank image, and adds 0 x its output so that backward reaches its blocks too.
+            embeds = self.hf.model.get_input_embeddings()(input_ids)  # [B, T, H]
+            embeds = embeds + self._idle_vision(embeds)
+            return self.hf.model(inputs_embeds=embeds, attention_mask=None, use_cache=False).last_hidden_state
         kw.update(mm_token_types(self.hf, input_ids, mm_inputs))
         owner, counts = owner  # per row: its distinct prompt; per distinct prompt: its number of images
         if "image_grid_thw" not in mm_inputs:
@@ -111,6 +120,25 @@ class LogProbModel(nn.Module):
         pixels = mm_inputs["pixel_values"].split([int(g.prod(-1).sum()) for g in grid_of])
         return self.hf.model(pixel_values=torch.cat([pixels[i] for i in owner]), image_grid_thw=row_grid,
                              **kw).last_hidden_state
+
+
+    def _idle_vision(self, like):
+        """0 x (the vision tower's output for one blank image of the smallest grid): a zero that is in the graph."""
+        vc = self.hf.config.vision_config
+        m = vc.spatial_merge_size
+        dim = getattr(vc, "in_channels", 3) * vc.temporal_patch_size * vc.patch_size ** 2
+        pixels = torch.zeros(m * m, dim, device=like.device, dtype=like.dtype)  # [patches, C*t*p*p]
+        out = self.hf.model.get_image_features(pixels, torch.tensor([[1, m, m]], device=like.device))
+        return sum(t.float().sum() for t in _tensors(out)).to(like.dtype) * 0.0
+
+
+def _tensors(x):
+    """The floating-point tensors inside a (nested) model output."""
+    if isinstance(x, torch.Tensor):
+        return [x] if x.is_floating_point() else []
+    if isinstance(x, dict):
+        x = list(x.values())
+    return [t for v in x for t in _tensors(v)] if isinstance(x, (list, tuple)) else []
 
 
 def mm_token_types(hf, input_ids, mm_inputs):

@@ -193,3 +193,24 @@ def test_qwen2_vl_logprobs_match_plain_hf_forward(tmp_path):
                                 max_tokens=10_000, max_samples=8)
     for a, b in zip(lps, reference_logprobs(path, samples, proc.tokenizer.pad_token_id)):
         assert torch.allclose(a.double(), b, atol=2e-5)
+
+
+def test_text_only_rows_in_a_vlm_match_plain_hf_forward(setup):
+    """A micro-batch without images still runs the vision tower (on a blank image, times 0, so every rank runs
+    the same FSDP units): the log-probs are those of the plain text forward, and the vision blocks get a (zero)
+    gradient, which is what keeps the ranks' reduce-scatters lined up."""
+    path, proc, _ = setup
+    p = data.encode_prompt({"problem": "Name a colour.", "answer": "red", "images": []}, proc)
+    samples = [dict(prompt=p, response_ids=[5, 6, 7]), dict(prompt=p, response_ids=[9, 9])]
+    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
+    batch, resp_len = A.collate(samples, proc.tokenizer.pad_token_id, torch.device("cpu"))
+    seen = []
+    vis = model.hf.model.visual
+    vis.register_forward_hook(lambda *a: seen.append(1))
+    lp, _ = model(**batch)
+    for a, b in zip(lp.split(resp_len.tolist()), reference_logprobs(path, samples, proc.tokenizer.pad_token_id)):
+        assert torch.allclose(a.double(), b, atol=2e-5)
+    lp.sum().backward()
+    assert seen == [1]
+    grads = [q.grad for n, q in model.named_parameters() if ".visual." in n]
+    assert grads and all(g is not None and float(g.full_tensor().abs().sum()) == 0 for g in grads)
