@@ -9,6 +9,7 @@ Sequences are laid out as one row per sample: prompt + response, right-padded:
 
 Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch.
 """
+import contextlib
 import functools
 import inspect
 import math
@@ -172,10 +173,11 @@ def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
 
 
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
-                trainable=True, freeze_vision_tower=False):
+                trainable=True, freeze_vision_tower=False, lora=None):
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
-    policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in."""
+    policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
+    r, alpha, target_modules, exclude_modules (see add_lora)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
@@ -188,6 +190,8 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
         for name, p in hf.named_parameters():
             if ".visual." in f".{name}":
                 p.requires_grad_(False)
+    if lora:
+        add_lora(hf, **lora)
     model = LogProbModel(hf)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -200,6 +204,41 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
         model.to(device)
     model.train(trainable)
     return model
+
+
+def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visual.*"):
+    """LoRA through peft, in place: the wrapped Linear layers keep their weight as `<name>.base_layer.weight`
+    next to `<name>.lora_A/B.default.weight`, and every parameter outside the adapters is frozen (the vision
+    tower too, unless targeted: vLLM takes no LoRA on the vision encoder, so it is excluded by default). The
+    PeftModel wrapper is dropped: the trainer keeps calling the HF model, whose layers now carry the adapters."""
+    from peft import LoraConfig, get_peft_model
+    targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
+    peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
+                                               exclude_modules=exclude_modules or None))
+    if not any(p.requires_grad for p in hf.parameters()):
+        raise ValueError(f"--lora-target-modules {target_modules!r} matched no layer")  # UserError
+    return peft_model  # (merge.py saves adapter folders through it)
+
+
+def lora_layers(model):
+    """{module name: LoRA scale} of the LoRA-wrapped layers ({} without LoRA)."""
+    from peft.tuners.lora import LoraLayer
+    hf = getattr(model, "hf", model)
+    return {n: m.scaling["default"] for n, m in hf.named_modules() if isinstance(m, LoraLayer)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """The base model, i.e. the reference policy of a LoRA run: no second copy of the weights."""
+    from peft.tuners.lora import LoraLayer
+    layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, LoraLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
 
 
 # ----------------------------------------------------------------------------------------------- batches
@@ -334,12 +373,25 @@ def optimizer_step(model, opt, sched, max_grad_norm):
 
 
 # ----------------------------------------------------------------------------------------------- weights out
-def iter_full_params(model, dtype=None):
+def iter_full_params(model, dtype=None, lora_only=False):
     """Yield (hf_name, full tensor) one parameter at a time: each DTensor is all-gathered, handed over, then
-    dropped, so the peak extra memory is one tensor, never a full state-dict copy. Every rank must iterate."""
-    for name, p in model.hf.state_dict().items():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        yield name, (t.to(dtype) if dtype is not None else t).detach()
+    dropped, so the peak extra memory is one tensor, never a full state-dict copy. Every rank must iterate.
+    With LoRA the engine gets the merged weight W + scale * B @ A under the base model's name; `lora_only`
+    yields only those (everything else never changes, so it goes to the engine once)."""
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    scales = lora_layers(model)
+    sd = getattr(model, "hf", model).state_dict()
+    for name, p in sd.items():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        layer = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
+        if lora_only and not (layer in scales and name.endswith(".weight")):
+            continue
+        t = full(p)
+        if layer in scales and name.endswith(".base_layer.weight"):  # [out, in] + scale * [out, r] @ [r, in]
+            a, b = full(sd[f"{layer}.lora_A.default.weight"]), full(sd[f"{layer}.lora_B.default.weight"])
+            t = t.float() + scales[layer] * (b.float() @ a.float())
+        yield name.replace(".base_layer.", "."), (t.to(dtype) if dtype is not None else t).detach()
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
@@ -355,7 +407,7 @@ def save_checkpoint(path, model, opt, sched, extra, keep=0):
     if dist.get_rank() == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)
     dist.barrier(group=_cpu_group())
-    msd, osd = get_state_dict(model, opt)
+    msd, osd = get_state_dict(model, opt, options=_state_dict_options(model))
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
     if dist.get_rank() == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
@@ -373,14 +425,23 @@ def load_checkpoint(path, model, opt, sched):
     import json
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    msd, osd = get_state_dict(model, opt)
+    options = _state_dict_options(model)
+    msd, osd = get_state_dict(model, opt, options=options)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     with open(os.path.join(path, "trainer_state.json")) as f:
         extra = json.load(f)
     sched.load_state_dict(extra.pop("scheduler"))
     return extra
+
+
+def _state_dict_options(model):
+    """A LoRA checkpoint holds the adapters and their optimizer state only (megabytes): the frozen base weights
+    are the model_path's. Full training saves every weight."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    lora = bool(lora_layers(model))
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def _saved_steps(save_dir):

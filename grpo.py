@@ -7,6 +7,7 @@ One step:  sync -> sample -> score -> advantage -> (old / ref log-probs) -> clip
 The algorithm lives in the middle section (advantages, KL estimators, policy losses, loss aggregation); the rest
 is plumbing. dapo.py imports this file and swaps in dynamic sampling and overlong shaping.
 """
+import contextlib
 import functools
 import json
 import math
@@ -79,6 +80,10 @@ class Config:
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
     freeze_vision_tower: bool = False  # train the language model only (the vision tower keeps its weights)
+    lora_rank: int = 0  # LoRA (peft) rank; 0 = full fine-tuning. With LoRA only adapters train: the vision tower is frozen unless targeted
+    lora_alpha: int = 32  # LoRA scale = alpha / rank
+    lora_target_modules: str = "all-linear"  # comma-separated module names, or peft's "all-linear"
+    lora_exclude_modules: str = r".*visual.*"  # regex of modules left without adapters (vLLM has no vision LoRA)
     gradient_checkpointing: bool = True
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     logprob_chunk_size: int = 4096
@@ -223,11 +228,13 @@ def setup(cfg: Config):
     # --- policy (fp32 master weights), reference (frozen, compute dtype), rollout engine (its own weights) ---
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    ctx.lora = dict(r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
+                    exclude_modules=cfg.lora_exclude_modules) if cfg.lora_rank > 0 else None
     ctx.model = A.build_actor(ctx.model_path, device, torch.float32, ctx.compute_dtype,
                               cfg.gradient_checkpointing, cfg.attn_implementation,
-                              freeze_vision_tower=cfg.freeze_vision_tower)
+                              freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora)
     ctx.ref = None
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = A.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
                                 attn_implementation=cfg.attn_implementation, trainable=False)
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
@@ -351,7 +358,7 @@ def update_policy(ctx, samples):
                 norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
                 pg_loss = agg_loss(tok_loss, mask, cfg.loss_avg_mode, **norm)
                 loss = pg_loss
-                if ctx.ref is not None:
+                if cfg.kl_coef > 0:
                     ref = A.stack_padded([s["ref_logp"] for s in mb], R, dev)
                     kl = kl_penalty(logp, ref, cfg.kl_penalty)
                     loss = loss + cfg.kl_coef * agg_loss(kl, mask, cfg.loss_avg_mode, **norm)
@@ -418,9 +425,10 @@ def train_step(ctx, step, collect=collect_rollouts):
         for s, o in zip(samples, old):
             s["old_logp"] = o
         T["old_logprob"] = time.time() - t
-    if ctx.ref is not None:
+    if cfg.kl_coef > 0:
         t = time.time()
-        ref, _ = A.compute_logprobs(ctx.ref, samples, **mb_kw)
+        with A.adapters_disabled(ctx.model) if ctx.lora else contextlib.nullcontext():
+            ref, _ = A.compute_logprobs(ctx.ref or ctx.model, samples, **mb_kw)
         for s, r in zip(samples, ref):
             s["ref_logp"] = r
         T["ref_logprob"] = time.time() - t
@@ -447,7 +455,10 @@ def sync_engine(ctx):
     if ctx.cfg.debug_skip_sync or not (ctx.engine_stale or getattr(ctx.rollout, "weights_lost", False)):
         return 0.0
     t = time.time()
-    ctx.rollout.sync_weights(A.iter_full_params(ctx.model, ctx.compute_dtype))
+    # LoRA: the engine loaded the base weights itself; only the merged LoRA layers change (unless a level-2
+    # sleep dropped everything)
+    lora_only = bool(ctx.lora) and not getattr(ctx.rollout, "weights_lost", False)
+    ctx.rollout.sync_weights(A.iter_full_params(ctx.model, ctx.compute_dtype, lora_only=lora_only))
     ctx.engine_stale = False
     return time.time() - t
 

@@ -2,6 +2,7 @@
 
     python merge.py outputs/demo/checkpoints/step_150 outputs/demo/hf
     python merge.py CKPT OUT --model-path Qwen/Qwen2.5-VL-7B-Instruct --dtype bfloat16
+    python merge.py CKPT OUT --adapter-only          # a LoRA run's adapter as a peft folder
 
 A checkpoint is what grpo.py saves: the FSDP2-sharded model and optimizer through torch.distributed.checkpoint
 (one shard per rank), plus trainer_state.json. Only the model's tensors are read (the optimizer state, twice the
@@ -23,6 +24,7 @@ class Args:
     output: str  # the HF folder to write
     model_path: str | None = None  # the base model; default: the one recorded in the checkpoint
     dtype: str = "bfloat16"  # bfloat16 | float16 | float32
+    adapter_only: bool = False  # a LoRA checkpoint as a peft adapter folder instead of a dense model
 
 
 def base_model_path(checkpoint, model_path=None):
@@ -36,7 +38,7 @@ def base_model_path(checkpoint, model_path=None):
     return path
 
 
-def merge(checkpoint, output, model_path=None, dtype="bfloat16"):
+def merge(checkpoint, output, model_path=None, dtype="bfloat16", adapter_only=False):
     import torch.distributed.checkpoint as dcp
 
     import fsdp_actor as A
@@ -44,15 +46,29 @@ def merge(checkpoint, output, model_path=None, dtype="bfloat16"):
         raise FileNotFoundError(f"{checkpoint}: not a checkpoint folder (no .metadata); pass checkpoints/step_N")
     path = base_model_path(checkpoint, model_path)
     hf = A.load_hf_model(path, dtype=torch.float32)
+    cfg = json.load(open(os.path.join(checkpoint, "trainer_state.json"))).get("config", {})
+    lora = cfg.get("lora_rank", 0) > 0
+    if lora:  # the checkpoint holds the adapters only: rebuild them on the base model, then read them in
+        peft_model = A.add_lora(hf, cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_target_modules"],
+                                cfg["lora_exclude_modules"])
+    elif adapter_only:
+        raise ValueError(f"{checkpoint}: --adapter-only needs a LoRA checkpoint (trained with --lora-rank > 0)")
     # the saved names are those of the FSDP root, fsdp_actor.LogProbModel: "hf." + the HF names
-    state = {"model": {"hf." + k: v for k, v in hf.state_dict().items()}}
+    state = {"model": {"hf." + k: v for k, v in hf.state_dict().items()
+                       if not lora or ".lora_A." in k or ".lora_B." in k}}
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # reads just these keys, from every rank's shard
-    hf.load_state_dict({k[3:]: v for k, v in state["model"].items()})
-    hf.to(getattr(torch, dtype))
+    hf.load_state_dict({k[3:]: v for k, v in state["model"].items()}, strict=not lora)
     tmp = output.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    hf.save_pretrained(tmp)
-    copy_tokenizer_files(path, tmp)
+    if adapter_only:  # a peft folder: PeftModel.from_pretrained(base, folder)
+        peft_model.to(getattr(torch, dtype)).save_pretrained(tmp)
+    else:
+        if lora:  # dense: W + scale * B @ A under the base model's names
+            merged = dict(A.iter_full_params(hf))
+            hf = A.load_hf_model(path, dtype=torch.float32)
+            hf.load_state_dict(merged)
+        hf.to(getattr(torch, dtype)).save_pretrained(tmp)
+        copy_tokenizer_files(path, tmp)
     if os.path.exists(output):
         shutil.rmtree(output)
     os.replace(tmp, output)  # a crash never leaves a half-written model folder under the final name
@@ -74,4 +90,4 @@ def copy_tokenizer_files(path, out):
 if __name__ == "__main__":
     import tyro
     a = tyro.cli(Args)
-    print(f"wrote {merge(a.checkpoint, a.output, a.model_path, a.dtype)}")
+    print(f"wrote {merge(a.checkpoint, a.output, a.model_path, a.dtype, a.adapter_only)}")

@@ -1,0 +1,129 @@
+"""LoRA (peft): the reference is the policy with its adapters off, only adapters train, the engine gets merged
+weights under the base names, checkpoints hold the adapters and resume exactly, merge.py writes dense and adapter
+folders."""
+import json
+import os
+
+import pytest
+import torch
+
+import data
+import fsdp_actor as A
+import merge
+import tiny_model
+from test_actor import reference_logprobs
+from test_train import DENSE_REWARD, run
+
+LORA = dict(r=4, alpha=8, target_modules="all-linear", exclude_modules=r".*visual.*")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    A.init_distributed()
+    path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"))
+    proc = data.load_processor(path)
+    train, _ = data.demo_data(str(tmp_path_factory.mktemp("data")), n_train=4, n_val=2)
+    ds = data.PromptDataset(train, proc, format_prompt=data.DEMO_FORMAT_PROMPT, min_pixels=56 * 56,
+                            max_pixels=112 * 112)
+    samples = [dict(prompt=ds[0], response_ids=[5, 6, 7]), dict(prompt=ds[0], response_ids=[8]),
+               dict(prompt=ds[1], response_ids=[9, 9, 9, 9])]
+    return path, proc, samples
+
+
+def lora_actor(path, seed=0):
+    torch.manual_seed(seed)
+    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False,
+                          lora=LORA)
+    with torch.no_grad():  # peft starts B at 0 (adapter = identity): move it so the adapter changes the output
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.distributed.tensor.distribute_tensor(0.05 * torch.randn(p.shape), p.device_mesh,
+                                                                   p.placements))
+    return model.eval()
+
+
+def logprobs(model, samples, proc):
+    return A.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
+                              max_tokens=10_000, max_samples=8)[0]
+
+
+def test_reference_is_the_base_model_and_only_adapters_train(setup):
+    path, proc, samples = setup
+    model = lora_actor(path)
+    base = reference_logprobs(path, samples, proc.tokenizer.pad_token_id)
+    with A.adapters_disabled(model):
+        off = logprobs(model, samples, proc)
+    on = logprobs(model, samples, proc)
+    for a, b, c in zip(off, base, on):
+        assert torch.allclose(a.double(), b, atol=2e-5)  # adapters off == the base model, no second copy
+        assert not torch.allclose(c.double(), b, atol=1e-3)  # and on, they do change the policy
+    opt, _ = A.build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    trained = {id(p) for g in opt.param_groups for p in g["params"]}
+    names = [n for n, p in model.named_parameters() if id(p) in trained]
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    assert not any(".visual." in n for n in names)  # the vision tower is excluded by default
+
+
+def test_merged_weights_reproduce_the_actor(setup):
+    path, proc, samples = setup
+    model = lora_actor(path, seed=1)
+    merged = dict(A.iter_full_params(model))
+    plain = A.load_hf_model(path, dtype=torch.float32)
+    assert merged.keys() == plain.state_dict().keys()  # the base model's names: what engines load
+    plain.load_state_dict(merged)
+    dense = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
+    with torch.no_grad():
+        for n, p in dense.hf.named_parameters():
+            p.copy_(torch.distributed.tensor.distribute_tensor(merged[n], p.device_mesh, p.placements))
+    for a, b in zip(logprobs(model, samples, proc), logprobs(dense.eval(), samples, proc)):
+        assert torch.allclose(a, b, atol=1e-5)
+    changed = dict(A.iter_full_params(model, lora_only=True))  # later syncs: the LoRA-wrapped layers only
+    assert changed and set(changed) < set(merged)
+    assert all(torch.equal(changed[k], merged[k]) for k in changed)
+    assert all(k.endswith("proj.weight") and ".visual." not in k for k in changed)
+
+
+def test_lora_checkpoint_merges_to_dense_and_adapter_folders(setup, tmp_path):
+    path, proc, samples = setup
+    model = lora_actor(path, seed=2)
+    opt, sched = A.build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    ckpt = str(tmp_path / "ckpt" / "step_1")
+    os.makedirs(os.path.dirname(ckpt))
+    cfg = {"model_path": path, "lora_rank": LORA["r"], "lora_alpha": LORA["alpha"],
+           "lora_target_modules": LORA["target_modules"], "lora_exclude_modules": LORA["exclude_modules"]}
+    A.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": cfg})
+    size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
+    full = sum(p.numel() for p in model.parameters()) * 4
+    assert size < full / 4  # adapters (and their optimizer state) only, not the base weights
+    want = logprobs(model, samples, proc)
+    dense = merge.merge(ckpt, str(tmp_path / "dense"), dtype="float32")
+    hf = A.load_hf_model(dense)
+    assert not any("lora" in k for k in hf.state_dict())
+    torch.save(hf.state_dict(), tmp_path / "sd.pt")
+    check = A.build_actor(dense, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
+    for a, b in zip(want, logprobs(check.eval(), samples, proc)):
+        assert torch.allclose(a, b, atol=1e-5)  # merged logits equal the actor's (fp32)
+    folder = merge.merge(ckpt, str(tmp_path / "adapter"), dtype="float32", adapter_only=True)
+    from peft import PeftModel
+    peft_model = PeftModel.from_pretrained(A.load_hf_model(path), folder)
+    for n, t in peft_model.base_model.model.state_dict().items():
+        if ".lora_" in n:
+            want_t = dict(model.hf.state_dict())[n]
+            assert torch.equal(t, want_t.full_tensor()), n
+    assert json.load(open(os.path.join(folder, "adapter_config.json")))["r"] == LORA["r"]
+
+
+def test_lora_runs_one_and_two_processes_alike_and_resumes_exactly(tmp_path):
+    (tmp_path / "r.py").write_text(DENSE_REWARD)
+    # one mini-batch per step: its loss does not depend on how the batch is spread over ranks
+    kw = ["--lora-rank", "4", "--global-batch-size", "4", "--save-freq", "1", "--reward-function",
+          f"{tmp_path / 'r.py'}:dense"]
+    straight = run(["--max-steps", "3"] + kw, tmp_path / "a")
+    two = run(["--max-steps", "1"] + kw, tmp_path / "two", nproc=2)
+    for k in ("reward/mean", "actor/pg_loss", "actor/loss", "actor/grad_norm"):
+        assert two[0][k] == pytest.approx(straight[0][k], rel=1e-4, abs=1e-6), k
+    run(["--max-steps", "2"] + kw, tmp_path / "b")
+    resumed = run(["--max-steps", "3"] + kw, tmp_path / "b")
+    assert straight[-1]["actor/kl"] > 0 and straight[-1]["actor/grad_norm"] > 0  # the adapters moved
+    for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl"):
+        assert resumed[-1][k] == pytest.approx(straight[-1][k], rel=1e-5, abs=1e-7), k
