@@ -69,12 +69,17 @@ class Config:
     lr_warmup_steps: int = 0
     max_grad_norm: float = 1.0
     # --- the algorithm ---
-    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus"] = "grpo"
+    adv_estimator: Annotated[Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"],
+                             tyro.conf.arg(help="veRL's names and formulas: reinforce_plus_plus has no group baseline, "
+                                           "reinforce_plus_plus_baseline removes the group mean (README: Algorithms)")
+                             ] = "grpo"
     loss_type: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
     loss_avg_mode: Literal["token", "seq", "seq-mean-token-sum-norm"] = "token"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.3
     clip_ratio_dual: float = 3.0  # dual clip: bounds the loss of negative-advantage tokens with huge ratios
+    gspo_dual_clip: bool = False  # also dual-clip GSPO's sequence ratio, as EasyR1 does (the paper and veRL do not)
+    cispo_clip_low: bool = False  # bound CISPO's weight below by 1 - clip_ratio_low, as EasyR1/veRL (the paper: none)
     kl_coef: float = 1e-2  # 0 disables the reference model entirely
     kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"
     # --- engineering ---
@@ -101,8 +106,10 @@ class Config:
 
 
 # ================================================================================================ algorithm
-def compute_advantages(rewards, estimator="grpo", eps=1e-6):
-    """rewards [G, n] (n samples of each of G prompts) -> advantages [G, n], one scalar per sample."""
+def compute_advantages(rewards, estimator="grpo", lengths=None, eps=1e-6):
+    """rewards [G, n] (n samples of each of G prompts) -> advantages [G, n], one scalar per sample (every token of
+    a response shares it). lengths [G, n]: response tokens per sample, the REINFORCE++ whitening weights (default:
+    all equal)."""
     G, n = rewards.shape
     if estimator == "grpo":  # group-normalised; a group of equal rewards gives 0, not NaN
         std = rewards.std(dim=1, keepdim=True) if n > 1 else torch.ones_like(rewards)
@@ -113,14 +120,23 @@ def compute_advantages(rewards, estimator="grpo", eps=1e-6):
         if n == 1:
             return torch.zeros_like(rewards)
         return (rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1))
-    if estimator == "reinforce_plus_plus":  # REINFORCE++-baseline: group baseline, then whitened over the batch
-        adv = rewards - rewards.mean(dim=1, keepdim=True)
-        # over the *global* batch (the paper's point), so the statistics are summed over ranks
-        cnt, s, sq = A.all_reduce_cpu([adv.numel(), adv.sum(), adv.square().sum()]).tolist()
-        mean = s / cnt
-        std = math.sqrt(max(sq - cnt * mean * mean, 0.0) / max(cnt - 1, 1))  # unbiased, like torch.std
-        return (adv - mean) / (std + eps)
-    raise ValueError(f"adv_estimator={estimator!r}: choose grpo, dr_grpo, rloo or reinforce_plus_plus")
+    if estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        # veRL's compute_reinforce_plus_plus(_baseline)_outcome_advantage. With one outcome reward and gamma 1
+        # every response token's return is its sample's reward (the baseline variant first removes the group
+        # mean; a lone sample keeps its reward, as veRL's mean of 0). Then masked_whiten over all response tokens
+        # of the global batch: a token-weighted mean and unbiased variance, summed over ranks.
+        x = rewards.double()
+        if estimator == "reinforce_plus_plus_baseline" and n > 1:
+            x = x - x.mean(dim=1, keepdim=True)
+        w = torch.ones_like(x) if lengths is None else torch.as_tensor(lengths, dtype=torch.float64).view(G, n)
+        cnt, s = A.all_reduce_cpu([w.sum(), (w * x).sum()]).tolist()
+        if cnt <= 1:  # one token or none: nothing to whiten (veRL raises)
+            return torch.zeros_like(rewards)
+        mean = s / cnt  # veRL adds 1e-8 to this denominator; left out so that equal rewards give exactly 0
+        var = float(A.all_reduce_cpu((w * (x - mean).square()).sum())) / (cnt - 1)  # Bessel over tokens
+        return ((x - mean) / math.sqrt(var + 1e-8)).to(rewards.dtype)
+    raise ValueError(f"adv_estimator={estimator!r}: choose grpo, dr_grpo, rloo, reinforce_plus_plus or "
+                     "reinforce_plus_plus_baseline")
 
 
 def kl_penalty(logp, ref_logp, kind="low_var_kl"):
@@ -138,8 +154,10 @@ def kl_penalty(logp, ref_logp, kind="low_var_kl"):
     raise ValueError(f"kl_penalty={kind!r}: choose k1, k2, k3 (= low_var_kl) or abs")
 
 
-def policy_loss(logp, old_logp, adv, mask, loss_type="ppo_clip", clip_low=0.2, clip_high=0.3, clip_dual=3.0):
-    """Per-token policy loss [B, R] for logp/old_logp [B, R], adv [B], mask [B, R]; plus clip metrics."""
+def policy_loss(logp, old_logp, adv, mask, loss_type="ppo_clip", clip_low=0.2, clip_high=0.3, clip_dual=3.0,
+                gspo_dual_clip=False, cispo_clip_low=False):
+    """Per-token policy loss [B, R] for logp/old_logp [B, R], adv [B], mask [B, R]; plus clip metrics.
+    gspo_dual_clip / cispo_clip_low: EasyR1's versions of GSPO (dual-clipped) and CISPO (weight bounded below)."""
     adv = adv[:, None]  # [B, 1]
     log_ratio = (logp - old_logp).clamp(-20, 20)
     if loss_type == "gspo":  # GSPO: one length-normalised ratio per sequence, gradient still flows per token
@@ -147,15 +165,16 @@ def policy_loss(logp, old_logp, adv, mask, loss_type="ppo_clip", clip_low=0.2, c
         log_ratio = seq_log_ratio.detach()[:, None] + logp - logp.detach()
     ratio = log_ratio.exp()
     if loss_type == "cispo":  # CISPO: clip (and detach) the importance weight, keep every token's gradient
-        weight = ratio.clamp(max=1 + clip_high).detach()
+        lo = 1 - clip_low if cispo_clip_low else None  # the paper leaves small weights unbounded
+        weight = ratio.clamp(min=lo, max=1 + clip_high).detach()
         loss = -adv * weight * logp
-        clipped = (ratio > 1 + clip_high).float()
+        clipped = (weight != ratio).float()
         return loss, {"clipfrac": clipped, "dual_clipfrac": torch.zeros_like(ratio)}
     loss1 = -adv * ratio
     loss2 = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(loss1, loss2)
     clipfrac = (loss2 > loss1).float()
-    if loss_type == "ppo_clip" and clip_dual > 1:  # dual clip (negative advantages only)
+    if (loss_type == "ppo_clip" or gspo_dual_clip) and clip_dual > 1:  # dual clip (negative advantages only)
         loss3 = -adv * clip_dual
         dual = ((adv < 0) & (loss > loss3)).float()
         loss = torch.where(adv < 0, torch.minimum(loss, loss3), loss)
@@ -354,7 +373,8 @@ def update_policy(ctx, samples):
                     old = logp.detach()
                 adv = torch.tensor([s["adv"] for s in mb], device=dev, dtype=logp.dtype)  # [b]
                 tok_loss, clip = policy_loss(logp, old, adv, mask, cfg.loss_type, cfg.clip_ratio_low,
-                                             cfg.clip_ratio_high, cfg.clip_ratio_dual)
+                                             cfg.clip_ratio_high, cfg.clip_ratio_dual, cfg.gspo_dual_clip,
+                                             cfg.cispo_clip_low)
                 norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
                 pg_loss = agg_loss(tok_loss, mask, cfg.loss_avg_mode, **norm)
                 loss = pg_loss
@@ -412,7 +432,8 @@ def train_step(ctx, step, collect=collect_rollouts):
     T["gen"] = time.time() - t
     # ---- 3. advantages: normalise within each group of n ----
     rewards = torch.tensor([s["reward"] for s in samples]).view(-1, cfg.n)  # [G, n]
-    adv = compute_advantages(rewards, cfg.adv_estimator)  # [G, n]
+    lengths = torch.tensor([len(s["response_ids"]) for s in samples]).view(-1, cfg.n)  # [G, n]
+    adv = compute_advantages(rewards, cfg.adv_estimator, lengths)  # [G, n]
     for s, a in zip(samples, adv.flatten().tolist()):
         s["adv"] = a
     # ---- 4. log-probs of the old policy (only when it differs from the first forward) and of the reference ----

@@ -1,5 +1,6 @@
 """The algorithm's formulas against numbers worked out by hand."""
 import math
+import os
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ def test_grpo_advantages_hand_computed():
 
 
 def test_single_sample_groups_are_finite():
-    for est in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus"):
+    for est in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
         adv = compute_advantages(torch.tensor([[1.0], [0.0]]), est)
         assert torch.isfinite(adv).all(), est
 
@@ -27,12 +28,100 @@ def test_other_estimators_hand_computed():
     # RLOO: r_i - mean of the other three
     assert torch.allclose(compute_advantages(r, "rloo"), torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
     r2 = torch.tensor([[1.0, 0.0], [3.0, 3.0]])
-    # REINFORCE++: group mean removed -> [.5,-.5,0,0], then whitened over the batch (std = sqrt(1/6))
+    # REINFORCE++-baseline: group mean removed -> [.5,-.5,0,0], then whitened over the batch (std = sqrt(1/6))
     expect = torch.tensor([[0.5, -0.5], [0.0, 0.0]]) / math.sqrt(1 / 6)
+    assert torch.allclose(compute_advantages(r2, "reinforce_plus_plus_baseline"), expect, atol=1e-5)
+    # plain REINFORCE++: no group baseline, [1,0,3,3] whitened (mean 7/4, unbiased var 6.75 / 3 = 9/4)
+    expect = (r2 - 7 / 4) / 1.5
     assert torch.allclose(compute_advantages(r2, "reinforce_plus_plus"), expect, atol=1e-5)
     assert torch.equal(compute_advantages(torch.ones(2, 3), "rloo"), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="adv_estimator"):
         compute_advantages(r, "nope")
+
+
+# veRL's REINFORCE++ advantages, written out as veRL computes them (verl/trainer/ppo/core_algos.py and
+# verl/utils/torch_functional.py masked_whiten), in float64 on [B, T] token tensors
+def _verl_masked_whiten(values, mask):
+    mean = (values * mask).sum() / (mask.sum() + 1e-8)
+    var = ((values - mean) ** 2 * mask).sum() / (mask.sum() + 1e-8)
+    var = var * mask.sum() / (mask.sum() - 1)  # unbiased
+    return (values - mean) * torch.rsqrt(var + 1e-8)
+
+
+def _verl_reinforce_pp(rewards, lengths, baseline, gamma=1.0):
+    """rewards, lengths [G, n] -> veRL's per-token advantages [G*n, T] and the response mask."""
+    r, L = rewards.flatten().double(), lengths.flatten()
+    T = int(L.max())
+    mask = (torch.arange(T)[None, :] < L[:, None]).double()  # [B, T]
+    tok = torch.zeros(len(r), T, dtype=torch.float64)
+    tok[torch.arange(len(r)), L - 1] = r  # the outcome reward sits on the last response token
+    if baseline:  # compute_reinforce_plus_plus_baseline_outcome_advantage
+        index = torch.arange(rewards.shape[0]).repeat_interleave(rewards.shape[1]).tolist()
+        scores = tok.sum(-1)
+        groups = {}
+        for i, g in enumerate(index):
+            groups.setdefault(g, []).append(scores[i])
+        means = {g: torch.tensor(0.0) if len(v) == 1 else torch.stack(v).mean() for g, v in groups.items()}
+        scores = torch.stack([scores[i] - means[g] for i, g in enumerate(index)])
+        scores = scores.unsqueeze(-1).tile([1, T]) * mask
+        return _verl_masked_whiten(scores, mask) * mask, mask
+    returns, running = torch.zeros_like(tok), 0  # compute_reinforce_plus_plus_outcome_advantage
+    for t in reversed(range(T)):
+        running = tok[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return _verl_masked_whiten(returns, mask) * mask, mask
+
+
+@pytest.mark.parametrize("est", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_reinforce_plus_plus_matches_verl_in_float64(est):
+    rewards = torch.tensor([[1.0, 0.0, 0.5], [0.2, 0.9, 0.9], [0.0, 0.0, 1.0]])
+    lengths = torch.tensor([[3, 1, 5], [2, 4, 1], [6, 2, 2]])
+    ref, mask = _verl_reinforce_pp(rewards, lengths, est.endswith("baseline"))
+    ours = compute_advantages(rewards, est, lengths)  # [G, n]: one scalar per sample
+    assert ours.shape == rewards.shape
+    tok = ours.flatten().double()[:, None] * mask  # every response token carries its sample's advantage
+    assert torch.allclose(tok, ref, atol=1e-6)
+    # the whitening is token-weighted: ignoring the lengths (per-sample statistics) gives other numbers
+    assert (compute_advantages(rewards, est) - ours).abs().max() > 0.05
+    # veRL's baseline variant gives a prompt with one sample a baseline of 0: its reward, whitened
+    ref1, mask1 = _verl_reinforce_pp(rewards[:, :1], lengths[:, :1], est.endswith("baseline"))
+    ours1 = compute_advantages(rewards[:, :1], est, lengths[:, :1])
+    assert torch.allclose(ours1.flatten().double()[:, None] * mask1, ref1, atol=1e-6)
+    assert ours1.abs().min() > 0.1
+
+
+RPP = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+def _whiten_on_two_ranks(rank, port, rewards, lengths, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    h = rewards.shape[0] // 2
+    for est in RPP:
+        adv = compute_advantages(rewards[rank * h:(rank + 1) * h], est, lengths[rank * h:(rank + 1) * h])
+        torch.save(adv, os.path.join(out, f"{est}_{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_reinforce_plus_plus_whitens_over_all_ranks(tmp_path):
+    # two gloo ranks, each with half the prompts (the second half much longer and better rewarded): the statistics
+    # are those of the whole batch, as if one process held it
+    import socket
+    import torch.multiprocessing as mp
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.5], [1.0, 1.0]])
+    lengths = torch.tensor([[2, 1], [1, 3], [8, 5], [7, 9]])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_whiten_on_two_ranks, args=(port, rewards, lengths, str(tmp_path)), nprocs=2)
+    for est in RPP:
+        split = torch.cat([torch.load(tmp_path / f"{est}_{r}.pt") for r in range(2)])
+        whole = compute_advantages(rewards, est, lengths)
+        assert torch.allclose(split, whole, atol=1e-6), est
+        per_rank = torch.cat([compute_advantages(rewards[:2], est, lengths[:2]),
+                              compute_advantages(rewards[2:], est, lengths[2:])])
+        assert (per_rank - whole).abs().max() > 0.1  # the test can tell global from per-rank statistics
 
 
 def test_kl_estimators_hand_computed():
@@ -125,3 +214,27 @@ def test_sample_metrics_by_hand():
     assert out["response_length/mean"] == 6 and out["response_length/max"] == 8
     assert out["response_length/clip_ratio"] == 0.5
     assert out["prompt_length/mean"] == 20
+
+
+def test_gspo_dual_clip_option_hand_computed():
+    # A = -1 and a sequence ratio of e^2 = 7.39 (every token's log-ratio 2): the paper's and veRL's GSPO keeps the
+    # loss 7.39; EasyR1's dual-clips it at clip_ratio_dual = 3 (and the gradient vanishes)
+    logp = torch.full((1, 3), 2.0, requires_grad=True)
+    mask, adv = torch.ones(1, 3), torch.tensor([-1.0])
+    loss, m = policy_loss(logp, torch.zeros(1, 3), adv, mask, "gspo", 3e-4, 4e-4, 3.0)
+    assert torch.allclose(loss, torch.full((1, 3), math.exp(2.0)), atol=1e-5) and m["dual_clipfrac"].sum() == 0
+    loss_d, m_d = policy_loss(logp, torch.zeros(1, 3), adv, mask, "gspo", 3e-4, 4e-4, 3.0, gspo_dual_clip=True)
+    assert torch.allclose(loss_d, torch.full((1, 3), 3.0)) and m_d["dual_clipfrac"].tolist() == [[1.0, 1.0, 1.0]]
+    loss_d.sum().backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 3))
+
+
+def test_cispo_clip_low_option_hand_computed():
+    # ratio 0.5, A = -1: the paper's CISPO keeps the weight 0.5; EasyR1's and veRL's bound it at 1 - 0.2 = 0.8
+    logp = torch.tensor([[math.log(0.5), math.log(2.0)]], requires_grad=True)
+    loss, m = policy_loss(logp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), "cispo", 0.2, 0.28,
+                          cispo_clip_low=True)
+    assert torch.allclose(loss, torch.tensor([[0.8 * math.log(0.5), 1.28 * math.log(2.0)]]), atol=1e-6)
+    loss.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.8, 1.28]]))  # -A * clipped weight, gradient kept
+    assert m["clipfrac"].tolist() == [[1.0, 1.0]]

@@ -12,7 +12,7 @@ import torch
 from grpo import agg_loss, compute_advantages, policy_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 LOSSES = ("ppo_clip", "gspo", "cispo")
 MODES = ("token", "seq", "seq-mean-token-sum-norm")
 
@@ -34,6 +34,8 @@ def test_mixed_batch_hand_computed():
         "dr_grpo": [z, [-1.0, 0.0, 1.0]],
         "rloo": [z, [0 - 1.5, 1 - 1.0, 2 - 0.5]],  # r_i - mean of the other two
         # group means removed -> [0,0,0,-1,0,1]: batch mean 0, unbiased batch std sqrt(2/5)
+        "reinforce_plus_plus_baseline": [z, [-1 / math.sqrt(0.4), 0.0, 1 / math.sqrt(0.4)]],
+        # no baseline: [1,1,1,0,1,2] - its mean 1 -> the same deviations, the same numbers
         "reinforce_plus_plus": [z, [-1 / math.sqrt(0.4), 0.0, 1 / math.sqrt(0.4)]],
     }
     for est, e in expect.items():
