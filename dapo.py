@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch.distributed as dist
-import tyro
 
 import fsdp_actor as A
 import grpo
@@ -28,19 +27,17 @@ class DAPOConfig(grpo.Config):
     kl_coef: float = 0.0  # no KL term and no reference model: long-CoT policies drift far from the start anyway
     loss_avg_mode: Literal["token", "seq", "seq-mean-token-sum-norm"] = "token"  # long answers weigh per token
     # soft overlong punishment: 0 up to max_response_length - buffer, then down to -factor at max_response_length
-    # (paper: buffer 4096 of 20480; 0 = off, the demo's default: its answers are a few tokens long)
-    overlong_buffer_length: int = 0
-    overlong_penalty_factor: float = 1.0
+    overlong_buffer_length: int = 0  # overlong shaping's buffer in tokens (paper: 4096 of 20480); 0 = off (the demo)
+    overlong_penalty_factor: float = 1.0  # the overlong penalty at max_response_length
     overlong_filtering: bool = False  # truncated samples take no part in the loss (kept for the advantages)
-    # dynamic sampling
-    filter_groups: bool = True
+    filter_groups: bool = True  # dynamic sampling: keep only groups whose filter_key scores differ
     filter_key: str = "accuracy"  # the score a group must vary in (EasyR1's filter_key; veRL's "acc")
     gen_batch_size: int = 0  # prompts generated per try, all ranks together; 0 = 3 x rollout_batch_size (the paper's)
     max_try_make_batch: int = 20  # tries before giving up with an error; 0 = unlimited
     # the demo is solved by then: past it nearly every group is all-correct, and dynamic sampling needs ever more
     # tries per step until max_try_make_batch stops the run (that error is the intended end of a solved task)
-    max_steps: int = 60
-    output_dir: str = "outputs/dapo"
+    max_steps: int = 60  # training steps (the demo is solved by then; past it dynamic sampling runs out of tries)
+    output_dir: str = "outputs/dapo"  # metrics, samples, config and checkpoints go here
 
 
 def shape_overlong(samples, cfg):
@@ -81,7 +78,7 @@ def collect_dynamic(ctx, step, metrics):
     gen = cfg.gen_batch_size or 3 * cfg.rollout_batch_size
     share = cfg.rollout_batch_size // ctx.world  # groups this rank must return
     if gen % ctx.world:
-        raise ValueError(f"gen_batch_size={gen} must be divisible by the number of ranks ({ctx.world})")
+        raise grpo.UserError(f"--gen-batch-size {gen}: must be a multiple of the number of ranks ({ctx.world})")
     kept, tries = [], 0
     counts = [0.0] * 5  # groups generated, failed the filter, passed, samples truncated, sum of filter_key
     while True:
@@ -90,8 +87,8 @@ def collect_dynamic(ctx, step, metrics):
         samples = shape_overlong(grpo.generate_and_score(ctx, drawn, cfg.n, cfg.temperature), cfg)
         tries += 1
         if cfg.filter_groups and cfg.filter_key not in samples[0]["scores"]:
-            raise ValueError(f"filter_key={cfg.filter_key!r} is not a score of reward {cfg.reward_function!r}: "
-                             f"choose one of {sorted(samples[0]['scores'])}")
+            raise grpo.UserError(f"--filter-key {cfg.filter_key}: not a score of reward {cfg.reward_function!r}; "
+                                 f"choose one of {sorted(samples[0]['scores'])}")
         if cfg.filter_groups:
             new, failed = select_groups(samples, cfg.n, cfg.filter_key, limit=share - len(kept) // cfg.n)
         else:
@@ -105,7 +102,7 @@ def collect_dynamic(ctx, step, metrics):
             break
         if cfg.max_try_make_batch and tries >= cfg.max_try_make_batch:
             tot = A.all_reduce_cpu(counts).tolist()
-            raise RuntimeError(
+            raise grpo.UserError(
                 f"dynamic sampling: after {tries} tries (max_try_make_batch={cfg.max_try_make_batch}) of "
                 f"{gen} prompts, {int(tot[2])} of {int(tot[0])} groups had mixed {cfg.filter_key!r} "
                 f"({int(tot[1])} were all-equal) but a step needs {cfg.rollout_batch_size} on every rank. Raise "
@@ -125,5 +122,4 @@ def collect_dynamic(ctx, step, metrics):
 
 
 if __name__ == "__main__":
-    grpo.train(tyro.cli(DAPOConfig), collect=collect_dynamic)
-    dist.destroy_process_group()
+    grpo.main(DAPOConfig, collect_dynamic)

@@ -5,16 +5,18 @@ Rows follow EasyR1: a `problem` text (with optional `<image>` placeholders), an 
 prompt_ids (image pads expanded, what the actor sees), raw_prompt_ids (one pad per image, what
 vLLM expands itself), resized PIL images, processor outputs (mm_inputs), answer, prompt_text.
 """
+import collections
 import functools
 import glob
 import io
 import math
 import os
 import random
+import re
 import tempfile
 
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, UnidentifiedImageError
 
 IMAGE_PLACEHOLDER = "<image>"
 # Text-only keys of the processor output: per-token tensors that are rebuilt by whoever builds
@@ -31,34 +33,111 @@ COLOR_QUESTION = "<image>What is the main color of the picture?"
 DEMO_FORMAT_PROMPT = "{{ content }} Answer with one word."
 
 
+class UserError(ValueError):
+    """A mistake in what the user gave (an option, a file, a data row, a reward file). grpo.py and dapo.py print
+    its message as one `error:` line (rank 0 only, unless rank_local: only the rank that raised it saw it) and exit
+    with code 2, no traceback."""
+
+    def __init__(self, message, rank_local=False):
+        super().__init__(message)
+        self.rank_local = rank_local
+
+
+class BadRow(UserError):
+    """A dataset row that cannot be trained on; `kind` is its reason's category (the data check counts them)."""
+
+    def __init__(self, kind, detail=""):
+        super().__init__(f"{kind}: {detail}" if detail else kind)
+        self.kind = kind
+
+
+NO_PROMPT, NO_ANSWER, BAD_IMAGE, PLACEHOLDERS, TOO_LONG = (
+    "no prompt", "no answer", "bad image", "placeholders != images", "prompt too long")
+
+
 # ----------------------------------------------------------------------------- loading
 def load_rows(source: str, split: str = "train"):
     """Rows from a hub dataset ("name" or "name@split"), a .parquet/.json/.jsonl file, or a
-    folder of such files (split inferred from file names, like EasyR1)."""
+    folder of such files (split inferred from file names, like EasyR1). Images stay undecoded
+    ({"bytes", "path"}) until encode_prompt: a bad one is then a row's error, not the loader's."""
     import datasets
-    if "@" in source and not os.path.exists(source):
-        source, split = source.rsplit("@", 1)
+    source, split = _split_source(source, split)
     path = os.path.expanduser(source)
     if os.path.isdir(path):
         files = [f for f in sorted(glob.glob(os.path.join(path, "**", "*"), recursive=True))
                  if os.path.splitext(f)[1] in DATA_EXTS]
         if not files:
-            raise FileNotFoundError(f"no .parquet/.json/.jsonl files in folder {path!r}")
+            raise UserError(f"no .parquet/.json/.jsonl files in folder {path!r}")
         kinds = {DATA_EXTS[os.path.splitext(f)[1]] for f in files}
         if len(kinds) > 1:
-            raise ValueError(f"folder {path!r} mixes file types {sorted(kinds)}")
-        return datasets.load_dataset(kinds.pop(), data_dir=path, split=split)
-    if os.path.isfile(path):
+            raise UserError(f"folder {path!r} mixes file types {sorted(kinds)}: keep one kind per folder")
+        rows = datasets.load_dataset(kinds.pop(), data_dir=path, split=split)
+    elif os.path.isfile(path):
         ext = os.path.splitext(path)[1]
         if ext not in DATA_EXTS:
-            raise ValueError(f"unsupported data file {path!r}: expected one of {sorted(DATA_EXTS)}")
-        return datasets.load_dataset(DATA_EXTS[ext], data_files=path, split="train")
-    if os.path.splitext(path)[1] in DATA_EXTS or source.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"data file or folder not found: {path!r}")
-    try:
-        return datasets.load_dataset(source, split=split)
-    except Exception as e:  # hub errors are long; make the failing source obvious
-        raise FileNotFoundError(f"could not load dataset {source!r} (split {split!r}): {e}") from e
+            raise UserError(f"unsupported data file {path!r}: expected one of {sorted(DATA_EXTS)}")
+        rows = datasets.load_dataset(DATA_EXTS[ext], data_files=path, split="train")
+    elif not looks_like_hub_name(source):
+        raise UserError(f"no such file or folder: {path!r}")
+    else:
+        try:
+            rows = datasets.load_dataset(source, split=split)
+        except Exception as e:  # hub errors are long: their first line, and the source that failed
+            raise UserError(f"no such file or folder, and the hub could not load dataset {source!r} (split "
+                            f"{split!r}): {first_line(e)}") from e
+    return _undecoded_images(rows)
+
+
+def _undecoded_images(rows):
+    import datasets
+    for key, feature in rows.features.items():
+        inner = getattr(feature, "feature", None)  # List(Image()) holds the Image feature in .feature
+        if isinstance(feature, datasets.Image) or isinstance(inner, datasets.Image):
+            new = datasets.Image(decode=False)
+            was_on = not datasets.utils.are_progress_bars_disabled()
+            datasets.disable_progress_bars()  # no "Casting the dataset" bar for what is a metadata change
+            try:
+                rows = rows.cast_column(key, new if inner is None else datasets.List(new))
+            finally:
+                if was_on:
+                    datasets.enable_progress_bars()
+    return rows
+
+
+def _split_source(source, split="train"):
+    """"name@split" -> (name, split), unless the whole string is a path on disk."""
+    if "@" in source and not os.path.exists(os.path.expanduser(source)):
+        source, split = source.rsplit("@", 1)
+    return source, split
+
+
+def check_source(source: str, option: str):
+    """A data source that is neither on disk nor shaped like a hub name ("org/name") is a missing path."""
+    name = _split_source(source)[0]
+    if source and not os.path.exists(os.path.expanduser(name)) and not looks_like_hub_name(name):
+        raise UserError(f"{option} {source}: no such file or folder")
+
+
+def looks_like_hub_name(name: str) -> bool:
+    """"org/name" (the form a hub id has); anything else that is not on disk is a missing local path."""
+    return (re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None and ".." not in name
+            and os.path.splitext(name)[1] not in DATA_EXTS)
+
+
+def first_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def check_model_path(model_path: str):
+    """A local folder must exist (transformers would say "Repo id must be in the form ..." instead); an
+    "org/name" that is not on disk is a hub name, checked when the processor loads."""
+    path = os.path.expanduser(model_path)
+    if model_path and not os.path.exists(path) and not looks_like_hub_name(model_path):
+        raise UserError(f"--model-path {model_path}: no such folder (give a local model folder or a hub name "
+                        "like Qwen/Qwen2.5-VL-3B-Instruct)")
+    if os.path.isfile(path):
+        raise UserError(f"--model-path {model_path}: is a file; give the folder that holds config.json")
 
 
 def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: int | None = None):
@@ -68,31 +147,38 @@ def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: i
     Qwen-VL processors (the video and Auto image processors need it), so we assemble one from
     its parts with the PIL image backend."""
     import transformers
+    check_model_path(model_path)
     try:
-        proc = transformers.AutoProcessor.from_pretrained(model_path)
-    except ImportError as e:
-        proc = _processor_without_torchvision(model_path, e)
+        proc = _processor_without_torchvision(model_path) or transformers.AutoProcessor.from_pretrained(model_path)
+    except (OSError, ValueError) as e:  # transformers' messages for a bad folder or hub name run to many lines
+        raise UserError(f"--model-path {model_path}: could not load its tokenizer/processor ({first_line(e)}); "
+                        "give a model folder (with config.json) or a hub name") from e
     ip = getattr(proc, "image_processor", None)
     if ip is not None and (min_pixels or max_pixels):
         lo = min_pixels or ip.size["shortest_edge"]
         hi = max_pixels or ip.size["longest_edge"]
         ip.size = {"shortest_edge": lo, "longest_edge": hi}  # transformers 5
-        ip.min_pixels, ip.max_pixels = lo, hi  # transformers 4.x reads these
+        if hasattr(ip, "min_pixels"):  # transformers 4.x reads these (5 warns when they are set)
+            ip.min_pixels, ip.max_pixels = lo, hi
     return proc
 
 
-def _processor_without_torchvision(model_path, error):
+def _processor_without_torchvision(model_path):
+    """Qwen2(.5)-VL's processor from its parts with the PIL image backend; None where AutoProcessor works."""
     import transformers
-    model_type = transformers.AutoConfig.from_pretrained(model_path).model_type
+    from transformers.utils import is_torchvision_available
     names = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
+    if is_torchvision_available():
+        return None
+    model_type = getattr(transformers.AutoConfig.from_pretrained(model_path), "model_type", None)
     if model_type not in names:
-        raise error
-    ImgProc = getattr(transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor)
+        return None
     tok = transformers.AutoTokenizer.from_pretrained(model_path)
     cls = getattr(transformers, names[model_type])
     proc = cls.__new__(cls)  # skips the __init__ check that demands a video processor
     proc.image_processor, proc.tokenizer, proc.video_processor = (
-        ImgProc.from_pretrained(model_path), tok, None)
+        (getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+         ).from_pretrained(model_path), tok, None)
     proc.chat_template = tok.chat_template
     proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
     proc.image_token_id = tok.convert_tokens_to_ids(proc.image_token)
@@ -110,23 +196,30 @@ def to_pil(item, image_dir=None) -> Image.Image:
             return to_pil(item["bytes"])
         if item.get("path"):
             return to_pil(item["path"], image_dir)
-        raise ValueError(f"image dict has neither 'bytes' nor 'path': keys {sorted(item)}")
+        raise UserError(f"image dict has neither 'bytes' nor 'path': keys {sorted(item)}")
     if isinstance(item, (bytes, bytearray)):
         try:
             img = Image.open(io.BytesIO(item))
             img.load()
         except Exception as e:
-            raise ValueError(f"could not decode {len(item)} image bytes: {e}") from e
+            raise UserError(f"could not decode {len(item)} image bytes ({_pil_reason(e)})") from e
         return img.convert("RGB")
     if isinstance(item, (str, os.PathLike)):
         path = os.fspath(item)
         if image_dir is not None and not os.path.isabs(path):
             path = os.path.join(image_dir, path)
         if not os.path.isfile(path):
-            raise ValueError(f"image file not found: {path!r}")
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    raise ValueError(f"unsupported image type {type(item).__name__}")
+            raise UserError(f"image file not found: {path!r}")
+        try:
+            with Image.open(path) as img:
+                return img.convert("RGB")
+        except Exception as e:
+            raise UserError(f"could not decode image file {path!r} ({_pil_reason(e)})") from e
+    raise UserError(f"unsupported image type {type(item).__name__}")
+
+
+def _pil_reason(e):
+    return "not an image format PIL can read" if isinstance(e, UnidentifiedImageError) else first_line(e)
 
 
 def resize_image(img: Image.Image, min_pixels: int, max_pixels: int) -> Image.Image:
@@ -147,23 +240,29 @@ def resize_image(img: Image.Image, min_pixels: int, max_pixels: int) -> Image.Im
 def _template(format_prompt: str):
     """A jinja template from a string or a .jinja file path (cached: called once per row)."""
     import jinja2
-    if format_prompt.endswith(".jinja") or os.path.isfile(format_prompt):
-        with open(os.path.expanduser(format_prompt)) as f:
+    path = os.path.expanduser(format_prompt)
+    if format_prompt.endswith(".jinja") or os.path.isfile(path):
+        if not os.path.isfile(path):
+            raise UserError(f"--format-prompt {format_prompt}: no such file")
+        with open(path) as f:
             format_prompt = f.read()
-    return jinja2.Template(format_prompt.strip())
+    try:
+        return jinja2.Template(format_prompt.strip())
+    except jinja2.TemplateSyntaxError as e:
+        raise UserError(f"--format-prompt: not a jinja template ({e.message}, line {e.lineno})") from e
 
 
-def _user_content(text: str, n_images: int, row_desc: str):
+def _user_content(text: str, n_images: int):
     """Split on <image> into chat content items; EasyR1 prepends images when there is none."""
     n_ph = text.count(IMAGE_PLACEHOLDER)
     if n_images == 0:
         if n_ph:
-            raise ValueError(f"{row_desc}: {n_ph} '<image>' placeholder(s) but no images")
+            raise BadRow(PLACEHOLDERS, f"{n_ph} '<image>' placeholder(s) but no images")
         return text
     if n_ph == 0:
         return [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
     if n_ph != n_images:
-        raise ValueError(f"{row_desc}: {n_ph} '<image>' placeholder(s) but {n_images} images")
+        raise BadRow(PLACEHOLDERS, f"{n_ph} '<image>' placeholder(s) but {n_images} images")
     content = []
     for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
         if i:
@@ -173,23 +272,42 @@ def _user_content(text: str, n_images: int, row_desc: str):
     return content
 
 
+def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", image_key="images",
+                  image_dir=None, format_prompt: str | None = None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
+    """Everything a row must pass, then (chat text with one pad per image, resized images, answer, prompt text).
+    A bad row raises BadRow; a mistake that no row can pass (a text model given images) a plain UserError."""
+    prompt, answer = row.get(prompt_key), row.get(answer_key)
+    if prompt is None or not str(prompt).strip():
+        raise BadRow(NO_PROMPT, f"{prompt_key!r} is {prompt!r}")
+    if answer is None or (isinstance(answer, float) and math.isnan(answer)) or not str(answer).strip():
+        raise BadRow(NO_ANSWER, f"{answer_key!r} is {answer!r}")  # None would train as the string 'None'
+    text = str(prompt)
+    if format_prompt:
+        text = _template(format_prompt).render(content=text)
+    raw_images = row.get(image_key) or []
+    if raw_images and not hasattr(proc, "image_processor"):
+        raise UserError(f"rows have images ({image_key!r}) but the model has a tokenizer, no image processor "
+                        "(a text LLM?): use a VL model, or data without images")
+    images = []
+    for k, im in enumerate(raw_images):
+        try:
+            images.append(resize_image(to_pil(im, image_dir), min_pixels, max_pixels))
+        except UserError as e:
+            raise BadRow(BAD_IMAGE, f"image {k}: {e}") from e
+    messages = [{"role": "user", "content": _user_content(text, len(images))}]
+    # No system message: the chat template inserts its default system prompt.
+    templated = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return templated, images, str(answer), text
+
+
 def encode_prompt(row: dict, processor_or_tokenizer, prompt_key="problem", answer_key="answer",
                   image_key="images", image_dir=None, format_prompt: str | None = None,
                   min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS) -> dict:
     """One dataset row -> prompt record (see the spec). The processor runs once per prompt."""
     proc = processor_or_tokenizer
     tok = getattr(proc, "tokenizer", proc)  # a processor wraps a tokenizer; a tokenizer is one
-    text = str(row[prompt_key])
-    row_desc = f"row with {prompt_key}={text[:60]!r}"
-    if format_prompt:
-        text = _template(format_prompt).render(content=text)
-    raw_images = row.get(image_key) or []
-    if raw_images and not hasattr(proc, "image_processor"):
-        raise ValueError(f"{row_desc} has images but a tokenizer was given, not a processor")
-    images = [resize_image(to_pil(im, image_dir), min_pixels, max_pixels) for im in raw_images]
-    messages = [{"role": "user", "content": _user_content(text, len(images), row_desc)}]
-    # No system message: the chat template inserts its default system prompt.
-    templated = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    templated, images, answer, text = _prompt_parts(row, proc, prompt_key, answer_key, image_key, image_dir,
+                                                    format_prompt, min_pixels, max_pixels)
     raw_prompt_ids = tok.encode(templated, add_special_tokens=False)
     if images:
         enc = proc(text=[templated], images=images, return_tensors="pt", add_special_tokens=False)
@@ -199,31 +317,97 @@ def encode_prompt(row: dict, processor_or_tokenizer, prompt_key="problem", answe
     else:
         prompt_ids, mm_inputs = list(raw_prompt_ids), {}
     return {"prompt_ids": prompt_ids, "raw_prompt_ids": raw_prompt_ids, "images": images,
-            "mm_inputs": mm_inputs, "answer": str(row[answer_key]), "prompt_text": text}
+            "mm_inputs": mm_inputs, "answer": answer, "prompt_text": text}
+
+
+def prompt_length(row: dict, proc, **encode_kwargs) -> int:
+    """len(encode_prompt(row)["prompt_ids"]) at a third of the cost: each image's one pad becomes the number of
+    tokens the image processor gives an image of its size, without processing its pixels."""
+    templated, images, _, _ = _prompt_parts(row, proc, **encode_kwargs)
+    n = len(getattr(proc, "tokenizer", proc).encode(templated, add_special_tokens=False))
+    try:
+        ip = proc.image_processor if images else None
+        return n + sum(ip.get_number_of_image_patches(im.height, im.width, {}) // ip.merge_size**2 - 1
+                       for im in images)
+    except (AttributeError, NotImplementedError):  # a processor that cannot count: encode for real
+        return len(encode_prompt(row, proc, **encode_kwargs)["prompt_ids"])
+
+
+def check_rows(rows, processor_or_tokenizer, max_prompt_length=None, **encode_kwargs):
+    """Read every row. Returns [(row number in the source, kind, message)] for each one that cannot be used, in
+    order; a prompt longer than max_prompt_length is one (kind TOO_LONG: the caller drops it or stops)."""
+    columns = getattr(rows, "column_names", None)
+    for key, option in ((encode_kwargs.get("prompt_key", "problem"), "--prompt-key"),
+                        (encode_kwargs.get("answer_key", "answer"), "--answer-key")):
+        if columns is not None and key not in columns:
+            raise UserError(f"{option} {key}: no such column (the columns are {columns})")
+    problems = []
+    for i in range(len(rows)):
+        try:
+            n = prompt_length(rows[i], processor_or_tokenizer, **encode_kwargs)
+        except BadRow as e:
+            problems.append((i, e.kind, str(e)))
+            continue
+        if max_prompt_length is not None and n > max_prompt_length:
+            problems.append((i, TOO_LONG, f"{TOO_LONG}: {n} tokens > --max-prompt-length {max_prompt_length}"))
+    return problems
+
+
+def describe_problems(problems, limit=None) -> str:
+    """One line per bad row (at most `limit`), then the count of each reason."""
+    lines = [f"  row {i}: {msg}" for i, _, msg in problems[:limit]]
+    if limit is not None and len(problems) > limit:
+        lines.append(f"  ... and {len(problems) - limit} more")
+    counts = collections.Counter(kind for _, kind, _ in problems)
+    return "\n".join(lines + ["  counts: " + ", ".join(f"{k} {c}" for k, c in counts.items())])
+
+
+def row_list(problems, limit=20) -> str:
+    rows = [str(i) for i, _, _ in problems]
+    return ", ".join(rows[:limit]) + (f" and {len(rows) - limit} more" if len(rows) > limit else "")
 
 
 class PromptDataset:
     """Index-based access to encoded prompts (the trainer shuffles indices itself, so resuming
-    is exact). Rows whose real encoding exceeds max_prompt_length are dropped up front, like
-    EasyR1's filter_overlong_prompts."""
+    is exact). Every row is checked up front (check_rows): bad ones stop the run with the list of
+    them unless skip_bad_rows; rows longer than max_prompt_length are dropped when filter_overlong
+    (EasyR1's filter_overlong_prompts), bad otherwise. `notes` says what was dropped."""
 
     def __init__(self, source, processor_or_tokenizer, split="train", max_prompt_length=None,
-                 filter_overlong=True, **encode_kwargs):
-        self.rows = load_rows(source, split) if isinstance(source, str) else source
+                 filter_overlong=True, skip_bad_rows=False, option="data", **encode_kwargs):
+        where = f"{option} {source if isinstance(source, str) else '(rows)'}"
+        try:
+            self.rows = load_rows(source, split) if isinstance(source, str) else source
+            problems = check_rows(self.rows, processor_or_tokenizer, max_prompt_length, **encode_kwargs)
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from e
         self.processor = processor_or_tokenizer
         self.encode_kwargs = encode_kwargs
-        self.indices = list(range(len(self.rows)))
-        if max_prompt_length is not None and filter_overlong:
-            self.indices = [i for i in self.indices
-                            if len(self.encode_row(i)["prompt_ids"]) <= max_prompt_length]
-            if not self.indices:
-                raise ValueError(f"every prompt of {source!r} is longer than {max_prompt_length}")
+        dropped = [p for p in problems if filter_overlong and p[1] == TOO_LONG]
+        bad = [p for p in problems if not (filter_overlong and p[1] == TOO_LONG)]
+        if bad and not skip_bad_rows:
+            hint = (" (raise --max-prompt-length, or drop them with --filter-overlong-prompts)"
+                    if any(k == TOO_LONG for _, k, _ in bad) else "")
+            raise UserError(f"{where}: {len(bad)} of {len(self.rows)} rows cannot be used (row numbers count "
+                            f"from 0 in the source){hint}:\n{describe_problems(bad, limit=20)}\nfix them, or pass "
+                            "--skip-bad-rows to drop them; `python data.py check` takes the same options")
+        self.notes = []
+        if bad:
+            self.notes.append(f"{where}: skipped {len(bad)} bad rows (--skip-bad-rows): rows {row_list(bad)}\n"
+                              + describe_problems(bad, limit=0).lstrip())
+        if dropped:
+            self.notes.append(f"{where}: dropped {len(dropped)} prompts longer than --max-prompt-length "
+                              f"{max_prompt_length} (--filter-overlong-prompts): rows {row_list(dropped)}")
+        skip = {i for i, _, _ in problems}  # each one is dropped or skipped by now (or the run has stopped)
+        self.indices = [i for i in range(len(self.rows)) if i not in skip]
+        if not self.indices:
+            raise UserError(f"{where}: no usable rows ({len(dropped)} too long, {len(bad)} bad)")
 
     def encode_row(self, row_index: int) -> dict:
         try:
             return encode_prompt(self.rows[row_index], self.processor, **self.encode_kwargs)
-        except ValueError as e:
-            raise ValueError(f"dataset row {row_index}: {e}") from e
+        except UserError as e:
+            raise UserError(f"dataset row {row_index}: {e}") from e
 
     def __len__(self):
         return len(self.indices)
@@ -293,3 +477,75 @@ def demo_data(data_dir=None, n_train=2000, n_val=200):
     if not os.path.isfile(val):
         make_color_dataset(val, n_val, seed=1)
     return train, val
+
+
+# ----------------------------------------------------------------------------- python data.py check
+DATA_OPTIONS = ("model_path", "train_files", "val_files", "prompt_key", "answer_key", "image_key", "image_dir",
+                "format_prompt", "min_pixels", "max_pixels", "max_prompt_length", "filter_overlong_prompts")
+
+
+def check_main(argv) -> int:
+    """`python data.py check [grpo.py's data options]`: reads every row of --train-files and --val-files (the demo's
+    colour task when empty) and prints each bad one with its row number in the source and the reason, then the
+    counts. Returns 2 when a row is bad, 0 otherwise; --model-path's tokenizer counts the prompt tokens."""
+    import dataclasses
+    from typing import Annotated
+
+    import tyro
+
+    import grpo
+
+    def field(f, marker):  # grpo's option as it is there; the help text grpo.py --help shows (tyro reads comments)
+        try:
+            marker = marker or tyro.conf.arg(help=tyro._docstrings.get_field_docstring(grpo.Config, f.name, ()))
+        except Exception:  # a private helper of tyro: without it the options lose their help, not their use
+            marker = tyro.conf.arg()
+        return (f.name, Annotated[f.type, marker], dataclasses.field(default=f.default) if f.default is not
+                dataclasses.MISSING else dataclasses.field(default_factory=f.default_factory))
+    fields = [field(f, None if f.name in DATA_OPTIONS else tyro.conf.Suppress) for f in dataclasses.fields(grpo.Config)]
+    cfg = tyro.cli(dataclasses.make_dataclass("CheckConfig", fields, bases=(grpo.Config,)), args=argv,
+                   prog="data.py check", description=" ".join(check_main.__doc__.split()))
+    check_model_path(cfg.model_path)
+    import tiny_model
+    model_path = cfg.model_path or tiny_model.build_tiny_model()
+    sources, fmt = [("--train-files", cfg.train_files), ("--val-files", cfg.val_files)], cfg.format_prompt
+    if not cfg.train_files:
+        sources = list(zip(("--train-files", "--val-files"), demo_data()))
+        fmt = DEMO_FORMAT_PROMPT if fmt is None else fmt
+    proc = load_processor(model_path, cfg.min_pixels, cfg.max_pixels)
+    kw = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, image_key=cfg.image_key,
+              image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    any_bad = False
+    for option, source in sources:
+        if not source:
+            continue
+        try:
+            rows = load_rows(source)
+            problems = check_rows(rows, proc, cfg.max_prompt_length, **kw)
+        except UserError as e:
+            raise UserError(f"{option} {source}: {e}") from e
+        dropped = [p for p in problems if cfg.filter_overlong_prompts and p[1] == TOO_LONG]
+        bad = [p for p in problems if p not in dropped]
+        any_bad |= bool(bad)
+        print(f"{option} {source}: {len(rows)} rows, " + (f"{len(bad)} bad (row numbers count from 0 in the source)"
+                                                          if bad else "none bad"))
+        if bad:
+            print(describe_problems(bad))
+        if dropped:
+            print(f"  {len(dropped)} prompts longer than --max-prompt-length {cfg.max_prompt_length} are dropped "
+                  f"(--filter-overlong-prompts): rows {row_list(dropped, limit=len(dropped))}")
+    if any_bad:
+        print("fix the rows above, or train with --skip-bad-rows to drop them")
+    return 2 if any_bad else 0
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:2] != ["check"]:
+        sys.exit("usage: python data.py check [--train-files ... --val-files ... --model-path ... (grpo.py's data "
+                 "options; --help lists them)]")
+    try:
+        sys.exit(check_main(sys.argv[2:]))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

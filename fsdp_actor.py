@@ -183,7 +183,10 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
     hf.config.use_cache = False
     if gradient_checkpointing and trainable:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(hf, "activation_checkpointing_enable"):  # transformers 5's name; the old one warns
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not trainable:
         hf.requires_grad_(False)
     if freeze_vision_tower:  # EasyR1's option: train the language model on fixed image features

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import tyro
 
 import fsdp_actor as A
+from data import UserError
 
 
 # ================================================================================================ config
@@ -32,56 +34,59 @@ class Config:
     # --- model and data (empty model_path / train_files = the built-in demo) ---
     model_path: str = ""  # HF hub name or local folder; "" builds the tiny demo VLM in code
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
-    val_files: str = ""
-    prompt_key: str = "problem"
-    answer_key: str = "answer"
-    image_key: str = "images"
-    image_dir: str | None = None  # root for relative image paths
+    val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)
+    prompt_key: str = "problem"  # column with the question text (<image> marks where each image goes)
+    answer_key: str = "answer"  # column with the ground truth the reward function compares against
+    image_key: str = "images"  # column with the list of images (bytes, paths or PIL images)
+    image_dir: str | None = None  # folder that relative image paths in the data start from
     format_prompt: str | None = None  # jinja template (string or .jinja file) around {{ content }}
-    reward_function: str = "color"  # math | r1v | color | dapo | path/to/file.py:fn
-    max_prompt_length: int = 512
-    max_response_length: int = 4  # the demo's: its answer is one word
-    min_pixels: int = 56 * 56
-    max_pixels: int = 112 * 112
-    filter_overlong_prompts: bool = True
+    reward_function: str = "color"  # math | r1v | color | dapo | path/to/file.py:fn (an EasyR1 reward file)
+    reward_function_kwargs: str = ""  # JSON object of keyword arguments for the reward function, as EasyR1's
+    max_prompt_length: int = 512  # prompt tokens, image tokens included
+    max_response_length: int = 4  # generated tokens per sample at most (the demo's answer is one word)
+    min_pixels: int = 56 * 56  # smaller images are scaled up to this many pixels (keeping their aspect)
+    max_pixels: int = 112 * 112  # larger images are scaled down to this many pixels (the demo's cap)
+    filter_overlong_prompts: bool = True  # drop (and list) prompts over max_prompt_length; off: they are bad rows
+    skip_bad_rows: bool = False  # drop rows the data check rejects (and list them) instead of stopping
     # --- rollout ---
-    rollout_engine: Literal["auto", "vllm", "hf"] = "auto"
+    rollout_engine: Literal["auto", "vllm", "hf"] = "auto"  # auto = vllm when it imports and CUDA is there, else hf
     n: Annotated[int, tyro.conf.arg(aliases=("--rollout-n", "--num-generations"), help=(
         "samples per prompt (the group); under torchrun spell it --rollout-n: torchrun reads --n as its --nnodes"))] = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    val_temperature: float = 0.0  # 0 = greedy
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.6
-    max_num_batched_tokens: int = 8192
-    enforce_eager: bool = False
+    temperature: float = 1.0  # sampling temperature of the training rollouts (> 0)
+    top_p: float = 1.0  # nucleus sampling of the training rollouts; 1 = off
+    val_temperature: float = 0.0  # sampling temperature of validation; 0 = greedy
+    tensor_parallel_size: int = 1  # vLLM tensor parallelism; data parallel engines = world size / this
+    gpu_memory_utilization: float = 0.6  # share of GPU memory vLLM may take for weights and KV cache
+    max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step
+    enforce_eager: bool = False  # vLLM without CUDA graphs (slower, starts faster)
     sleep_level: int = 1  # 1: engine weights wait in CPU memory while training; 2: dropped, re-sent before generating
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
     # --- batch arithmetic (EasyR1's names: batch sizes count prompts, micro-batches count samples) ---
     rollout_batch_size: int = 16  # prompts per step, over all ranks
     global_batch_size: int = 16  # prompts per optimizer step; rollout_batch_size / global_batch_size updates per step
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over each rollout batch
     micro_batch_size_per_device: int = 64  # samples per forward/backward, at most
     max_token_len_per_device: int = 16384  # padded tokens per forward/backward, at most
     # --- optimisation ---
     lr: float = 1e-3  # the demo's (a tiny model trained from scratch); real models want ~1e-6
-    weight_decay: float = 1e-2
-    lr_warmup_steps: int = 0
-    max_grad_norm: float = 1.0
+    weight_decay: float = 1e-2  # AdamW's decoupled weight decay
+    lr_warmup_steps: int = 0  # optimizer steps of linear warmup, then constant
+    max_grad_norm: float = 1.0  # clip the gradient norm; a step with a non-finite norm is skipped
+    max_skipped_steps: int = 3  # stop when this many optimizer steps in a row were skipped; 0 = never stop
     # --- the algorithm ---
     adv_estimator: Annotated[Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"],
-                             tyro.conf.arg(help="veRL's names and formulas: reinforce_plus_plus has no group baseline, "
-                                           "reinforce_plus_plus_baseline removes the group mean (README: Algorithms)")
-                             ] = "grpo"
-    loss_type: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
-    loss_avg_mode: Literal["token", "seq", "seq-mean-token-sum-norm"] = "token"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.3
+                             tyro.conf.arg(help="rewards -> advantages; veRL's names and formulas: reinforce_plus_plus "
+                                           "has no group baseline, reinforce_plus_plus_baseline removes the group mean "
+                                           "(README: Algorithms)")] = "grpo"
+    loss_type: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"  # policy loss: per-token / sequence ratio / CISPO
+    loss_avg_mode: Literal["token", "seq", "seq-mean-token-sum-norm"] = "token"  # how token losses are averaged
+    clip_ratio_low: float = 0.2  # PPO clip: the ratio may fall to 1 - this
+    clip_ratio_high: float = 0.3  # PPO clip: the ratio may rise to 1 + this
     clip_ratio_dual: float = 3.0  # dual clip: bounds the loss of negative-advantage tokens with huge ratios
     gspo_dual_clip: bool = False  # also dual-clip GSPO's sequence ratio, as EasyR1 does (the paper and veRL do not)
     cispo_clip_low: bool = False  # bound CISPO's weight below by 1 - clip_ratio_low, as EasyR1/veRL (the paper: none)
-    kl_coef: float = 1e-2  # 0 disables the reference model entirely
-    kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"
+    kl_coef: float = 1e-2  # weight of the KL-to-reference loss term; 0 drops the reference model entirely
+    kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"  # KL estimator (k3 = low_var_kl)
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
     freeze_vision_tower: bool = False  # train the language model only (the vision tower keeps its weights)
@@ -89,18 +94,18 @@ class Config:
     lora_alpha: int = 32  # LoRA scale = alpha / rank
     lora_target_modules: str = "all-linear"  # comma-separated module names, or peft's "all-linear"
     lora_exclude_modules: str = r".*visual.*"  # regex of modules left without adapters (vLLM has no vision LoRA)
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~1/3 more compute
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
-    logprob_chunk_size: int = 4096
+    logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)
     # --- trainer ---
-    max_steps: int = 150
+    max_steps: int = 150  # training steps (one rollout batch each)
     val_freq: int = 10  # validate every k steps (and before training); 0 = never
-    val_max_rows: int = 0  # 0 = the whole validation set
+    val_max_rows: int = 0  # validate on the first k rows; 0 = the whole validation set
     save_freq: int = 0  # checkpoint every k steps; 0 = only at the end; -1 = never (benchmarks)
     save_limit: int = 2  # keep the newest k checkpoints (each holds the optimizer state: 12 bytes/param); 0 = all
-    output_dir: str = "outputs/demo"
+    output_dir: str = "outputs/demo"  # metrics, samples, config and checkpoints go here
     resume: bool = True  # continue from the newest checkpoint in output_dir
-    seed: int = 1
+    seed: int = 1  # data order, sampling seeds and initialisation
     log_samples: int = 4  # generations written to samples.jsonl per step
     debug_skip_sync: bool = False  # never send new weights to the engine: rollout/logprob_diff_* must then grow
 
@@ -198,24 +203,46 @@ def agg_loss(loss, mask, mode="token", num_tokens=None, num_seqs=None, max_len=N
 
 
 # ================================================================================================ setup
+def check_config(cfg: Config, world: int):
+    """What can be checked before any process group or model loads: every rank raises the same UserError."""
+    import data
+    positive = {"lr": cfg.lr, "max-response-length": cfg.max_response_length,
+                "max-prompt-length": cfg.max_prompt_length, "temperature": cfg.temperature}  # log-probs divide by it
+    for opt, v in positive.items():
+        if not v > 0:
+            raise UserError(f"--{opt} {v}: must be > 0" + " (greedy is for --val-temperature)" * (opt == "temperature"))
+    for opt, v in {"rollout-n": cfg.n, "rollout-batch-size": cfg.rollout_batch_size,
+                   "global-batch-size": cfg.global_batch_size, "ppo-epochs": cfg.ppo_epochs}.items():
+        if v < 1:
+            raise UserError(f"--{opt} {v}: must be at least 1")
+    rb, gb = cfg.rollout_batch_size, cfg.global_batch_size
+    if gb > rb:
+        raise UserError(f"--global-batch-size {gb} is larger than --rollout-batch-size {rb}: an optimizer step cannot "
+                        "use more prompts than a rollout step makes; lower it")
+    if rb % gb or gb % world:  # then world divides rollout_batch_size too
+        raise UserError(f"--global-batch-size {gb} must divide --rollout-batch-size {rb} and be a multiple of the "
+                        f"number of ranks ({world})")
+    data.check_model_path(cfg.model_path)
+    data.check_source(cfg.train_files, "--train-files")
+    data.check_source(cfg.val_files, "--val-files")
+    try:  # a run that cannot write its checkpoints should fail now, not after its first hour
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=cfg.output_dir).close()
+    except OSError as e:
+        raise UserError(f"--output-dir {cfg.output_dir}: cannot write there ({e.strerror or e})") from e
+
+
 def setup(cfg: Config):
     """Everything the loop needs, in one namespace: distributed state, data, reward, policy, reference, engine."""
     import data
     import rewards
     import rollout
+    check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
     rank, world, device = A.init_distributed()
-    if cfg.rollout_batch_size % world or cfg.rollout_batch_size % cfg.global_batch_size:
-        raise ValueError(f"rollout_batch_size={cfg.rollout_batch_size} must be divisible by the number of ranks "
-                         f"({world}) and by global_batch_size={cfg.global_batch_size}")
-    if cfg.temperature <= 0:
-        raise ValueError(f"temperature={cfg.temperature}: training samples need temperature > 0 (the log-probs "
-                         "divide by it); greedy is for validation (--val-temperature 0)")
-    if (cfg.global_batch_size % world):
-        raise ValueError(f"global_batch_size={cfg.global_batch_size} must be divisible by the number of ranks "
-                         f"({world})")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    ctx = SimpleNamespace(cfg=cfg, rank=rank, world=world, device=device)
+    ctx = SimpleNamespace(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn)
     ctx.model_path = cfg.model_path
     if not ctx.model_path:  # the demo: rank 0 builds (cached), the others wait and read it
         import tiny_model
@@ -236,14 +263,16 @@ def setup(cfg: Config):
     ctx.pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
     data_kw = dict(processor_or_tokenizer=ctx.processor, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                    image_key=cfg.image_key, image_dir=cfg.image_dir, format_prompt=fmt,
-                   min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                   max_prompt_length=cfg.max_prompt_length, filter_overlong=cfg.filter_overlong_prompts)
-    ctx.train = data.PromptDataset(train_files, **data_kw)
-    ctx.val = data.PromptDataset(val_files, **data_kw) if val_files else None
+                   min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_prompt_length=cfg.max_prompt_length,
+                   filter_overlong=cfg.filter_overlong_prompts, skip_bad_rows=cfg.skip_bad_rows)
+    # every row is checked here, before the model loads; the same on every rank, so all raise together
+    ctx.train = data.PromptDataset(train_files, option="--train-files", **data_kw)
+    ctx.val = data.PromptDataset(val_files, option="--val-files", **data_kw) if val_files else None
+    for note in ctx.train.notes + (ctx.val.notes if ctx.val else []):
+        log0(ctx, note)
     if len(ctx.train) < cfg.rollout_batch_size:
-        raise ValueError(f"{train_files}: {len(ctx.train)} usable prompts < rollout_batch_size="
-                         f"{cfg.rollout_batch_size}; lower --rollout-batch-size or add data")
-    ctx.reward_fn = rewards.get_reward_fn(cfg.reward_function)
+        raise UserError(f"--train-files {train_files}: {len(ctx.train)} usable prompts < --rollout-batch-size "
+                        f"{cfg.rollout_batch_size}; lower --rollout-batch-size or add data")
     # --- policy (fp32 master weights), reference (frozen, compute dtype), rollout engine (its own weights) ---
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
@@ -260,7 +289,7 @@ def setup(cfg: Config):
                                            device)
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
                                        dtype=ctx.compute_dtype, cfg=cfg)
-    ctx.start_step, ctx.cursor = 0, 0
+    ctx.start_step, ctx.cursor, ctx.skipped_run, ctx.skipped_total = 0, 0, 0, 0
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
     ckpt = A.latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints")) if cfg.resume else None
     if ckpt:
@@ -318,11 +347,11 @@ def generate_and_score(ctx, drawn, n, temperature):
                     rollout_logp=o.get("logprobs"), group=g)
                for g, (p, group) in enumerate(zip(prompts, outs)) for o in group]
     texts = ctx.tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
-    scores = ctx.reward_fn([{"response": t, "response_length": len(s["response_ids"]),
-                             "ground_truth": s["prompt"]["answer"]} for t, s in zip(texts, samples)])
-    if len(scores) != len(samples) or not all(isinstance(sc, dict) and "overall" in sc for sc in scores):
-        raise ValueError(f"reward function {cfg.reward_function!r} must return one dict with an 'overall' score per "
-                         f"response ({len(samples)} given); got {str(scores)[:200]}")
+    items = [{"response": t, "response_length": len(s["response_ids"]), "ground_truth": s["prompt"]["answer"]}
+             for t, s in zip(texts, samples)]
+    scores = ctx.reward_fn(items)
+    import rewards  # a NaN or missing score stops the run here, naming the sample
+    rewards.check_scores(scores, items, [s["prompt"]["prompt_text"] for s in samples], cfg.reward_function)
     for s, t, sc in zip(samples, texts, scores):
         s["text"], s["scores"], s["reward"] = t, sc, float(sc["overall"])
     return samples
@@ -341,7 +370,7 @@ def update_policy(ctx, samples):
     n_mini = cfg.rollout_batch_size // cfg.global_batch_size
     per_mini = len(samples) // n_mini
     sums = {}  # metric -> [sum, count] over all micro-batches, all-reduced at the end
-    diff_max = 0.0
+    diff_max, skipped = 0.0, 0
 
     def add(k, v, c=1.0):
         s = sums.setdefault(k, [0.0, 0.0])
@@ -397,8 +426,15 @@ def update_policy(ctx, samples):
                     diff = ((logp.detach() - roll).abs() * mask)
                     add("rollout/logprob_diff_mean", diff.sum(), mask.sum())
                     diff_max = max(diff_max, float(diff.max()))
-            add("actor/grad_norm", A.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm))
+            grad_norm = A.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm)  # the same on every rank
+            add("actor/grad_norm", grad_norm)
             add("actor/lr", ctx.sched.get_last_lr()[0])
+            skipped += not math.isfinite(grad_norm)
+            ctx.skipped_run = 0 if math.isfinite(grad_norm) else ctx.skipped_run + 1
+            if cfg.max_skipped_steps and ctx.skipped_run >= cfg.max_skipped_steps:  # before any checkpoint is saved
+                raise UserError(f"stopped at step {ctx.step + 1}: the last {ctx.skipped_run} optimizer steps were "
+                                f"skipped (gradient norm {grad_norm}); nothing of this step was saved. Check the data "
+                                "and reward, lower --lr, or raise --max-skipped-steps (0 = never stop)")
     # losses are already global fractions: sum them over ranks and micro-batches, mean over optimizer steps
     keys = sorted(sums)
     red = A.all_reduce_cpu([[sums[k][0], sums[k][1]] for k in keys])
@@ -413,6 +449,8 @@ def update_policy(ctx, samples):
             out[k] = v / max(c, 1)
     if "rollout/logprob_diff_mean" in out:
         out["rollout/logprob_diff_max"] = float(A.all_reduce_cpu(diff_max, op=dist.ReduceOp.MAX))
+    ctx.skipped_total += skipped
+    out["actor/skipped_steps"], out["actor/skipped_steps_total"] = skipped, ctx.skipped_total
     return out
 
 
@@ -592,6 +630,22 @@ def format_line(m):
     return f"step {m['step']:4d} | " + " ".join(f"{n}={m[k]:.3g}" for k, n in keys if k in m)
 
 
-if __name__ == "__main__":
-    train(tyro.cli(Config))
+def main(config_cls=Config, collect=collect_rollouts):
+    """The command line. A UserError (a bad option, file, row or reward) ends the run with one `error:` line and
+    exit code 2; anything else is a bug and keeps its traceback."""
+    try:
+        train(tyro.cli(config_cls), collect)
+    except UserError as e:
+        # the checks are deterministic: every rank raises the same error and rank 0 speaks for all of them
+        if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(2)  # exiting first would let torchrun stop rank 0 before it prints
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

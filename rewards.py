@@ -2,18 +2,26 @@
 
 Every reward is `fn(items: list[dict]) -> list[dict]`; an item is
 {"response": str, "response_length": int, "ground_truth": str} and each output dict has at least
-"overall", "format", "accuracy" (floats). Built-ins: math, r1v, color, dapo; or "path/to/file.py:fn".
+"overall", "format", "accuracy" (floats). Built-ins: math, r1v, color, dapo; or "path/to/file.py:fn",
+an EasyR1 reward file of either REWARD_TYPE ("batch" as above, or "sequential": one item in, one dict out).
 """
 
+import functools
 import importlib.util
+import inspect
+import json
 import logging
+import math
 import os
 import re
+import sys
 import threading
+import traceback
 
 from math_verify import parse, verify
 
 import data
+from data import UserError
 
 # math_verify logs every unparsable string; rollouts produce plenty of those.
 logging.getLogger("math_verify").setLevel(logging.CRITICAL)
@@ -22,6 +30,7 @@ MATH_FORMAT_WEIGHT = 0.1  # EasyR1 examples/reward_function/math.py default
 R1V_FORMAT_WEIGHT = 0.5  # EasyR1 examples/reward_function/r1v.py default
 MAX_ANSWER_CHARS = 1000  # longer "answers" are garbage; keep sympy from chewing on them
 COLORS = tuple(data.COLORS)  # the demo task's answers
+FLOAT32_MAX = 3.4028234663852886e38  # rewards become a float32 tensor: anything past this is inf there
 
 
 # ---------------------------------------------------------------- grading helpers
@@ -216,29 +225,105 @@ def overlong_penalty(
 BUILTIN_REWARDS = {"math": math_reward, "r1v": r1v_reward, "color": color_reward, "dapo": dapo_reward}
 
 
-def get_reward_fn(name: str):
-    """Built-in reward by name, or "path/to/file.py:fn_name" loaded from a file (returned unchanged)."""
+def get_reward_fn(name: str, kwargs: str | dict | None = None):
+    """A batch reward function (items -> scores) for a built-in name or an EasyR1 reward file, "path/to/file.py:fn"
+    ("path/to/file.py" alone means its function `main`, as EasyR1). The file's REWARD_TYPE says how EasyR1 calls
+    it: "batch" (the default: fn(list of items, **kwargs) -> list of scores) or "sequential" (fn(item, **kwargs) ->
+    score, once per sample). kwargs: EasyR1's reward_function_kwargs, a dict or its JSON."""
+    kwargs = _parse_kwargs(kwargs)
     if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name]
-    if ":" in name:
-        return _load_custom(*name.rsplit(":", 1))
-    if name.endswith(".py") or os.sep in name or "/" in name:
-        raise ValueError(f"custom reward {name!r} names no function: use '{name}:function_name'")
-    builtins = sorted(BUILTIN_REWARDS)
-    raise ValueError(f"unknown reward {name!r}; built-ins: {builtins} or 'path/to/file.py:function_name'")
+        fn, reward_type, where = BUILTIN_REWARDS[name], "batch", f"built-in reward {name!r}"
+    elif ":" in name or name.endswith(".py") or "/" in name or os.sep in name:
+        path, fn_name = name.rsplit(":", 1) if ":" in name else (name, "main")
+        fn, reward_type = _load_custom(path, fn_name)
+        where = f"--reward-function {path}:{fn_name}"
+    else:
+        raise UserError(f"--reward-function {name}: unknown; built-ins: {sorted(BUILTIN_REWARDS)} or "
+                        "'path/to/file.py:function_name'")
+    if reward_type not in ("batch", "sequential"):
+        raise UserError(f"{where}: REWARD_TYPE = {reward_type!r}; EasyR1 knows 'batch' and 'sequential'")
+    try:  # EasyR1 calls fn(inputs, **reward_function_kwargs): a missing or unknown argument fails here, not later
+        inspect.signature(fn).bind([] if reward_type == "batch" else {}, **kwargs)
+    except TypeError as e:
+        raise UserError(f"{where} cannot be called as fn({reward_type} input, **--reward-function-kwargs "
+                        f"{json.dumps(kwargs)}): {e}; pass its arguments with --reward-function-kwargs "
+                        "'{\"name\": value}'") from e
+    except ValueError:  # no signature to read (a builtin or C function): calling it will tell
+        pass
+    if reward_type == "sequential":
+        @functools.wraps(fn)
+        def batch_fn(items):
+            return [fn(item, **kwargs) for item in items]
+    else:
+        @functools.wraps(fn)
+        def batch_fn(items):
+            return fn(items, **kwargs)
+    return batch_fn
+
+
+def _parse_kwargs(kwargs):
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs) if kwargs.strip() else {}
+        except json.JSONDecodeError as e:
+            raise UserError(f"--reward-function-kwargs {kwargs}: not JSON ({e}); write e.g. "
+                            "'{\"format_weight\": 0.1}'") from e
+    if not isinstance(kwargs or {}, dict):
+        raise UserError(f"--reward-function-kwargs {kwargs!r}: must be a JSON object of argument names to values")
+    return dict(kwargs or {})
 
 
 def _load_custom(path: str, fn_name: str):
+    """(function, REWARD_TYPE) from a reward file; every failure is a UserError naming the file."""
     if not os.path.isfile(path):
-        raise ValueError(f"custom reward file not found: {path!r}")
+        raise UserError(f"--reward-function {path}:{fn_name}: no such file {path!r}")
     # A path-derived module name keeps two reward files with the same basename apart.
     module_name = "custom_reward_" + re.sub(r"\W", "_", os.path.abspath(path))
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ValueError(f"cannot import custom reward file {path!r} (is it a .py file?)")
+        raise UserError(f"--reward-function {path}: cannot be imported (is it a .py file?)")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[module_name] = module  # as EasyR1: dataclasses and pickling inside the file need it
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: say where it broke, in one line
+        del sys.modules[module_name]
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+                 if os.path.abspath(f.filename) == os.path.abspath(path)]
+        line = e.lineno if isinstance(e, SyntaxError) else lines[-1] if lines else "?"
+        hint = f" (pip install {e.name}?)" if isinstance(e, ModuleNotFoundError) and e.name else ""
+        raise UserError(f"--reward-function {path}: importing it failed at line {line}: "
+                        f"{type(e).__name__}: {e}{hint}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ValueError(f"custom reward file {path!r} has no function {fn_name!r}")
-    return fn
+        raise UserError(f"--reward-function {path}:{fn_name}: the file has no function {fn_name!r}")
+    return fn, getattr(module, "REWARD_TYPE", "batch")
+
+
+def check_scores(scores, items, prompts, reward_name):
+    """Scores must be one dict per item with a finite number "overall" (and numbers for the other parts):
+    a NaN reward would otherwise skip every optimizer step in silence. Raises a UserError naming the sample."""
+    if not isinstance(scores, (list, tuple)) or len(scores) != len(items):
+        n = len(scores) if isinstance(scores, (list, tuple)) else type(scores).__name__
+        raise UserError(f"reward function {reward_name!r} returned {n} scores for {len(items)} responses: it must "
+                        f"return one dict per response (got {str(scores)[:200]})", rank_local=True)
+    for sc, item, prompt in zip(scores, items, prompts):
+        what = None
+        if not isinstance(sc, dict) or "overall" not in sc:
+            what = f"returned {str(sc)[:100]!r}, not a dict with an 'overall' score"
+        else:
+            for key, v in sc.items():
+                if not -FLOAT32_MAX <= _number(v) <= FLOAT32_MAX:  # NaN fails both
+                    what = f"gave {key}={v!r}: every score must be a finite number (they are averaged and logged)"
+                    break
+        if what:
+            raise UserError(f"reward function {reward_name!r} {what}, for the sample with prompt "
+                            f"{str(prompt)[:80]!r}, response {str(item['response'])[:80]!r}, ground truth "
+                            f"{str(item['ground_truth'])[:80]!r}", rank_local=True)
+
+
+def _number(v) -> float:
+    try:
+        return float(v) if not isinstance(v, (str, bytes)) else math.nan
+    except (TypeError, ValueError):
+        return math.nan

@@ -88,10 +88,10 @@ def test_collect_fills_the_batch_exactly(monkeypatch):
 
 def test_collect_errors_after_max_try_make_batch(monkeypatch):
     ctx = stub_ctx(monkeypatch, [[1, 1, 1, 1]] * 3, max_try_make_batch=3)
-    with pytest.raises(RuntimeError, match="max_try_make_batch=3.*--max-try-make-batch.*all-correct or all-wrong"):
+    with pytest.raises(grpo.UserError, match="max_try_make_batch=3.*--max-try-make-batch.*all-correct or all-wrong"):
         collect_dynamic(ctx, 0, {})
     ctx = stub_ctx(monkeypatch, [[1, 1, 1, 1]], filter_key="nope")
-    with pytest.raises(ValueError, match="filter_key='nope'"):
+    with pytest.raises(grpo.UserError, match="--filter-key nope: not a score"):
         collect_dynamic(ctx, 0, {})
 
 

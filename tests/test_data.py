@@ -114,22 +114,21 @@ def test_text_only_rows(proc):
 
 def test_placeholder_mismatch_errors(proc, tmp_path):
     img = data.draw_color_image(random.Random(3))[0]
-    with pytest.raises(ValueError, match="2 '<image>' placeholder.*but 1 images"):
+    with pytest.raises(data.BadRow, match="2 '<image>' placeholder.*but 1 images"):
         data.encode_prompt({"problem": "<image><image>Q", "answer": "a", "images": [img]},
                            proc, **PX)
-    with pytest.raises(ValueError, match="but no images"):
+    with pytest.raises(data.BadRow, match="but no images"):
         data.encode_prompt({"problem": "<image>Q", "answer": "a"}, proc)
-    with pytest.raises(ValueError, match="tokenizer was given"):
+    with pytest.raises(data.UserError, match="no image processor"):
         data.encode_prompt({"problem": "<image>Q", "answer": "a", "images": [img]},
                            proc.tokenizer)
     rows = [{"problem": "<image>ok", "answer": "a", "images": [png_bytes(img)]},
             {"problem": "<image><image>bad", "answer": "a", "images": [png_bytes(img)]}]
     path = str(tmp_path / "bad.parquet")
     _write(rows, path)
-    ds = data.PromptDataset(path, proc, **PX)
-    ds[0]
-    with pytest.raises(ValueError, match="dataset row 1"):
-        ds[1]
+    with pytest.raises(data.UserError, match="1 of 2 rows cannot be used.*\n  row 1: placeholders"):
+        data.PromptDataset(path, proc, **PX)
+    assert len(data.PromptDataset(path, proc, skip_bad_rows=True, **PX)) == 1
 
 
 def test_format_prompt_string_and_file(proc, tmp_path):
@@ -186,11 +185,11 @@ def test_sources_parquet_json_jsonl_and_folder(proc, image_file, tmp_path):
     assert len(data.load_rows(str(folder))) == 3
     assert len(data.load_rows(str(folder) + "@test")) == 1
     assert len(data.load_rows(str(folder), split="test")) == 1
-    with pytest.raises(FileNotFoundError, match="missing.parquet"):
+    with pytest.raises(data.UserError, match="no such file or folder.*missing.parquet"):
         data.load_rows(str(tmp_path / "missing.parquet"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(FileNotFoundError, match="empty"):
+    with pytest.raises(data.UserError, match="no .parquet/.json/.jsonl files in folder.*empty"):
         data.load_rows(str(empty))
 
 
@@ -244,3 +243,74 @@ def test_load_processor_pixel_budget(proc):
     assert data.encode_prompt({"problem": "<image>Q", "answer": "a", "images": [img]}, p,
                               min_pixels=1, max_pixels=10**7)["mm_inputs"]["image_grid_thw"].tolist() == [[1, 12, 18]]
     assert proc.image_processor(images=[img])["image_grid_thw"].tolist() == [[1, 6, 8]]  # untouched
+
+
+# ---------------------------------------------------------------- the data check
+def _bad_rows(tmp_path):
+    """Two good rows around one of each kind of bad row, as a parquet of {"bytes", "path"} image structs."""
+    good = png_bytes(data.draw_color_image(random.Random(5))[0])
+    ok = {"problem": "<image>What color?", "answer": "red", "images": [{"bytes": good, "path": None}]}
+    rows = [ok,
+            {**ok, "answer": None},  # 1: would train as the string 'None'
+            {**ok, "answer": "  "},  # 2
+            {**ok, "problem": "<image><image>Which?"},  # 3: two placeholders, one image
+            {**ok, "images": [{"bytes": b"not a png", "path": None}]},  # 4
+            {**ok, "images": [{"bytes": None, "path": "missing.png"}]},  # 5
+            {**ok, "problem": "<image>" + "word " * 600},  # 6: ~630 tokens
+            {**ok, "problem": None},  # 7
+            ok]
+    path = str(tmp_path / "bad.parquet")
+    _write(rows, path)
+    return path
+
+
+def test_check_rows_names_every_bad_row_by_its_source_number(proc, tmp_path, image_file):
+    rows = data.load_rows(_bad_rows(tmp_path))
+    problems = data.check_rows(rows, proc, max_prompt_length=512, image_dir=str(image_file[0]), **PX)
+    assert [(i, kind) for i, kind, _ in problems] == [
+        (1, data.NO_ANSWER), (2, data.NO_ANSWER), (3, data.PLACEHOLDERS), (4, data.BAD_IMAGE),
+        (5, data.BAD_IMAGE), (6, data.TOO_LONG), (7, data.NO_PROMPT)]
+    msgs = dict((i, m) for i, _, m in problems)
+    assert "'answer' is None" in msgs[1] and "could not decode 9 image bytes" in msgs[4]
+    assert "missing.png" in msgs[5] and "> --max-prompt-length 512" in msgs[6]
+    n = int(msgs[6].split(": ")[1].split()[0])  # the count it reports is the real encoded length
+    assert n == len(data.encode_prompt(rows[6], proc, **PX)["prompt_ids"])
+    report = data.describe_problems(problems)
+    assert "counts: no answer 2, placeholders != images 1, bad image 2, prompt too long 1, no prompt 1" in report
+    with pytest.raises(data.UserError, match="--answer-key solution: no such column"):
+        data.check_rows(rows, proc, answer_key="solution")
+
+
+def test_prompt_dataset_refuses_skips_and_drops(proc, tmp_path):
+    path = _bad_rows(tmp_path)
+    with pytest.raises(data.UserError) as e:  # overlong rows are dropped (filter on), the rest listed
+        data.PromptDataset(path, proc, max_prompt_length=512, option="--train-files", **PX)
+    msg = str(e.value)
+    assert msg.startswith(f"--train-files {path}: 6 of 9 rows cannot be used")
+    assert [ln.split(":")[0].strip() for ln in msg.splitlines()[1:7]] == [f"row {i}" for i in (1, 2, 3, 4, 5, 7)]
+    assert "--skip-bad-rows" in msg and "row 6" not in msg
+    ds = data.PromptDataset(path, proc, max_prompt_length=512, skip_bad_rows=True, **PX)
+    assert ds.indices == [0, 8] and len(ds) == 2 and ds[1]["answer"] == "red"
+    assert "skipped 6 bad rows (--skip-bad-rows): rows 1, 2, 3, 4, 5, 7" in ds.notes[0]
+    assert "dropped 1 prompts longer than --max-prompt-length 512 (--filter-overlong-prompts): rows 6" in ds.notes[1]
+    off = data.PromptDataset(path, proc, max_prompt_length=512, filter_overlong=False, skip_bad_rows=True, **PX)
+    assert "skipped 7 bad rows" in off.notes[0] and len(off.notes) == 1  # overlong is a bad row without the filter
+
+
+def test_prompt_length_matches_the_encoding(proc):
+    rng = random.Random(6)
+    sizes = [(7, 300), (56, 56), (113, 97), (640, 480), (1000, 30)]
+    imgs = [Image.new("RGB", s, (rng.randint(0, 255),) * 3) for s in sizes]
+    rows = [{"problem": "<image>Q?", "answer": "a", "images": [im]} for im in imgs]
+    rows += [{"problem": "<image> vs <image>", "answer": "b", "images": imgs[2:4]},
+             {"problem": "text only", "answer": "c"}]
+    for px in (PX, dict(min_pixels=3136, max_pixels=512 * 512)):
+        p = data.load_processor(proc.tokenizer.name_or_path, **px)
+        for row in rows:
+            assert data.prompt_length(row, p, **px) == len(data.encode_prompt(row, p, **px)["prompt_ids"])
+
+
+def test_image_columns_stay_undecoded_until_encoding(tmp_path):
+    path = data.make_color_dataset(str(tmp_path / "c.parquet"), 3, seed=0)
+    row = data.load_rows(path)[0]
+    assert set(row["images"][0]) == {"bytes", "path"}  # a bad image is then a row's problem, not the loader's
