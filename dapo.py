@@ -34,10 +34,11 @@ class DAPOConfig(grpo.Config):
     filter_key: str = "accuracy"  # the score a group must vary in (EasyR1's filter_key; veRL's "acc")
     gen_batch_size: int = 0  # prompts generated per try, all ranks together; 0 = 3 x rollout_batch_size (the paper's)
     max_try_make_batch: int = 20  # tries before giving up with an error; 0 = unlimited
-    # the demo is solved by then: past it nearly every group is all-correct, and dynamic sampling needs ever more
-    # tries per step until max_try_make_batch stops the run (that error is the intended end of a solved task)
-    max_steps: int = 60  # training steps (the demo is solved by then; past it dynamic sampling runs out of tries)
-    output_dir: str = "outputs/dapo"  # metrics, samples, config and checkpoints go here
+
+
+# 60 steps: the demo is solved by then: past it nearly every group is all-correct, and dynamic sampling needs ever
+# more tries per step until max_try_make_batch stops the run (that error is the intended end of a solved task)
+DEMO = {**grpo.DEMO, "max_steps": 60, "output_dir": "outputs/dapo"}
 
 
 def shape_overlong(samples, cfg):
@@ -122,4 +123,4 @@ def collect_dynamic(ctx, step, metrics):
 
 
 if __name__ == "__main__":
-    grpo.main(DAPOConfig, collect_dynamic)
+    grpo.main(DAPOConfig, collect_dynamic, DEMO)

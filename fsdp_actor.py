@@ -398,10 +398,11 @@ def iter_full_params(model, dtype=None, lora_only=False):
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path, model, opt, sched, extra, keep=0):
+def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
     """Sharded model + optimizer via torch.distributed.checkpoint (every rank writes its shard: on several nodes
     the folder must be on a shared file system). Written to `<path>.tmp` and renamed when complete, so a crash
-    mid-save never leaves a checkpoint that looks whole; then only the newest `keep` are kept (0 = all)."""
+    mid-save never leaves a checkpoint that looks whole; then only the newest `keep` are kept (0 = all), and step
+    `protect` (the best so far) besides."""
     import json
     import shutil
     import torch.distributed.checkpoint as dcp
@@ -419,7 +420,7 @@ def save_checkpoint(path, model, opt, sched, extra, keep=0):
             shutil.rmtree(path)
         os.replace(tmp, path)
         root = os.path.dirname(path)
-        while keep and len(steps := _saved_steps(root)) > keep:  # only after the new one is complete
+        while keep and len(steps := [s for s in _saved_steps(root) if s != protect]) > keep:  # after the new one
             shutil.rmtree(os.path.join(root, f"step_{steps[0]}"))
     dist.barrier(group=_cpu_group())
 

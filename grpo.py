@@ -16,7 +16,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
 from typing import Annotated, Literal
 
@@ -26,6 +26,7 @@ import tyro
 
 import fsdp_actor as A
 from data import UserError
+import rundir
 
 
 # ================================================================================================ config
@@ -40,21 +41,22 @@ class Config:
     image_key: str = "images"  # column with the list of images (bytes, paths or PIL images)
     image_dir: str | None = None  # folder that relative image paths in the data start from
     format_prompt: str | None = None  # jinja template (string or .jinja file) around {{ content }}
-    reward_function: str = "color"  # math | r1v | color | dapo | path/to/file.py:fn (an EasyR1 reward file)
+    reward_function: str = "math"  # math | r1v | color | dapo | path/to/file.py:fn (an EasyR1 reward file)
     reward_function_kwargs: str = ""  # JSON object of keyword arguments for the reward function, as EasyR1's
-    max_prompt_length: int = 512  # prompt tokens, image tokens included
-    max_response_length: int = 4  # generated tokens per sample at most (the demo's answer is one word)
-    min_pixels: int = 56 * 56  # smaller images are scaled up to this many pixels (keeping their aspect)
-    max_pixels: int = 112 * 112  # larger images are scaled down to this many pixels (the demo's cap)
+    max_prompt_length: int = 2048  # prompt tokens, image tokens included
+    max_response_length: int = 2048  # generated tokens per sample at most
+    min_pixels: int = 262144  # smaller images are scaled up to this many pixels (keeping their aspect)
+    max_pixels: int = 4194304  # larger images are scaled down to this many pixels
     filter_overlong_prompts: bool = True  # drop (and list) prompts over max_prompt_length; off: they are bad rows
     skip_bad_rows: bool = False  # drop rows the data check rejects (and list them) instead of stopping
     # --- rollout ---
     rollout_engine: Literal["auto", "vllm", "hf"] = "auto"  # auto = vllm when it imports and CUDA is there, else hf
     n: Annotated[int, tyro.conf.arg(aliases=("--rollout-n", "--num-generations"), help=(
-        "samples per prompt (the group); under torchrun spell it --rollout-n: torchrun reads --n as its --nnodes"))] = 16
+        "samples per prompt (the group); under torchrun spell it --rollout-n: torchrun reads --n as its --nnodes"))] = 5
     temperature: float = 1.0  # sampling temperature of the training rollouts (> 0)
     top_p: float = 1.0  # nucleus sampling of the training rollouts; 1 = off
-    val_temperature: float = 0.0  # sampling temperature of validation; 0 = greedy
+    val_temperature: float = 0.0  # sampling temperature of validation; 0 = greedy (EasyR1's example: 0.6, top_p 0.95)
+    val_top_p: float = 1.0  # nucleus sampling of validation
     tensor_parallel_size: int = 1  # vLLM tensor parallelism; data parallel engines = world size / this
     gpu_memory_utilization: float = 0.6  # share of GPU memory vLLM may take for weights and KV cache
     max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step
@@ -62,13 +64,13 @@ class Config:
     sleep_level: int = 1  # 1: engine weights wait in CPU memory while training; 2: dropped, re-sent before generating
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
     # --- batch arithmetic (EasyR1's names: batch sizes count prompts, micro-batches count samples) ---
-    rollout_batch_size: int = 16  # prompts per step, over all ranks
-    global_batch_size: int = 16  # prompts per optimizer step; rollout_batch_size / global_batch_size updates per step
+    rollout_batch_size: int = 512  # prompts per step, over all ranks
+    global_batch_size: int = 128  # prompts per optimizer step; rollout_batch_size / global_batch_size updates per step
     ppo_epochs: int = 1  # passes over each rollout batch
     micro_batch_size_per_device: int = 64  # samples per forward/backward, at most
     max_token_len_per_device: int = 16384  # padded tokens per forward/backward, at most
     # --- optimisation ---
-    lr: float = 1e-3  # the demo's (a tiny model trained from scratch); real models want ~1e-6
+    lr: float = 1e-6  # AdamW learning rate (the demo's tiny model, trained from scratch, uses 1e-3)
     weight_decay: float = 1e-2  # AdamW's decoupled weight decay
     lr_warmup_steps: int = 0  # optimizer steps of linear warmup, then constant
     max_grad_norm: float = 1.0  # clip the gradient norm; a step with a non-finite norm is skipped
@@ -98,16 +100,49 @@ class Config:
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)
     # --- trainer ---
-    max_steps: int = 150  # training steps (one rollout batch each)
-    val_freq: int = 10  # validate every k steps (and before training); 0 = never
+    max_steps: int = 0  # training steps (one rollout batch each); 0 = total_epochs passes over the training data
+    total_epochs: int = 15  # EasyR1's: used when max_steps is 0
+    val_freq: int = 5  # validate every k steps and at the end; 0 = never
+    val_before_train: bool = True  # validate once before the first step
     val_max_rows: int = 0  # validate on the first k rows; 0 = the whole validation set
-    save_freq: int = 0  # checkpoint every k steps; 0 = only at the end; -1 = never (benchmarks)
-    save_limit: int = 2  # keep the newest k checkpoints (each holds the optimizer state: 12 bytes/param); 0 = all
-    output_dir: str = "outputs/demo"  # metrics, samples, config and checkpoints go here
-    resume: bool = True  # continue from the newest checkpoint in output_dir
+    save_freq: int = 5  # checkpoint every k steps and at the end; 0 = only at the end; -1 = never (benchmarks)
+    save_limit: int = 3  # keep the newest k checkpoints (12 bytes/param each) and the best by val/mean; 0 = all
+    output_dir: str = "outputs/run"  # metrics, samples, config and checkpoints go here
+    resume: str = "auto"  # auto: the newest checkpoint of output_dir, if any; never: refuse a folder that holds a run; or a checkpoints/step_N path
+    config: str | None = None  # an EasyR1 YAML config (examples/config.yaml, unchanged); flags override it
     seed: int = 1  # data order, sampling seeds and initialisation
     log_samples: int = 4  # generations written to samples.jsonl per step
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = field(
+        default_factory=lambda: ["console", "jsonl"])  # jsonl is always on; wandb runs offline without an API key
+    project_name: str = "vlm_rl"  # for wandb
+    experiment_name: str = ""  # for wandb; "" = the output folder's name
     debug_skip_sync: bool = False  # never send new weights to the engine: rollout/logprob_diff_* must then grow
+
+
+# The defaults above are EasyR1's (examples/config.yaml). The demo (no --model-path) trains a tiny model from scratch
+# on one-word answers about small pictures, so it gets its own; a value given on the command line wins in both.
+DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=4, min_pixels=56 * 56,
+            max_pixels=112 * 112, n=16, rollout_batch_size=16, global_batch_size=16, lr=1e-3, max_steps=150,
+            val_freq=10, save_freq=10, output_dir="outputs/demo")
+
+
+def cli(cls=Config, demo=DEMO, args=None):
+    """Parse the command line over the defaults in force: EasyR1's, or `demo` for the demo; --config (an EasyR1
+    YAML) goes between the defaults and the flags. Rank 0 says which set is in force and what was changed."""
+    import easyr1_config
+    desc = (f"{__doc__.splitlines()[0]} Defaults shown are EasyR1's; the demo (no --model-path) uses "
+            + ", ".join(f"{k}={v}" for k, v in demo.items()) + ".")
+    first = tyro.cli(cls, args=args, description=desc)  # --help stops here, showing the real defaults
+    from_yaml, notes = easyr1_config.load(first.config, cls) if first.config else ({}, [])
+    is_demo = not (first.model_path or from_yaml.get("model_path"))
+    defaults = replace(cls(), **{**(demo if is_demo else {}), **from_yaml})
+    cfg = tyro.cli(cls, args=args, default=defaults, description=desc)
+    if os.environ.get("RANK", "0") == "0":
+        changed = [f"{k}={v}" for k, v in asdict(cfg).items() if v != getattr(defaults, k)]
+        print(f"[config] defaults: {'demo (tiny model)' if is_demo else 'EasyR1'}"
+              + (f"; from {first.config}: " + " ".join(f"{k}={v}" for k, v in from_yaml.items()) if from_yaml else "")
+              + f"; set: {' '.join(changed) or 'nothing'}" + "".join(f"\n[config] {n}" for n in notes), flush=True)
+    return cfg
 
 
 # ================================================================================================ algorithm
@@ -240,9 +275,11 @@ def setup(cfg: Config):
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
     rank, world, device = A.init_distributed()
+    ckpt, state = rundir.find_resume(cfg)  # refuses a changed config before anything loads
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    ctx = SimpleNamespace(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn)
+    ctx = SimpleNamespace(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn, ckpt=ckpt,
+                          start_step=0, cursor=0, skipped_run=0, skipped_total=0)
     ctx.model_path = cfg.model_path
     if not ctx.model_path:  # the demo: rank 0 builds (cached), the others wait and read it
         import tiny_model
@@ -273,6 +310,13 @@ def setup(cfg: Config):
     if len(ctx.train) < cfg.rollout_batch_size:
         raise UserError(f"--train-files {train_files}: {len(ctx.train)} usable prompts < --rollout-batch-size "
                         f"{cfg.rollout_batch_size}; lower --rollout-batch-size or add data")
+    if cfg.max_steps <= 0:  # EasyR1's total_epochs: an epoch is as many steps as whole rollout batches fit in the data
+        cfg.max_steps = cfg.total_epochs * (len(ctx.train) // cfg.rollout_batch_size)
+    ctx.done = bool(state and state["step"] >= cfg.max_steps)
+    if ctx.done:
+        log0(ctx, f"[resume] {ckpt} is step {state['step']} of --max-steps {cfg.max_steps}: the run is already "
+                  "complete, nothing to do (raise --max-steps to train on, or start a new run in another --output-dir)")
+        return ctx
     # --- policy (fp32 master weights), reference (frozen, compute dtype), rollout engine (its own weights) ---
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
@@ -289,9 +333,7 @@ def setup(cfg: Config):
                                            device)
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
                                        dtype=ctx.compute_dtype, cfg=cfg)
-    ctx.start_step, ctx.cursor, ctx.skipped_run, ctx.skipped_total = 0, 0, 0, 0
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
-    ckpt = A.latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints")) if cfg.resume else None
     if ckpt:
         state = A.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
         ctx.start_step, ctx.cursor = state["step"], state["cursor"]  # the engine is synced before step 1 anyway
@@ -336,12 +378,12 @@ def _epoch_perm(N, seed):
     return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
 
 
-def generate_and_score(ctx, drawn, n, temperature):
+def generate_and_score(ctx, drawn, n, temperature, top_p=None):
     """Sample n responses per prompt and score them. Returns a flat list of sample dicts, grouped by prompt."""
     cfg = ctx.cfg
     prompts = [rec for _, rec in drawn]
     seeds = [(cfg.seed * 1_000_003 + pos) % 2**31 for pos, _ in drawn]
-    outs = ctx.rollout.generate(prompts, n=n, temperature=temperature, top_p=cfg.top_p,
+    outs = ctx.rollout.generate(prompts, n=n, temperature=temperature, top_p=cfg.top_p if top_p is None else top_p,
                                 max_tokens=cfg.max_response_length, seeds=seeds)
     samples = [dict(prompt=p, response_ids=list(o["response_ids"]), finished=o["finished"],
                     rollout_logp=o.get("logprobs"), group=g)
@@ -565,7 +607,7 @@ def validate(ctx):
     samples = []
     for i in range(0, len(mine), 64):  # bounded batches keep the HF engine's memory flat
         drawn = [(-1 - j, ctx.val[j]) for j in mine[i:i + 64]]
-        samples += generate_and_score(ctx, drawn, 1, cfg.val_temperature)
+        samples += generate_and_score(ctx, drawn, 1, cfg.val_temperature, cfg.val_top_p)
     ctx.rollout.sleep()
     return sample_metrics(ctx, samples, "val")
 
@@ -573,24 +615,29 @@ def validate(ctx):
 # ================================================================================================ main loop
 def train(cfg: Config, collect=collect_rollouts):
     ctx = setup(cfg)
+    if ctx.done:
+        return ctx
     print_batch_arithmetic(ctx)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    if ctx.rank == 0:
-        with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
-            json.dump(asdict(cfg), f, indent=1)
+    if ctx.rank == 0:  # logs cut back to the resumed step, config.json for a new run
+        rundir.prepare(cfg, ctx.start_step, ctx.ckpt)
+    dist.barrier()
+    ctx.best = rundir.find_best(cfg.output_dir)  # (step, val/mean) of the best checkpoint: never deleted
     metrics_f = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") if ctx.rank == 0 else None
     samples_f = open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") if ctx.rank == 0 else None
     bar = None
     if ctx.rank == 0:
         from tqdm import tqdm
+        rundir.write_best(cfg.output_dir, ctx.best)
+        track, close_trackers = rundir.open_trackers(cfg, ctx.start_step)
         bar = tqdm(total=cfg.max_steps, initial=ctx.start_step, dynamic_ncols=True,
                    desc=os.path.basename(sys.argv[0]).removesuffix(".py") or "train")
-    if cfg.val_freq and ctx.val is not None and ctx.start_step == 0:
+    if cfg.val_freq and cfg.val_before_train and ctx.val is not None and ctx.start_step == 0:
         val = validate(ctx)
         log0(ctx, "[val] step 0 " + " ".join(f"{k}={v:.3f}" for k, v in val.items()))
         if metrics_f:
             metrics_f.write(json.dumps({"step": 0, **val}) + "\n")
             metrics_f.flush()
+            track(val, 0)
     for step in range(ctx.start_step, cfg.max_steps):
         metrics, samples = train_step(ctx, step, collect)
         last = step + 1 == cfg.max_steps
@@ -600,10 +647,17 @@ def train(cfg: Config, collect=collect_rollouts):
             metrics["timing/val"] = time.time() - t
         if cfg.save_freq >= 0 and ((cfg.save_freq and (step + 1) % cfg.save_freq == 0) or last):
             t = time.time()
+            val, best = metrics.get("val/mean"), ctx.best
+            if val is not None and (best is None or val > best[1]):
+                ctx.best = (step + 1, val)
             A.save_checkpoint(os.path.join(cfg.output_dir, "checkpoints", f"step_{step + 1}"), ctx.model, ctx.opt,
-                              ctx.sched, {"step": step + 1, "cursor": ctx.cursor, "config": asdict(cfg)},
-                              keep=cfg.save_limit)
+                              ctx.sched, {"step": step + 1, "cursor": ctx.cursor, "config": asdict(cfg), "val/mean": val,
+                                          "compute_dtype": str(ctx.compute_dtype).removeprefix("torch.")},
+                              keep=cfg.save_limit, protect=ctx.best and ctx.best[0])
             metrics["timing/save"] = time.time() - t
+            if ctx.rank == 0 and ctx.best != best:
+                rundir.write_best(cfg.output_dir, ctx.best)
+                bar.write(f"[best] checkpoints/step_{step + 1}: val/mean={val:.4g} (checkpoints/best.json)")
         if ctx.rank == 0:
             metrics_f.write(json.dumps(metrics) + "\n")
             metrics_f.flush()
@@ -612,10 +666,15 @@ def train(cfg: Config, collect=collect_rollouts):
                                             "response": s["text"], "answer": s["prompt"]["answer"],
                                             "reward": s["reward"]}) + "\n")
             samples_f.flush()
+            track(metrics, step + 1)
+            if "val/mean" in metrics or (step + 1) % 10 == 0 or last:
+                rundir.plot_rewards(cfg)  # cheap (~0.1 s): reward.png follows the run
             bar.update(1)
-            bar.write(format_line(metrics))
+            if "console" in cfg.logger:
+                bar.write(format_line(metrics))
     if bar:
         bar.close()
+        close_trackers()
     dist.barrier()
     return ctx
 
@@ -630,11 +689,11 @@ def format_line(m):
     return f"step {m['step']:4d} | " + " ".join(f"{n}={m[k]:.3g}" for k, n in keys if k in m)
 
 
-def main(config_cls=Config, collect=collect_rollouts):
+def main(config_cls=Config, collect=collect_rollouts, demo=DEMO):
     """The command line. A UserError (a bad option, file, row or reward) ends the run with one `error:` line and
     exit code 2; anything else is a bug and keeps its traceback."""
     try:
-        train(tyro.cli(config_cls), collect)
+        train(cli(config_cls, demo), collect)
     except UserError as e:
         # the checks are deterministic: every rank raises the same error and rank 0 speaks for all of them
         if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:

@@ -1,0 +1,305 @@
+"""easyr1_config.py -- EasyR1's nested YAML config, read unchanged: `grpo.py --config examples/config.yaml`.
+
+TABLE holds every EasyR1 key: the option it sets here (converted where the two spell a value differently), or none
+and why. A key whose value would change the result but cannot be honoured stops the run with the reason; a key with
+no effect here is listed at start; an unknown key (a typo) stops the run. Flags given on the command line override
+the file. Keys absent from the file keep this project's defaults (EasyR1's example values, see grpo.Config), not
+EasyR1's dataclass defaults. `python easyr1_config.py` prints the README's migration table (a test keeps it equal).
+"""
+import os
+import typing
+
+import yaml
+
+
+def _off(v):  # EasyR1's -1 means off / unlimited; here that is 0
+    return 0 if v == -1 else v
+
+
+def _only(*ok, why):  # a key that cannot be honoured unless its value is one of `ok` (then it changes nothing)
+    def check(v, y):
+        if v not in ok:
+            raise ValueError(why)
+        return {}
+    return check
+
+
+def _pick(option, names):  # a value spelled differently here
+    def conv(v, y):
+        if v not in names:
+            raise ValueError(f"choose one of {sorted(names)}")
+        return {option: names[v]}
+    return conv
+
+
+def _kl_loss(v, y):
+    if not v and not y.get("algorithm.disable_kl") and y.get("algorithm.kl_coef", 1) != 0:
+        raise ValueError("a KL penalty in the reward is not implemented: set use_kl_loss: true (the KL as a loss "
+                         "term, EasyR1's example) or disable_kl: true")
+    return {}
+
+
+def _warmup_ratio(v, y):
+    if not v:
+        return {}
+    if not y.get("trainer.max_steps"):
+        raise ValueError("give worker.actor.optim.lr_warmup_steps instead (the step count is only known once the "
+                         "data are loaded)")
+    return {"lr_warmup_steps": int(v * y["trainer.max_steps"])}  # EasyR1's rounding
+
+
+def _tokenizer(v, y):
+    if v is not None and v != y.get("worker.actor.model.model_path"):
+        raise ValueError("the tokenizer and processor come from the model folder")
+    return {}
+
+
+def _reward(v, y):  # EasyR1: "file.py" alone means its function `main`
+    return {"reward_function": f"{v}:main" if v.endswith(".py") else v} if v else {}
+
+
+def _loggers(v, y):
+    names = {"console": "console", "file": "jsonl", "jsonl": "jsonl", "tensorboard": "tensorboard", "wandb": "wandb"}
+    if bad := [x for x in v if x not in names]:
+        raise ValueError(f"{bad} not supported here; choose from console, file, tensorboard, wandb")
+    return {"logger": sorted({names[x] for x in v} | {"jsonl"})}
+
+
+def _output_dir(v, y):  # EasyR1's rule when no path is given: checkpoints/<project_name>/<experiment_name>
+    return {"output_dir": v or os.path.join("checkpoints", y.get("trainer.project_name", "easy_r1"),
+                                            y.get("trainer.experiment_name", "demo"))}
+
+
+SAME = "same option"
+NO_EFFECT = "speed or memory only; nothing here to set"
+OFFLOAD = "no CPU offload: FSDP2 keeps the shards (fp32 master weights, bf16 compute: --dtype) on the GPUs"
+# EasyR1 key: (our option, conversion (value, whole flat config) -> {option: value} or None, note).
+# Later entries win: algorithm.disable_kl comes after algorithm.kl_coef.
+TABLE = {
+    "data.train_files": ("train_files", None, SAME),
+    "data.val_files": ("val_files", None, SAME),
+    "data.prompt_key": ("prompt_key", None, SAME),
+    "data.answer_key": ("answer_key", None, SAME),
+    "data.image_key": ("image_key", None, SAME),
+    "data.video_key": (None, None, "videos are not supported (images only)"),
+    "data.image_dir": ("image_dir", None, SAME),
+    "data.video_fps": (None, None, "videos are not supported (images only)"),
+    "data.max_prompt_length": ("max_prompt_length", None, SAME),
+    "data.max_response_length": ("max_response_length", None, SAME),
+    "data.rollout_batch_size": ("rollout_batch_size", None, SAME),
+    "data.mini_rollout_batch_size": ("gen_batch_size", lambda v, y: {"gen_batch_size": v} if v else {},
+                                     "dapo.py: prompts generated per dynamic-sampling try (null: 3 x rollout batch)"),
+    "data.val_batch_size": (None, None, "validation runs 64 prompts per rank at a time (memory only)"),
+    "data.format_prompt": ("format_prompt", None, SAME),
+    "data.override_chat_template": (None, _only(None, why="not supported: the model's own chat template is used"),
+                                    "must be null: the model's own chat template is used"),
+    "data.shuffle": (None, _only(True, why="the data are always shuffled (one seeded permutation per epoch)"),
+                     "must be true: one seeded permutation per epoch"),
+    "data.seed": ("seed", None, SAME),
+    "data.min_pixels": ("min_pixels", None, SAME),
+    "data.max_pixels": ("max_pixels", None, SAME),
+    "data.filter_overlong_prompts": ("filter_overlong_prompts", None, SAME),
+    "data.filter_overlong_prompts_workers": (None, None, NO_EFFECT),
+    "algorithm.gamma": (None, _only(1, 1.0, why="no discounting here"), "must be 1"),
+    "algorithm.lam": (None, _only(1, 1.0, why="GAE (a critic) is not implemented"), "must be 1 (GAE is not implemented)"),
+    "algorithm.adv_estimator": ("adv_estimator", None, SAME),
+    "algorithm.kl_penalty": ("kl_penalty", _pick("kl_penalty", {"kl": "k1", "mse": "k2", "abs": "abs", "low_var_kl":
+                                                                 "low_var_kl", "k1": "k1", "k2": "k2", "k3": "k3"}),
+                             "kl -> k1, mse -> k2, low_var_kl and abs the same; full is not implemented"),
+    "algorithm.kl_coef": ("kl_coef", None, SAME),
+    "algorithm.disable_kl": ("kl_coef", lambda v, y: {"kl_coef": 0.0} if v else {}, "true -> --kl-coef 0 (no reference model)"),
+    "algorithm.use_kl_loss": (None, _kl_loss, "the KL is always a loss term here: false needs disable_kl: true"),
+    "algorithm.kl_type": (None, _only("fixed", why="an adaptive KL controller is not implemented"), "must be fixed"),
+    "algorithm.kl_horizon": (None, None, "adaptive KL controller only (not implemented)"),
+    "algorithm.kl_target": (None, None, "adaptive KL controller only (not implemented)"),
+    "algorithm.online_filtering": ("filter_groups", lambda v, y: {"filter_groups": v},
+                                   "dapo.py's dynamic sampling (grpo.py refuses true)"),
+    "algorithm.filter_key": ("filter_key", None, "dapo.py"),
+    "algorithm.filter_low": (None, None, "dapo.py keeps the groups whose filter_key is not all equal: for a 0/1 score, "
+                                         "what 0.01 / 0.99 give"),
+    "algorithm.filter_high": (None, None, "see filter_low"),
+    "worker.hybrid_engine": (None, _only(True, why="the trainer and vLLM always share the GPUs"), "always colocated"),
+    "worker.actor.strategy": (None, _only("fsdp", why="FSDP2 only"), "FSDP2"),
+    "worker.actor.global_batch_size": ("global_batch_size", None, SAME),
+    "worker.actor.micro_batch_size_per_device_for_update": (
+        None, None, "micro-batches do not change the result; here --max-token-len-per-device and "
+                    "--micro-batch-size-per-device bound every forward"),
+    "worker.actor.micro_batch_size_per_device_for_experience": (None, None, "see micro_batch_size_per_device_for_update"),
+    "worker.actor.max_grad_norm": ("max_grad_norm", None, SAME),
+    "worker.actor.clip_ratio_low": ("clip_ratio_low", None, SAME),
+    "worker.actor.clip_ratio_high": ("clip_ratio_high", None, SAME),
+    "worker.actor.clip_ratio_dual": ("clip_ratio_dual", None, SAME),
+    "worker.actor.loss_avg_mode": ("loss_avg_mode", None, SAME),
+    "worker.actor.loss_type": ("loss_type", _pick("loss_type", {"default": "ppo_clip", "ppo_clip": "ppo_clip",
+                                                                "gspo": "gspo", "cispo": "cispo"}), "default -> ppo_clip"),
+    "worker.actor.ppo_epochs": ("ppo_epochs", None, SAME),
+    "worker.actor.padding_free": (None, None, NO_EFFECT),
+    "worker.actor.dynamic_batching": (None, None, "always on: micro-batches by padded tokens"),
+    "worker.actor.ulysses_size": (None, None, "sequence parallelism is not implemented (memory only)"),
+    "worker.actor.use_torch_compile": (None, None, NO_EFFECT),
+    "worker.actor.tau_positive": (None, None, "SAPO is not implemented"),
+    "worker.actor.tau_negative": (None, None, "SAPO is not implemented"),
+    "worker.actor.model.model_path": ("model_path", None, None),
+    "worker.actor.model.tokenizer_path": (None, _tokenizer, "must be null: the model folder's tokenizer is used"),
+    "worker.actor.model.override_config": (None, _only({}, None, why="not supported"), "must be empty"),
+    "worker.actor.model.enable_gradient_checkpointing": ("gradient_checkpointing", None, None),
+    "worker.actor.model.trust_remote_code": (None, None, "not needed: the supported models are built into transformers"),
+    "worker.actor.model.freeze_vision_tower": ("freeze_vision_tower", None, SAME),
+    "worker.actor.model.lora.rank": (None, _only(0, why="LoRA is not implemented (full fine-tuning only)"), "must be 0"),
+    "worker.actor.model.lora.*": (None, None, "LoRA only (not implemented)"),
+    "worker.actor.optim.lr": ("lr", None, None),
+    "worker.actor.optim.weight_decay": ("weight_decay", None, None),
+    "worker.actor.optim.betas": (None, _only([0.9, 0.999], why="AdamW's betas are (0.9, 0.999) here"), "must be [0.9, 0.999]"),
+    "worker.actor.optim.strategy": (None, None, "AdamW with fp32 states (adamw_bf16 runs as adamw)"),
+    "worker.actor.optim.lr_warmup_ratio": ("lr_warmup_steps", _warmup_ratio, "x trainer.max_steps (0: no warm-up)"),
+    "worker.actor.optim.lr_warmup_steps": ("lr_warmup_steps", lambda v, y: {"lr_warmup_steps": v} if v else {}, None),
+    "worker.actor.optim.min_lr_ratio": (None, _only(None, why="the learning rate is constant after warm-up"), "must be null"),
+    "worker.actor.optim.lr_scheduler_type": (None, _only("constant", why="the learning rate is constant after warm-up"),
+                                             "must be constant"),
+    "worker.actor.fsdp.*": (None, None, OFFLOAD),
+    "worker.actor.offload.*": (None, None, OFFLOAD),
+    "worker.critic.*": (None, None, "no critic (GAE is not implemented)"),
+    "worker.rollout.name": ("rollout_engine", None, "vllm (or hf: transformers' generate)"),
+    "worker.rollout.n": ("n", None, SAME),
+    "worker.rollout.temperature": ("temperature", None, SAME),
+    "worker.rollout.top_p": ("top_p", None, SAME),
+    "worker.rollout.top_k": (None, _only(-1, 0, why="top-k sampling is not implemented"), "must be -1"),
+    "worker.rollout.seed": (None, None, "each prompt's samples are seeded from --seed and its place in the data"),
+    "worker.rollout.limit_images": ("limit_images", lambda v, y: {"limit_images": v} if v else {},
+                                    "0 (vLLM's default) keeps ours: 1"),
+    "worker.rollout.dtype": (None, None, "the engine runs the compute dtype (--dtype)"),
+    "worker.rollout.gpu_memory_utilization": ("gpu_memory_utilization", None, SAME),
+    "worker.rollout.ignore_eos": (None, _only(False, why="not supported"), "must be false"),
+    "worker.rollout.enforce_eager": ("enforce_eager", None, SAME),
+    "worker.rollout.enable_chunked_prefill": (None, None, "vLLM's V0 engine only"),
+    "worker.rollout.tensor_parallel_size": ("tensor_parallel_size", None, SAME),
+    "worker.rollout.max_model_len": (None, None, "max_prompt_length + max_response_length"),
+    "worker.rollout.max_num_batched_tokens": ("max_num_batched_tokens", None, SAME),
+    "worker.rollout.disable_log_stats": (None, None, "display only"),
+    "worker.rollout.disable_tqdm": (None, None, "display only"),
+    "worker.rollout.val_override_config.temperature": ("val_temperature", None, None),
+    "worker.rollout.val_override_config.top_p": ("val_top_p", None, None),
+    "worker.rollout.val_override_config.n": (None, _only(1, why="validation scores one answer per prompt"), "must be 1"),
+    "worker.ref.*": (None, None, "the reference model: FSDP2-sharded in the compute dtype, never offloaded"),
+    "worker.reward.reward_function": ("reward_function", _reward, "file.py:fn, built-ins math | r1v | dapo"),
+    "worker.reward.reward_function_kwargs": (None, _only({}, None, why="not supported"), "must be empty"),
+    "worker.reward.skip_special_tokens": (None, _only(True, why="responses are always decoded without special tokens"),
+                                          "must be true"),
+    "worker.reward.num_cpus": (None, None, "rewards run in the trainer's processes"),
+    "trainer.total_epochs": ("total_epochs", None, "used when max_steps is null"),
+    "trainer.max_steps": ("max_steps", lambda v, y: {"max_steps": v} if v else {}, "null -> total_epochs"),
+    "trainer.project_name": ("project_name", None, "wandb"),
+    "trainer.experiment_name": ("experiment_name", None, "wandb"),
+    "trainer.logger": ("logger", _loggers, "file -> jsonl (always on); mlflow, swanlab are not supported"),
+    "trainer.nnodes": (None, None, "torchrun's --nnodes"),
+    "trainer.n_gpus_per_node": (None, None, "torchrun's --nproc_per_node"),
+    "trainer.max_try_make_batch": ("max_try_make_batch", lambda v, y: {"max_try_make_batch": _off(v)},
+                                   "dapo.py; -1 -> 0 (unlimited)"),
+    "trainer.critic_warmup": (None, None, "no critic"),
+    "trainer.val_freq": ("val_freq", lambda v, y: {"val_freq": _off(v)}, "-1 -> 0 (never)"),
+    "trainer.val_before_train": ("val_before_train", None, SAME),
+    "trainer.val_only": (None, _only(False, why="not supported"), "must be false"),
+    "trainer.val_generations_to_log": (None, None, "validation answers are not logged (--log-samples logs training ones)"),
+    "trainer.save_freq": ("save_freq", None, SAME),
+    "trainer.save_limit": ("save_limit", lambda v, y: {"save_limit": _off(v)}, "-1 -> 0 (keep all)"),
+    "trainer.save_model_only": (None, None, "checkpoints always hold the optimizer (an exact resume); merge.py "
+                                            "extracts the model"),
+    "trainer.find_last_checkpoint": ("resume", lambda v, y: {"resume": "auto" if v else "never"},
+                                     "true -> auto; false -> never (refuses a folder that holds a run)"),
+    "trainer.load_checkpoint_path": ("resume", lambda v, y: {"resume": v} if v else {}, "a checkpoints/step_N folder"),
+    "trainer.save_checkpoint_path": ("output_dir", _output_dir, "null -> checkpoints/<project_name>/<experiment_name>"),
+    "trainer.ray_timeline": (None, None, "no Ray"),
+}
+
+
+def _leaves(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _entry(key):
+    """The TABLE key that covers an EasyR1 key (itself, or a `prefix.*` row), or None."""
+    if key in TABLE:
+        return key
+    return next((k for k in TABLE if k.endswith(".*") and key.startswith(k[:-1])), None)
+
+
+def _coerce(v, tp):
+    """A YAML value as the option's type (YAML reads 1e-6 as a string; EasyR1's OmegaConf converts it by type)."""
+    args = typing.get_args(tp)
+    if v is None:
+        if type(None) in args:
+            return None
+        raise ValueError("null is not allowed here")
+    if type(None) in args:
+        tp = next(a for a in args if a is not type(None))
+    if typing.get_origin(tp) is typing.Literal:
+        if v not in typing.get_args(tp):
+            raise ValueError(f"choose one of {list(typing.get_args(tp))}")
+        return v
+    if tp is bool:
+        if not isinstance(v, bool):
+            raise ValueError("expected true or false")
+        return v
+    if tp in (int, float):
+        out = tp(float(v))
+        if tp is int and out != float(v):
+            raise ValueError("expected an integer")
+        return out
+    return str(v) if tp is str else v
+
+
+def translate(config, cls):
+    """A nested EasyR1 config (dict) -> ({option: value} for `cls`, notes on the keys without effect here). Raises
+    one ValueError listing every key that cannot be honoured, with the reason."""
+    y = dict(_leaves(config))
+    y.setdefault("trainer.save_checkpoint_path", None)  # EasyR1 derives it when absent, so do we
+    hints = typing.get_type_hints(cls)
+    opts, notes, errors = {}, {}, [f"{k}: not an EasyR1 key" for k in y if _entry(k) is None]
+    for key, (option, conv, note) in TABLE.items():
+        for k in [k for k in y if _entry(k) == key]:
+            try:
+                got = conv(y[k], y) if conv else ({option: y[k]} if option else {})
+                if option is None:
+                    notes.setdefault(f"no option here: {note}", []).append(f"{k}={y[k]!r}")
+                for o, v in got.items():
+                    if o not in hints:  # an option of dapo.py read by grpo.py
+                        if o == "filter_groups" and v:
+                            raise ValueError("that is DAPO's dynamic sampling: run dapo.py --config")
+                        notes.setdefault(f"not an option of this script: {note}", []).append(f"{k}={y[k]!r}")
+                        continue
+                    opts[o] = _coerce(v, hints[o])
+            except ValueError as e:
+                errors.append(f"{k}={y[k]!r}: {e}")
+    if errors:
+        raise ValueError("EasyR1 config: " + "; ".join(errors))  # UserError
+    return opts, [f"{', '.join(keys)} ({why})" for why, keys in notes.items()]
+
+
+def load(path, cls):
+    if not os.path.isfile(path):
+        raise ValueError(f"--config {path}: no such file")  # UserError
+    with open(path) as f:
+        return translate(yaml.safe_load(f) or {}, cls)
+
+
+def markdown():
+    """The README's migration table, from TABLE."""
+    groups = {}
+    for k, (o, c, n) in TABLE.items():
+        if n is SAME:
+            groups.setdefault(k.rpartition(".")[0], []).append(k.rpartition(".")[2])
+    rows = ["| EasyR1 key | here | note |", "|---|---|---|",
+            "| " + "; ".join(f"`{sec}.` " + ", ".join(keys) for sec, keys in groups.items())
+            + " | the same name (`data.max_pixels` -> `--max-pixels`) | |"]
+    for k, (o, c, n) in TABLE.items():
+        if n is not SAME:
+            rows.append(f"| `{k}` | {f'`--{o.replace(chr(95), chr(45))}`' if o else 'none'} | {n or ''} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown())
