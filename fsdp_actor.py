@@ -209,15 +209,17 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     return model
 
 
-def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visual.*"):
+def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visual.*", modules_to_save=""):
     """LoRA through peft, in place: the wrapped Linear layers keep their weight as `<name>.base_layer.weight`
     next to `<name>.lora_A/B.default.weight`, and every parameter outside the adapters is frozen (the vision
     tower too, unless targeted: vLLM takes no LoRA on the vision encoder, so it is excluded by default). The
-    PeftModel wrapper is dropped: the trainer keeps calling the HF model, whose layers now carry the adapters."""
+    PeftModel wrapper is dropped: the trainer keeps calling the HF model, whose layers now carry the adapters.
+    `modules_to_save` (peft's): modules trained in full next to the adapters, e.g. lm_head."""
     from peft import LoraConfig, get_peft_model
     targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
     peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
-                                               exclude_modules=exclude_modules or None))
+                                               exclude_modules=exclude_modules or None,
+                                               modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
     if not any(p.requires_grad for p in hf.parameters()):
         raise ValueError(f"--lora-target-modules {target_modules!r} matched no layer")  # UserError
     return peft_model  # (merge.py saves adapter folders through it)
@@ -234,7 +236,8 @@ def lora_layers(model):
 def adapters_disabled(model):
     """The base model, i.e. the reference policy of a LoRA run: no second copy of the weights."""
     from peft.tuners.lora import LoraLayer
-    layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, LoraLayer)]
+    from peft.utils.other import ModulesToSaveWrapper
+    layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
     for m in layers:
         m.enable_adapters(False)
     try:
@@ -385,11 +388,12 @@ def iter_full_params(model, dtype=None, lora_only=False):
     scales = lora_layers(model)
     sd = getattr(model, "hf", model).state_dict()
     for name, p in sd.items():
-        if ".lora_A." in name or ".lora_B." in name:
+        if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:  # (modules_to_save: the copy)
             continue
         layer = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
-        if lora_only and not (layer in scales and name.endswith(".weight")):
+        if lora_only and not (layer in scales and name.endswith(".weight")) and ".modules_to_save." not in name:
             continue
+        name = name.replace(".modules_to_save.default.", ".")
         t = full(p)
         if layer in scales and name.endswith(".base_layer.weight"):  # [out, in] + scale * [out, r] @ [r, in]
             a, b = full(sd[f"{layer}.lora_A.default.weight"]), full(sd[f"{layer}.lora_B.default.weight"])

@@ -96,6 +96,7 @@ class Config:
     lora_alpha: int = 32  # LoRA scale = alpha / rank
     lora_target_modules: str = "all-linear"  # comma-separated module names, or peft's "all-linear"
     lora_exclude_modules: str = r".*visual.*"  # regex of modules left without adapters (vLLM has no vision LoRA)
+    lora_modules_to_save: str = ""  # comma-separated modules trained in full beside the adapters (peft's), e.g. lm_head
     gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~1/3 more compute
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)
@@ -321,7 +322,8 @@ def setup(cfg: Config):
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     ctx.lora = dict(r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
-                    exclude_modules=cfg.lora_exclude_modules) if cfg.lora_rank > 0 else None
+                    exclude_modules=cfg.lora_exclude_modules, modules_to_save=cfg.lora_modules_to_save
+                    ) if cfg.lora_rank > 0 else None
     ctx.model = A.build_actor(ctx.model_path, device, torch.float32, ctx.compute_dtype,
                               cfg.gradient_checkpointing, cfg.attn_implementation,
                               freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora)

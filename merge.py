@@ -50,12 +50,12 @@ def merge(checkpoint, output, model_path=None, dtype="bfloat16", adapter_only=Fa
     lora = cfg.get("lora_rank", 0) > 0
     if lora:  # the checkpoint holds the adapters only: rebuild them on the base model, then read them in
         peft_model = A.add_lora(hf, cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_target_modules"],
-                                cfg["lora_exclude_modules"])
+                                cfg["lora_exclude_modules"], cfg.get("lora_modules_to_save", ""))
     elif adapter_only:
         raise ValueError(f"{checkpoint}: --adapter-only needs a LoRA checkpoint (trained with --lora-rank > 0)")
     # the saved names are those of the FSDP root, fsdp_actor.LogProbModel: "hf." + the HF names
     state = {"model": {"hf." + k: v for k, v in hf.state_dict().items()
-                       if not lora or ".lora_A." in k or ".lora_B." in k}}
+                       if not lora or ".lora_A." in k or ".lora_B." in k or ".modules_to_save." in k}}
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # reads just these keys, from every rank's shard
     hf.load_state_dict({k[3:]: v for k, v in state["model"].items()}, strict=not lora)
     tmp = output.rstrip("/") + ".tmp"

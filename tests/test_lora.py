@@ -30,13 +30,13 @@ def setup(tmp_path_factory):
     return path, proc, samples
 
 
-def lora_actor(path, seed=0):
+def lora_actor(path, seed=0, **kw):
     torch.manual_seed(seed)
     model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False,
-                          lora=LORA)
+                          lora={**LORA, **kw})
     with torch.no_grad():  # peft starts B at 0 (adapter = identity): move it so the adapter changes the output
         for n, p in model.named_parameters():
-            if ".lora_B." in n:
+            if ".lora_B." in n or ".modules_to_save." in n:
                 p.copy_(torch.distributed.tensor.distribute_tensor(0.05 * torch.randn(p.shape), p.device_mesh,
                                                                    p.placements))
     return model.eval()
@@ -64,9 +64,10 @@ def test_reference_is_the_base_model_and_only_adapters_train(setup):
     assert not any(".visual." in n for n in names)  # the vision tower is excluded by default
 
 
-def test_merged_weights_reproduce_the_actor(setup):
+@pytest.mark.parametrize("modules_to_save", ["", "lm_head"])
+def test_merged_weights_reproduce_the_actor(setup, modules_to_save):
     path, proc, samples = setup
-    model = lora_actor(path, seed=1)
+    model = lora_actor(path, seed=1, modules_to_save=modules_to_save)
     merged = dict(A.iter_full_params(model))
     plain = A.load_hf_model(path, dtype=torch.float32)
     assert merged.keys() == plain.state_dict().keys()  # the base model's names: what engines load
@@ -80,7 +81,9 @@ def test_merged_weights_reproduce_the_actor(setup):
     changed = dict(A.iter_full_params(model, lora_only=True))  # later syncs: the LoRA-wrapped layers only
     assert changed and set(changed) < set(merged)
     assert all(torch.equal(changed[k], merged[k]) for k in changed)
-    assert all(k.endswith("proj.weight") and ".visual." not in k for k in changed)
+    assert all((k.endswith("proj.weight") or k == f"{modules_to_save}.weight") and ".visual." not in k
+               for k in changed)
+    assert ("lm_head.weight" in changed) == bool(modules_to_save)  # a module trained in full is re-sent too
 
 
 def test_lora_checkpoint_merges_to_dense_and_adapter_folders(setup, tmp_path):
