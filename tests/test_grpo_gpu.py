@@ -36,3 +36,12 @@ def test_a_skipped_sync_is_caught(tmp_path):
     rows = run(tmp_path, "--debug-skip-sync")
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     assert diffs[0] < 0.01 and min(diffs[1:]) > 0.05, diffs  # stale after the first update (0.3 seen)
+
+
+def test_lora_engine_agrees_after_every_sync(tmp_path):
+    """LoRA: the engine gets merged weights (W + scale B A) under the base names; after the first step only the
+    LoRA-wrapped layers (and modules trained in full) are re-sent, and the engine still matches the trainer."""
+    rows = run(tmp_path, "--lora-rank", "16", "--lora-modules-to-save", "lm_head")
+    diffs = [r["rollout/logprob_diff_mean"] for r in rows]
+    assert len(diffs) == 4 and max(diffs) < 0.01, diffs
+    assert rows[-1]["actor/kl"] > 0  # the adapters moved the policy away from the reference (adapters off)
