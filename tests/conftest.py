@@ -1,0 +1,114 @@
+"""The launcher for tests that start grpo.py, torchrun or run.sh as subprocesses (the `launch` fixture)."""
+import os
+import signal
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def clean_env(**extra):
+    """os.environ for a child: without the torch.distributed variables (a test that set up a 1-rank group in this
+    process must not leak it into the children), one thread per process (the CPU is shared), unbuffered output."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _stat(pid):
+    """(state, ppid) of a process from /proc, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _descendants(pid):
+    """Every process below pid, read from /proc."""
+    children = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        st = _stat(int(d))
+        if st:
+            children.setdefault(st[1], []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _stop(p, grace=10.0):
+    """Stop p and everything below it: SIGTERM to p's process group and to each descendant (torchrun starts its
+    workers in sessions of their own, so the group alone misses them; on SIGTERM it also stops them itself), then
+    SIGKILL whatever still runs after `grace` seconds."""
+    if p.poll() is not None:
+        return
+    pids = [p.pid] + _descendants(p.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for kill, q in [(os.killpg, p.pid)] + [(os.kill, q) for q in pids]:
+            try:
+                kill(q, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            p.poll()  # reaps p, so it does not linger as a zombie
+            if all((_stat(q) or ("Z",))[0] == "Z" for q in pids):
+                return
+            time.sleep(0.2)
+    p.wait()
+
+
+@pytest.fixture
+def launch():
+    """launch.start(cmd, log, **env) -> Popen: cmd runs in ROOT in a session of its own, stdout and stderr to the
+    file `log`, env = clean_env(**env). launch.wait(p or [p, ...], timeout) waits for them all and fails the test
+    (with the log's tail) on a timeout or a non-zero exit. launch.run(cmd, log, timeout, **env) is both.
+    Whatever is still running when the test ends (passed, failed or timed out) is stopped with all its
+    descendants."""
+    started = []
+
+    def start(cmd, log, **env):
+        f = open(log, "w")
+        p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=clean_env(**env), stdout=f,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        p.log = str(log)
+        started.append((p, f))
+        return p
+
+    def tail(p, n=4000):
+        with open(p.log, errors="replace") as f:
+            return f.read()[-n:]
+
+    def wait(ps, timeout):
+        ps = ps if isinstance(ps, (list, tuple)) else [ps]
+        deadline = time.time() + timeout
+        while True:  # poll them all: one failing ends the wait at once (its peers would block on it)
+            for p in ps:
+                rc = p.poll()
+                assert rc in (None, 0), f"{p.args[:4]}... exited {rc}; its log ends:\n{tail(p)}"
+            if all(p.poll() == 0 for p in ps):
+                return
+            if time.time() > deadline:
+                late = [p for p in ps if p.poll() is None]
+                pytest.fail(f"{late[0].args[:4]}... still running after {timeout} s; its log ends:\n{tail(late[0])}")
+            time.sleep(0.2)
+
+    def run(cmd, log, timeout=600, **env):
+        p = start(cmd, log, **env)
+        wait(p, timeout)
+        return p
+
+    yield SimpleNamespace(start=start, wait=wait, run=run, tail=tail)
+    for p, f in started:
+        _stop(p)
+        f.close()
