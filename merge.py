@@ -1,28 +1,40 @@
 """merge.py -- turn a training checkpoint into a Hugging Face model folder you can load, serve or upload.
 
     python merge.py outputs/demo/checkpoints/step_150 outputs/demo/hf
-    python merge.py CKPT OUT --model-path Qwen/Qwen2.5-VL-7B-Instruct --dtype bfloat16
+    python merge.py outputs/run/checkpoints/step_60 outputs/run/hf --model-path Qwen/Qwen2.5-VL-7B-Instruct --dtype float32
 
 A checkpoint is what grpo.py saves: the FSDP2-sharded model and optimizer through torch.distributed.checkpoint
 (one shard per rank), plus trainer_state.json. Only the model's tensors are read (the optimizer state, twice the
 model's size, stays on disk); no process group and no GPU are needed, whatever the number of ranks that saved it.
+
+The default dtype is the one the policy ran in: its compute dtype, recorded in trainer_state.json (bfloat16 on GPUs,
+float32 on the CPU). Training keeps fp32 master weights and casts them for every forward, so a bfloat16 folder is
+the model that generated the rollouts and was validated; --dtype float32 keeps the master weights themselves.
 """
 import json
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 @dataclass
 class Args:
-    checkpoint: str  # e.g. outputs/demo/checkpoints/step_150
-    output: str  # the HF folder to write
+    checkpoint: Annotated[str, tyro.conf.Positional]  # e.g. outputs/demo/checkpoints/step_150
+    output: Annotated[str, tyro.conf.Positional]  # the HF folder to write
     model_path: str | None = None  # the base model; default: the one recorded in the checkpoint
-    dtype: str = "bfloat16"  # bfloat16 | float16 | float32
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None  # default: the compute dtype of the run
+
+
+def trained_dtype(checkpoint):
+    """The compute dtype recorded by grpo.py; float32 (the master weights, lossless) for older checkpoints."""
+    state = json.load(open(os.path.join(checkpoint, "trainer_state.json")))
+    return state.get("compute_dtype", "float32")
 
 
 def base_model_path(checkpoint, model_path=None):
@@ -36,7 +48,7 @@ def base_model_path(checkpoint, model_path=None):
     return path
 
 
-def merge(checkpoint, output, model_path=None, dtype="bfloat16"):
+def merge(checkpoint, output, model_path=None, dtype=None):
     import torch.distributed.checkpoint as dcp
 
     import fsdp_actor as A
@@ -48,7 +60,7 @@ def merge(checkpoint, output, model_path=None, dtype="bfloat16"):
     state = {"model": {"hf." + k: v for k, v in hf.state_dict().items()}}
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # reads just these keys, from every rank's shard
     hf.load_state_dict({k[3:]: v for k, v in state["model"].items()})
-    hf.to(getattr(torch, dtype))
+    hf.to(getattr(torch, dtype or trained_dtype(checkpoint)))
     tmp = output.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     hf.save_pretrained(tmp)
@@ -72,6 +84,5 @@ def copy_tokenizer_files(path, out):
 
 
 if __name__ == "__main__":
-    import tyro
     a = tyro.cli(Args)
-    print(f"wrote {merge(a.checkpoint, a.output, a.model_path, a.dtype)}")
+    print(f"wrote {merge(a.checkpoint, a.output, a.model_path, a.dtype)} in {a.dtype or trained_dtype(a.checkpoint)}")
