@@ -87,8 +87,8 @@ TABLE = {
     "data.max_prompt_length": ("max_prompt_length", None, SAME),
     "data.max_response_length": ("max_response_length", None, SAME),
     "data.rollout_batch_size": ("rollout_batch_size", None, SAME),
-    "data.mini_rollout_batch_size": ("gen_batch_size", lambda v, y: {"gen_batch_size": v} if v else {},
-                                     "dapo.py: prompts generated per dynamic-sampling try (null: 3 x rollout batch)"),
+    "data.mini_rollout_batch_size": ("gen_batch_size", lambda v, y: {"gen_batch_size": v or y.get(
+        "data.rollout_batch_size", 512)}, "dapo.py: prompts generated per dynamic-sampling try (null: the rollout batch)"),
     "data.val_batch_size": (None, None, "validation runs 64 prompts per rank at a time (memory only)"),
     "data.format_prompt": ("format_prompt", None, SAME),
     "data.override_chat_template": (None, _only(None, why="not supported: the model's own chat template is used"),
@@ -263,8 +263,9 @@ def translate(config, cls):
         for k in [k for k in y if _entry(k) == key]:
             try:
                 got = conv(y[k], y) if conv else ({option: y[k]} if option else {})
-                if option is None:
-                    notes.setdefault(f"no option here: {note}", []).append(f"{k}={y[k]!r}")
+                if not got:  # nothing set: say why
+                    why = f"no option here: {note}" if option is None else f"nothing to set: {note}"
+                    notes.setdefault(why, []).append(f"{k}={y[k]!r}")
                 for o, v in got.items():
                     if o not in hints:  # an option of dapo.py read by grpo.py
                         if o == "filter_groups" and v:
