@@ -125,5 +125,6 @@ def collect_dynamic(ctx, step, metrics):
 
 
 if __name__ == "__main__":
-    grpo.train(grpo.cli(DAPOConfig, DEMO), collect=collect_dynamic)
+    from easyr1_config import cli
+    grpo.train(cli(DAPOConfig, DEMO), collect=collect_dynamic)
     dist.destroy_process_group()

@@ -10,6 +10,7 @@ import yaml
 import dapo
 import easyr1_config as E
 import grpo
+from easyr1_config import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "tests", "easyr1_config.yaml")
@@ -26,7 +27,7 @@ def leaves(d, prefix=""):
 
 def test_real_models_get_easyr1_defaults():
     opts, _ = E.translate(yaml.safe_load(open(EXAMPLE)), grpo.Config)
-    real = grpo.cli(args=["--model-path", "Qwen/Qwen2.5-VL-7B-Instruct"])
+    real = cli(grpo.Config, grpo.DEMO, args=["--model-path", "Qwen/Qwen2.5-VL-7B-Instruct"])
     same = {k: v for k, v in opts.items() if k not in DELIBERATE}
     assert {k: getattr(real, k) for k in same} == same  # lr 1e-6, n 5, 2048 tokens, 262144..4194304 pixels, ...
     assert (real.lr, real.n, real.max_response_length, real.rollout_batch_size, real.global_batch_size) == (
@@ -35,25 +36,26 @@ def test_real_models_get_easyr1_defaults():
 
 
 def test_the_demo_gets_its_own_and_flags_win(capsys):
-    demo = grpo.cli(args=[])
+    demo = cli(grpo.Config, grpo.DEMO, args=[])
     assert {k: getattr(demo, k) for k in grpo.DEMO} == grpo.DEMO
     # the README's demo table was measured with these
-    assert (demo.lr, demo.n, demo.max_response_length, demo.max_pixels, demo.rollout_batch_size) == (1e-3, 16, 4, 12544, 16)
+    assert (demo.lr, demo.n, demo.max_response_length, demo.max_pixels, demo.rollout_batch_size) == (
+        1e-3, 16, 4, 12544, 16)
     assert "defaults: demo (tiny model); set: nothing" in capsys.readouterr().out
     # a flag equal to EasyR1's default still wins over the demo's (compared against the demo set, not EasyR1's)
-    assert grpo.cli(args=["--rollout-n", "5", "--lr", "1e-6"]).n == 5
-    real = grpo.cli(args=["--model-path", "m", "--lr", "2e-6"])
+    assert cli(grpo.Config, grpo.DEMO, args=["--rollout-n", "5", "--lr", "1e-6"]).n == 5
+    real = cli(grpo.Config, grpo.DEMO, args=["--model-path", "m", "--lr", "2e-6"])
     assert real.lr == 2e-6 and real.n == 5
     out = capsys.readouterr().out
     assert "defaults: EasyR1; set: model_path=m lr=2e-06" in out
-    d = grpo.cli(dapo.DAPOConfig, dapo.DEMO, args=[])
+    d = cli(dapo.DAPOConfig, dapo.DEMO, args=[])
     assert (d.max_steps, d.output_dir, d.clip_ratio_high, d.lr) == (60, "outputs/dapo", 0.28, 1e-3)
-    assert grpo.cli(dapo.DAPOConfig, dapo.DEMO, args=["--model-path", "m"]).output_dir == "outputs/run"
+    assert cli(dapo.DAPOConfig, dapo.DEMO, args=["--model-path", "m"]).output_dir == "outputs/run"
 
 
 def test_help_shows_the_real_defaults_and_names_the_demos(capsys):
     with pytest.raises(SystemExit):
-        grpo.cli(args=["--help"])
+        cli(grpo.Config, grpo.DEMO, args=["--help"])
     out = re.sub(r"[\s│]+", " ", capsys.readouterr().out)
     assert re.search(r"--lr FLOAT [^()]*\(default: 1e-06\)", out)
     assert "the demo (no --model-path) uses" in out and "lr=0.001" in out and "n=16" in out
@@ -77,7 +79,7 @@ def test_readme_migration_table_is_the_tables():
 
 
 def test_example_config_values_and_overrides(capsys):
-    cfg = grpo.cli(args=["--config", EXAMPLE, "--lr", "3e-6"])
+    cfg = cli(grpo.Config, grpo.DEMO, args=["--config", EXAMPLE, "--lr", "3e-6"])
     assert cfg.lr == 3e-6  # the flag wins over the file
     assert (cfg.model_path, cfg.n, cfg.kl_coef, cfg.val_temperature, cfg.val_top_p) == (
         "Qwen/Qwen2.5-7B-Instruct", 5, 1e-2, 0.6, 0.95)
@@ -85,7 +87,7 @@ def test_example_config_values_and_overrides(capsys):
     assert cfg.logger == ["jsonl", "wandb"] and cfg.val_freq == 5 and cfg.save_limit == 3
     out = capsys.readouterr().out
     assert "defaults: EasyR1; from " in out and "worker.actor.model.lora.alpha=64" in out  # listed, with why
-    d = grpo.cli(dapo.DAPOConfig, dapo.DEMO, args=["--config", EXAMPLE])
+    d = cli(dapo.DAPOConfig, dapo.DEMO, args=["--config", EXAMPLE])
     assert (d.filter_groups, d.filter_key, d.max_try_make_batch) == (False, "overall", 20)
 
 

@@ -14,8 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import rundir  # noqa: E402
 
-SMALL = ["--rollout-batch-size", "4", "--global-batch-size", "4", "--rollout-n", "4", "--max-response-length", "6", "--log-samples", "1",
-         "--val-max-rows", "8"]
+SMALL = ["--rollout-batch-size", "4", "--global-batch-size", "4", "--rollout-n", "4", "--max-response-length", "6",
+         "--log-samples", "1", "--val-max-rows", "8"]
 DENSE_REWARD = """
 def dense(items):  # varies with every answer, so validation scores move from step to step
     return [{"overall": len(set(it["response"])) / 10, "accuracy": 0.0} for it in items]
@@ -63,36 +63,68 @@ def wandb_history(run_file):
     return out
 
 
-def test_one_folder_one_run(tmp_path, capsys):
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("wandb")
-    (tmp_path / "r.py").write_text(DENSE_REWARD)
-    out = tmp_path / "run"
-    kw = ["--reward-function", f"{tmp_path / 'r.py'}:dense"]
-    # ---- a run: validation and a checkpoint every step, only 2 kept besides the best; all trackers on ----
+def _installed(name):
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """4 steps with validation and a checkpoint every step, 2 kept besides the best; every installed tracker on."""
+    tmp = tmp_path_factory.mktemp("resume")
+    (tmp / "r.py").write_text(DENSE_REWARD)
+    out, kw = tmp / "run", ["--reward-function", f"{tmp / 'r.py'}:dense"]
+    trackers = [t for t in ("tensorboard", "wandb") if _installed(t)]
     p = grpo(kw + ["--max-steps", "4", "--val-freq", "1", "--save-freq", "1", "--save-limit", "2",
-                   "--logger", "console", "tensorboard", "wandb"], out)
-    assert "[config] defaults: demo (tiny model)" in p.stdout and "set: " in p.stdout
-    first = rows(out / "metrics.jsonl")
+                   "--logger", "console", *trackers], out)
+    return out, kw, p.stdout + p.stderr, rows(out / "metrics.jsonl")
+
+
+def test_best_checkpoint_outlives_save_limit(first_run):
+    out, _, log, first = first_run
+    assert "[config] defaults: demo (tiny model)" in log and "set: " in log
     assert [r["step"] for r in first] == [0, 1, 2, 3, 4]
     # the best checkpoint: the highest val/mean among the saved steps (the earliest of equals), kept and named
     vals = {r["step"]: r["val/mean"] for r in first if r["step"] > 0}
     best = max(vals, key=lambda s: (vals[s], -s))
     assert json.load(open(out / "checkpoints" / "best.json")) == {
         "step": best, "checkpoint": f"checkpoints/step_{best}", "val/mean": vals[best]}
-    assert f"[best] checkpoints/step_{best}:" in p.stdout + p.stderr
+    assert f"[best] checkpoints/step_{best}:" in log
     assert sorted(os.listdir(out / "checkpoints")) == sorted({"best.json", "step_3", "step_4", f"step_{best}"})
-    # trackers: what they recorded is what metrics.jsonl holds
-    tb = tensorboard_scalars(str(out / "tensorboard"), "reward/mean")
-    assert tb == pytest.approx({r["step"]: r["reward/mean"] for r in first if "reward/mean" in r})
-    assert tensorboard_scalars(str(out / "tensorboard"), "val/mean") == pytest.approx(
-        {r["step"]: r["val/mean"] for r in first})
-    (run_file,) = glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))  # offline: no API key here
-    hist = [h for h in wandb_history(run_file) if "reward/mean" in h]
-    assert [(h["_step"], h["reward/mean"]) for h in hist] == [(r["step"], r["reward/mean"]) for r in first[1:]]
     png = open(out / "reward.png", "rb").read()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and not glob.glob(str(out / "*.tmp*"))
 
+
+def test_tensorboard_reads_back(first_run):
+    pytest.importorskip("tensorboard", reason="pip install tensorboard to test --logger tensorboard")
+    out, _, _, first = first_run
+    assert tensorboard_scalars(str(out / "tensorboard"), "reward/mean") == pytest.approx(
+        {r["step"]: r["reward/mean"] for r in first if "reward/mean" in r})
+    assert tensorboard_scalars(str(out / "tensorboard"), "val/mean") == pytest.approx(
+        {r["step"]: r["val/mean"] for r in first})
+
+
+def test_wandb_offline_reads_back(first_run):
+    pytest.importorskip("wandb", reason="pip install wandb to test --logger wandb")
+    out, _, _, first = first_run
+    (run_file,) = glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))  # offline: no API key here
+    hist = [h for h in wandb_history(run_file) if "reward/mean" in h]
+    assert [(h["_step"], h["reward/mean"]) for h in hist] == [(r["step"], r["reward/mean"]) for r in first[1:]]
+
+
+def test_a_missing_tracker_is_one_clear_error(monkeypatch, tmp_path):
+    from dataclasses import replace
+
+    import grpo as G
+    for name in ("wandb", "tensorboard"):
+        monkeypatch.setitem(sys.modules, name if name == "wandb" else "torch.utils.tensorboard", None)
+        with pytest.raises(ValueError, match=f"--logger {name} needs the {name} package: pip install {name}"):
+            rundir.open_trackers(replace(G.Config(), logger=["jsonl", name], output_dir=str(tmp_path)), 0)
+
+
+def test_resume_path_logs_cut_back_complete_and_refusals(first_run, capsys):
+    """Runs after the tests above: it changes the folder."""
+    out, kw, _, first = first_run
     # ---- --resume PATH to an older checkpoint: logs cut back to it, the newer checkpoint set aside ----
     p = grpo(kw + ["--max-steps", "5", "--val-freq", "1", "--save-freq", "1", "--save-limit", "2",
                    "--resume", str(out / "checkpoints" / "step_3")], out)
@@ -108,14 +140,16 @@ def test_one_folder_one_run(tmp_path, capsys):
     # ---- already complete: says so and stops before the model loads; a changed config or --resume never over
     # this folder is refused, every difference listed (in-process: the same calls `python grpo.py` makes) ----
     import grpo as G
+    from easyr1_config import cli
     args = ["--output-dir", str(out)] + SMALL + kw
-    ctx = G.setup(G.cli(args=args + ["--max-steps", "5"]))
+    ctx = G.setup(cli(G.Config, G.DEMO, args=args + ["--max-steps", "5"]))
     assert ctx.done and not hasattr(ctx, "model")
     assert "already complete" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"lr: 0.001 -> 0.01; kl_coef: 0.01 -> 0.1"):
-        rundir.find_resume(G.cli(args=args + ["--max-steps", "6", "--lr", "0.01", "--kl-coef", "0.1"]))
+        rundir.find_resume(cli(G.Config, G.DEMO, args=args + ["--max-steps", "6", "--lr", "0.01", "--kl-coef",
+                                                              "0.1"]))
     with pytest.raises(ValueError, match="--resume never: .* already holds a run"):
-        rundir.find_resume(G.cli(args=args + ["--resume", "never"]))
+        rundir.find_resume(cli(G.Config, G.DEMO, args=args + ["--resume", "never"]))
     assert rows(out / "metrics.jsonl") == again
 
 
