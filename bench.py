@@ -60,7 +60,7 @@ def defaults(workdir, model_path, data_path):
         max_prompt_length=1024, max_response_length=1024, min_pixels=3136, max_pixels=512 * 512,
         rollout_batch_size=64, global_batch_size=64, n=8, temperature=1.0, lr=1e-6, kl_coef=1e-2,
         micro_batch_size_per_device=64, max_token_len_per_device=32768, gpu_memory_utilization=0.5,
-        max_num_batched_tokens=16384, max_steps=3, val_freq=0, save_freq=-1, resume=False,
+        max_num_batched_tokens=16384, max_steps=3, val_freq=0, save_freq=-1, resume="never",
         output_dir=os.path.join(workdir, "run"))
 
 
@@ -129,9 +129,11 @@ def run(cfg, trainer_only=False, profile=False):
     import torch
     if trainer_only:
         cfg = replace(cfg, rollout_engine="hf")  # built but never asked to generate: only weight syncs reach it
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0 and os.path.exists(os.path.join(cfg.output_dir, "metrics.jsonl")):
-        os.remove(os.path.join(cfg.output_dir, "metrics.jsonl"))
+    rank = grpo.A.init_distributed()[0]
+    if rank == 0:  # a benchmark starts over every time (--resume never refuses a folder that holds a run)
+        import shutil
+        shutil.rmtree(cfg.output_dir, ignore_errors=True)
+    grpo.dist.barrier()
     base = synthetic_collect if trainer_only else grpo.collect_rollouts
     prof = None
     if profile:
@@ -186,7 +188,7 @@ def main():
             time.sleep(2)
     import tyro
     cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
-    summary = run(replace(cfg, resume=False), flags["--trainer-only"], flags["--profile"])
+    summary = run(replace(cfg, resume="never"), flags["--trainer-only"], flags["--profile"])
     if rank == 0:
         summary["preset"] = preset
         print("BENCH_RESULT " + json.dumps(summary), flush=True)

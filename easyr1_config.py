@@ -1,4 +1,5 @@
-"""easyr1_config.py -- EasyR1's nested YAML config, read unchanged: `grpo.py --config examples/config.yaml`.
+"""easyr1_config.py -- the command line in EasyR1's terms: its defaults (or the demo's), its nested YAML config read
+unchanged (`grpo.py --config examples/config.yaml`), then the flags.
 
 TABLE holds every EasyR1 key: the option it sets here (converted where the two spell a value differently), or none
 and why. A key whose value would change the result but cannot be honoured stops the run with the reason; a key with
@@ -87,8 +88,8 @@ TABLE = {
     "data.max_prompt_length": ("max_prompt_length", None, SAME),
     "data.max_response_length": ("max_response_length", None, SAME),
     "data.rollout_batch_size": ("rollout_batch_size", None, SAME),
-    "data.mini_rollout_batch_size": ("gen_batch_size", lambda v, y: {"gen_batch_size": v} if v else {},
-                                     "dapo.py: prompts generated per dynamic-sampling try (null: 3 x rollout batch)"),
+    "data.mini_rollout_batch_size": ("gen_batch_size", lambda v, y: {"gen_batch_size": v or y.get(
+        "data.rollout_batch_size", 512)}, "dapo.py: prompts per dynamic-sampling try (null: the rollout batch)"),
     "data.val_batch_size": (None, None, "validation runs 64 prompts per rank at a time (memory only)"),
     "data.format_prompt": ("format_prompt", None, SAME),
     "data.override_chat_template": (None, _only(None, why="not supported: the model's own chat template is used"),
@@ -101,13 +102,14 @@ TABLE = {
     "data.filter_overlong_prompts": ("filter_overlong_prompts", None, SAME),
     "data.filter_overlong_prompts_workers": (None, None, NO_EFFECT),
     "algorithm.gamma": (None, _only(1, 1.0, why="no discounting here"), "must be 1"),
-    "algorithm.lam": (None, _only(1, 1.0, why="GAE (a critic) is not implemented"), "must be 1 (GAE is not implemented)"),
+    "algorithm.lam": (None, _only(1, 1.0, why="GAE (a critic) is not implemented"), "must be 1 (no GAE here)"),
     "algorithm.adv_estimator": ("adv_estimator", None, SAME),
     "algorithm.kl_penalty": ("kl_penalty", _pick("kl_penalty", {"kl": "k1", "mse": "k2", "abs": "abs", "low_var_kl":
                                                                  "low_var_kl", "k1": "k1", "k2": "k2", "k3": "k3"}),
                              "kl -> k1, mse -> k2, low_var_kl and abs the same; full is not implemented"),
     "algorithm.kl_coef": ("kl_coef", None, SAME),
-    "algorithm.disable_kl": ("kl_coef", lambda v, y: {"kl_coef": 0.0} if v else {}, "true -> --kl-coef 0 (no reference model)"),
+    "algorithm.disable_kl": ("kl_coef", lambda v, y: {"kl_coef": 0.0} if v else {},
+                             "true -> --kl-coef 0 (no reference model)"),
     "algorithm.use_kl_loss": (None, _kl_loss, "the KL is always a loss term here: false needs disable_kl: true"),
     "algorithm.kl_type": (None, _only("fixed", why="an adaptive KL controller is not implemented"), "must be fixed"),
     "algorithm.kl_horizon": (None, None, "adaptive KL controller only (not implemented)"),
@@ -124,14 +126,15 @@ TABLE = {
     "worker.actor.micro_batch_size_per_device_for_update": (
         None, None, "micro-batches do not change the result; here --max-token-len-per-device and "
                     "--micro-batch-size-per-device bound every forward"),
-    "worker.actor.micro_batch_size_per_device_for_experience": (None, None, "see micro_batch_size_per_device_for_update"),
+    "worker.actor.micro_batch_size_per_device_for_experience": (None, None, "as for_update"),
     "worker.actor.max_grad_norm": ("max_grad_norm", None, SAME),
     "worker.actor.clip_ratio_low": ("clip_ratio_low", None, SAME),
     "worker.actor.clip_ratio_high": ("clip_ratio_high", None, SAME),
     "worker.actor.clip_ratio_dual": ("clip_ratio_dual", None, SAME),
     "worker.actor.loss_avg_mode": ("loss_avg_mode", None, SAME),
     "worker.actor.loss_type": ("loss_type", _pick("loss_type", {"default": "ppo_clip", "ppo_clip": "ppo_clip",
-                                                                "gspo": "gspo", "cispo": "cispo"}), "default -> ppo_clip"),
+                                                                "gspo": "gspo", "cispo": "cispo"}),
+                               "default -> ppo_clip"),
     "worker.actor.ppo_epochs": ("ppo_epochs", None, SAME),
     "worker.actor.padding_free": (None, None, NO_EFFECT),
     "worker.actor.dynamic_batching": (None, None, "always on: micro-batches by padded tokens"),
@@ -143,17 +146,20 @@ TABLE = {
     "worker.actor.model.tokenizer_path": (None, _tokenizer, "must be null: the model folder's tokenizer is used"),
     "worker.actor.model.override_config": (None, _only({}, None, why="not supported"), "must be empty"),
     "worker.actor.model.enable_gradient_checkpointing": ("gradient_checkpointing", None, None),
-    "worker.actor.model.trust_remote_code": (None, None, "not needed: the supported models are built into transformers"),
+    "worker.actor.model.trust_remote_code": (None, None, "not needed: the models are built into transformers"),
     "worker.actor.model.freeze_vision_tower": ("freeze_vision_tower", None, SAME),
-    "worker.actor.model.lora.rank": (None, _only(0, why="LoRA is not implemented (full fine-tuning only)"), "must be 0"),
+    "worker.actor.model.lora.rank": (None, _only(0, why="LoRA is not implemented (full fine-tuning only)"),
+                                     "must be 0"),
     "worker.actor.model.lora.*": (None, None, "LoRA only (not implemented)"),
     "worker.actor.optim.lr": ("lr", None, None),
     "worker.actor.optim.weight_decay": ("weight_decay", None, None),
-    "worker.actor.optim.betas": (None, _only([0.9, 0.999], why="AdamW's betas are (0.9, 0.999) here"), "must be [0.9, 0.999]"),
+    "worker.actor.optim.betas": (None, _only([0.9, 0.999], why="AdamW's betas are (0.9, 0.999) here"),
+                                 "must be [0.9, 0.999]"),
     "worker.actor.optim.strategy": (None, None, "AdamW with fp32 states (adamw_bf16 runs as adamw)"),
     "worker.actor.optim.lr_warmup_ratio": ("lr_warmup_steps", _warmup_ratio, "x trainer.max_steps (0: no warm-up)"),
     "worker.actor.optim.lr_warmup_steps": ("lr_warmup_steps", lambda v, y: {"lr_warmup_steps": v} if v else {}, None),
-    "worker.actor.optim.min_lr_ratio": (None, _only(None, why="the learning rate is constant after warm-up"), "must be null"),
+    "worker.actor.optim.min_lr_ratio": (None, _only(None, why="the learning rate is constant after warm-up"),
+                                        "must be null"),
     "worker.actor.optim.lr_scheduler_type": (None, _only("constant", why="the learning rate is constant after warm-up"),
                                              "must be constant"),
     "worker.actor.fsdp.*": (None, None, OFFLOAD),
@@ -179,7 +185,8 @@ TABLE = {
     "worker.rollout.disable_tqdm": (None, None, "display only"),
     "worker.rollout.val_override_config.temperature": ("val_temperature", None, None),
     "worker.rollout.val_override_config.top_p": ("val_top_p", None, None),
-    "worker.rollout.val_override_config.n": (None, _only(1, why="validation scores one answer per prompt"), "must be 1"),
+    "worker.rollout.val_override_config.n": (None, _only(1, why="validation scores one answer per prompt"),
+                                             "must be 1"),
     "worker.ref.*": (None, None, "the reference model: FSDP2-sharded in the compute dtype, never offloaded"),
     "worker.reward.reward_function": ("reward_function", _reward, "file.py:fn, built-ins math | r1v | dapo"),
     "worker.reward.reward_function_kwargs": (None, _only({}, None, why="not supported"), "must be empty"),
@@ -199,7 +206,7 @@ TABLE = {
     "trainer.val_freq": ("val_freq", lambda v, y: {"val_freq": _off(v)}, "-1 -> 0 (never)"),
     "trainer.val_before_train": ("val_before_train", None, SAME),
     "trainer.val_only": (None, _only(False, why="not supported"), "must be false"),
-    "trainer.val_generations_to_log": (None, None, "validation answers are not logged (--log-samples logs training ones)"),
+    "trainer.val_generations_to_log": (None, None, "validation answers are not logged (--log-samples: training's)"),
     "trainer.save_freq": ("save_freq", None, SAME),
     "trainer.save_limit": ("save_limit", lambda v, y: {"save_limit": _off(v)}, "-1 -> 0 (keep all)"),
     "trainer.save_model_only": (None, None, "checkpoints always hold the optimizer (an exact resume); merge.py "
@@ -263,8 +270,9 @@ def translate(config, cls):
         for k in [k for k in y if _entry(k) == key]:
             try:
                 got = conv(y[k], y) if conv else ({option: y[k]} if option else {})
-                if option is None:
-                    notes.setdefault(f"no option here: {note}", []).append(f"{k}={y[k]!r}")
+                if not got:  # nothing set: say why
+                    why = f"no option here: {note}" if option is None else f"nothing to set: {note}"
+                    notes.setdefault(why, []).append(f"{k}={y[k]!r}")
                 for o, v in got.items():
                     if o not in hints:  # an option of dapo.py read by grpo.py
                         if o == "filter_groups" and v:
@@ -284,6 +292,29 @@ def load(path, cls):
         raise ValueError(f"--config {path}: no such file")  # UserError
     with open(path) as f:
         return translate(yaml.safe_load(f) or {}, cls)
+
+
+def cli(cls, demo, args=None):
+    """Parse the command line over the defaults in force: `cls`'s own (EasyR1's), or those changed by `demo` for the
+    demo (no --model-path); --config goes between the defaults and the flags. Rank 0 says which set is in force and
+    what the file and the flags changed."""
+    import sys
+    from dataclasses import asdict, replace
+
+    import tyro
+    desc = (f"{sys.modules[cls.__module__].__doc__.splitlines()[0]} Defaults shown are EasyR1's; the demo (no "
+            "--model-path) uses " + ", ".join(f"{k}={v}" for k, v in demo.items()) + ".")
+    first = tyro.cli(cls, args=args, description=desc)  # --help stops here, showing the real defaults
+    from_yaml, notes = load(first.config, cls) if first.config else ({}, [])
+    is_demo = not (first.model_path or from_yaml.get("model_path"))
+    defaults = replace(cls(), **{**(demo if is_demo else {}), **from_yaml})
+    cfg = tyro.cli(cls, args=args, default=defaults, description=desc)
+    if os.environ.get("RANK", "0") == "0":
+        changed = [f"{k}={v}" for k, v in asdict(cfg).items() if v != getattr(defaults, k)]
+        print(f"[config] defaults: {'demo (tiny model)' if is_demo else 'EasyR1'}"
+              + (f"; from {first.config}: " + " ".join(f"{k}={v}" for k, v in from_yaml.items()) if from_yaml else "")
+              + f"; set: {' '.join(changed) or 'nothing'}" + "".join(f"\n[config] {n}" for n in notes), flush=True)
+    return cfg
 
 
 def markdown():

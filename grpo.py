@@ -16,7 +16,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Annotated, Literal
 
@@ -109,7 +109,7 @@ class Config:
     save_freq: int = 5  # checkpoint every k steps and at the end; 0 = only at the end; -1 = never (benchmarks)
     save_limit: int = 3  # keep the newest k checkpoints (12 bytes/param each) and the best by val/mean; 0 = all
     output_dir: str = "outputs/run"  # metrics, samples, config and checkpoints go here
-    resume: str = "auto"  # auto: the newest checkpoint of output_dir, if any; never: refuse a folder that holds a run; or a checkpoints/step_N path
+    resume: str = "auto"  # auto (the newest checkpoint of output_dir) | never (a new run only) | checkpoints/step_N
     config: str | None = None  # an EasyR1 YAML config (examples/config.yaml, unchanged); flags override it
     seed: int = 1  # data order, sampling seeds and initialisation
     log_samples: int = 4  # generations written to samples.jsonl per step
@@ -125,25 +125,6 @@ class Config:
 DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=4, min_pixels=56 * 56,
             max_pixels=112 * 112, n=16, rollout_batch_size=16, global_batch_size=16, lr=1e-3, max_steps=150,
             val_freq=10, save_freq=10, output_dir="outputs/demo")
-
-
-def cli(cls=Config, demo=DEMO, args=None):
-    """Parse the command line over the defaults in force: EasyR1's, or `demo` for the demo; --config (an EasyR1
-    YAML) goes between the defaults and the flags. Rank 0 says which set is in force and what was changed."""
-    import easyr1_config
-    desc = (f"{__doc__.splitlines()[0]} Defaults shown are EasyR1's; the demo (no --model-path) uses "
-            + ", ".join(f"{k}={v}" for k, v in demo.items()) + ".")
-    first = tyro.cli(cls, args=args, description=desc)  # --help stops here, showing the real defaults
-    from_yaml, notes = easyr1_config.load(first.config, cls) if first.config else ({}, [])
-    is_demo = not (first.model_path or from_yaml.get("model_path"))
-    defaults = replace(cls(), **{**(demo if is_demo else {}), **from_yaml})
-    cfg = tyro.cli(cls, args=args, default=defaults, description=desc)
-    if os.environ.get("RANK", "0") == "0":
-        changed = [f"{k}={v}" for k, v in asdict(cfg).items() if v != getattr(defaults, k)]
-        print(f"[config] defaults: {'demo (tiny model)' if is_demo else 'EasyR1'}"
-              + (f"; from {first.config}: " + " ".join(f"{k}={v}" for k, v in from_yaml.items()) if from_yaml else "")
-              + f"; set: {' '.join(changed) or 'nothing'}" + "".join(f"\n[config] {n}" for n in notes), flush=True)
-    return cfg
 
 
 # ================================================================================================ algorithm
@@ -649,17 +630,8 @@ def train(cfg: Config, collect=collect_rollouts):
             metrics["timing/val"] = time.time() - t
         if cfg.save_freq >= 0 and ((cfg.save_freq and (step + 1) % cfg.save_freq == 0) or last):
             t = time.time()
-            val, best = metrics.get("val/mean"), ctx.best
-            if val is not None and (best is None or val > best[1]):
-                ctx.best = (step + 1, val)
-            A.save_checkpoint(os.path.join(cfg.output_dir, "checkpoints", f"step_{step + 1}"), ctx.model, ctx.opt,
-                              ctx.sched, {"step": step + 1, "cursor": ctx.cursor, "config": asdict(cfg), "val/mean": val,
-                                          "compute_dtype": str(ctx.compute_dtype).removeprefix("torch.")},
-                              keep=cfg.save_limit, protect=ctx.best and ctx.best[0])
+            rundir.save(ctx, step + 1, metrics, say=bar.write if bar else print)  # keeps the best by val/mean
             metrics["timing/save"] = time.time() - t
-            if ctx.rank == 0 and ctx.best != best:
-                rundir.write_best(cfg.output_dir, ctx.best)
-                bar.write(f"[best] checkpoints/step_{step + 1}: val/mean={val:.4g} (checkpoints/best.json)")
         if ctx.rank == 0:
             metrics_f.write(json.dumps(metrics) + "\n")
             metrics_f.flush()
@@ -670,7 +642,7 @@ def train(cfg: Config, collect=collect_rollouts):
             samples_f.flush()
             track(metrics, step + 1)
             if "val/mean" in metrics or (step + 1) % 10 == 0 or last:
-                rundir.plot_rewards(cfg)  # cheap (~0.1 s): reward.png follows the run
+                rundir.plot_rewards(cfg)  # ~0.3 s: reward.png follows the run
             bar.update(1)
             if "console" in cfg.logger:
                 bar.write(format_line(metrics))
@@ -694,6 +666,7 @@ def format_line(m):
 def main(config_cls=Config, collect=collect_rollouts, demo=DEMO):
     """The command line. A UserError (a bad option, file, row or reward) ends the run with one `error:` line and
     exit code 2; anything else is a bug and keeps its traceback."""
+    from easyr1_config import cli
     try:
         train(cli(config_cls, demo), collect)
     except UserError as e:

@@ -1,30 +1,42 @@
 """merge.py -- turn a training checkpoint into a Hugging Face model folder you can load, serve or upload.
 
     python merge.py outputs/demo/checkpoints/step_150 outputs/demo/hf
-    python merge.py CKPT OUT --model-path Qwen/Qwen2.5-VL-7B-Instruct --dtype bfloat16
-    python merge.py CKPT OUT --adapter-only          # a LoRA run's adapter as a peft folder
+    python merge.py outputs/run/checkpoints/step_60 outputs/run/hf --model-path Qwen/Qwen2.5-VL-7B-Instruct --dtype float32
+    python merge.py outputs/run/checkpoints/step_60 outputs/run/adapter --adapter-only   # a LoRA run's peft folder
 
 A checkpoint is what grpo.py saves: the FSDP2-sharded model and optimizer through torch.distributed.checkpoint
 (one shard per rank), plus trainer_state.json. Only the model's tensors are read (the optimizer state, twice the
 model's size, stays on disk); no process group and no GPU are needed, whatever the number of ranks that saved it.
+
+The default dtype is the one the policy ran in: its compute dtype, recorded in trainer_state.json (bfloat16 on GPUs,
+float32 on the CPU). Training keeps fp32 master weights and casts them for every forward, so a bfloat16 folder is
+the model that generated the rollouts and was validated; --dtype float32 keeps the master weights themselves.
 """
 import json
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 @dataclass
 class Args:
-    checkpoint: str  # e.g. outputs/demo/checkpoints/step_150
-    output: str  # the HF folder to write
+    checkpoint: Annotated[str, tyro.conf.Positional]  # e.g. outputs/demo/checkpoints/step_150
+    output: Annotated[str, tyro.conf.Positional]  # the HF folder to write
     model_path: str | None = None  # the base model; default: the one recorded in the checkpoint
-    dtype: str = "bfloat16"  # bfloat16 | float16 | float32
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None  # default: the compute dtype of the run
     adapter_only: bool = False  # a LoRA checkpoint as a peft adapter folder instead of a dense model
+
+
+def trained_dtype(checkpoint):
+    """The compute dtype recorded by grpo.py; float32 (the master weights, lossless) for older checkpoints."""
+    state = json.load(open(os.path.join(checkpoint, "trainer_state.json")))
+    return state.get("compute_dtype", "float32")
 
 
 def base_model_path(checkpoint, model_path=None):
@@ -38,7 +50,7 @@ def base_model_path(checkpoint, model_path=None):
     return path
 
 
-def merge(checkpoint, output, model_path=None, dtype="bfloat16", adapter_only=False):
+def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
     import torch.distributed.checkpoint as dcp
 
     import fsdp_actor as A
@@ -58,16 +70,17 @@ def merge(checkpoint, output, model_path=None, dtype="bfloat16", adapter_only=Fa
                        if not lora or ".lora_A." in k or ".lora_B." in k or ".modules_to_save." in k}}
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)  # reads just these keys, from every rank's shard
     hf.load_state_dict({k[3:]: v for k, v in state["model"].items()}, strict=not lora)
+    dtype = getattr(torch, dtype or trained_dtype(checkpoint))
     tmp = output.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     if adapter_only:  # a peft folder: PeftModel.from_pretrained(base, folder)
-        peft_model.to(getattr(torch, dtype)).save_pretrained(tmp)
+        peft_model.to(dtype).save_pretrained(tmp)
     else:
         if lora:  # dense: W + scale * B @ A under the base model's names
             merged = dict(A.iter_full_params(hf))
             hf = A.load_hf_model(path, dtype=torch.float32)
             hf.load_state_dict(merged)
-        hf.to(getattr(torch, dtype)).save_pretrained(tmp)
+        hf.to(dtype).save_pretrained(tmp)
         copy_tokenizer_files(path, tmp)
     if os.path.exists(output):
         shutil.rmtree(output)
@@ -88,6 +101,6 @@ def copy_tokenizer_files(path, out):
 
 
 if __name__ == "__main__":
-    import tyro
     a = tyro.cli(Args)
-    print(f"wrote {merge(a.checkpoint, a.output, a.model_path, a.dtype, a.adapter_only)}")
+    print(f"wrote {merge(a.checkpoint, a.output, a.model_path, a.dtype, a.adapter_only)} in "
+          f"{a.dtype or trained_dtype(a.checkpoint)}")

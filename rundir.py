@@ -54,19 +54,21 @@ def find_resume(cfg):
     if cfg.resume == "never":
         held = A.latest_checkpoint(ckpts) or (logs and os.path.join(cfg.output_dir, logs[0]))
         if held:
-            raise ValueError(f"--resume never: {cfg.output_dir} already holds a run ({held}); choose a new "  # UserError
-                             "--output-dir (or delete that folder), or continue it with --resume auto")
+            raise ValueError(  # UserError
+                f"--resume never: {cfg.output_dir} already holds a run ({held}); choose a new --output-dir (or "
+                "delete that folder), or continue it with --resume auto")
         return None, None
     ckpt = A.latest_checkpoint(ckpts) if cfg.resume == "auto" else cfg.resume.rstrip("/")
     state = _read_json(os.path.join(ckpt, "trainer_state.json")) if ckpt else None
     if ckpt and state is None:
-        raise ValueError(f"--resume {ckpt}: not a checkpoint (no trainer_state.json); give auto, never or a "  # UserError
-                         "checkpoints/step_N folder")
-    for src, saved in ((ckpt, state and state.get("config")),
-                       (os.path.join(cfg.output_dir, "config.json"), _read_json(os.path.join(cfg.output_dir, "config.json")))):
+        raise ValueError(  # UserError
+            f"--resume {ckpt}: not a checkpoint (no trainer_state.json); give auto, never or checkpoints/step_N")
+    config_json = os.path.join(cfg.output_dir, "config.json")
+    for src, saved in ((ckpt, state and state.get("config")), (config_json, _read_json(config_json))):
         if saved and (diff := config_diff(saved, cfg)):
-            raise ValueError(f"{src} belongs to a run with another config ({'; '.join(diff)}): resume it with "  # UserError
-                             "the same options, or start a new run in another --output-dir")
+            raise ValueError(  # UserError
+                f"{src} belongs to a run with another config ({'; '.join(diff)}): resume it with the same options, "
+                "or start a new run in another --output-dir")
     return ckpt, state
 
 
@@ -111,6 +113,21 @@ def find_best(output_dir):
     return best
 
 
+def save(ctx, step, metrics, say=print):
+    """checkpoints/step_N (every rank takes part), with what merge.py and resume need to know; the best checkpoint
+    by val/mean is kept beyond save_limit, named in checkpoints/best.json and in the log."""
+    cfg, val, best = ctx.cfg, metrics.get("val/mean"), ctx.best
+    if val is not None and (best is None or val > best[1]):
+        ctx.best = (step, val)
+    A.save_checkpoint(os.path.join(cfg.output_dir, "checkpoints", f"step_{step}"), ctx.model, ctx.opt, ctx.sched,
+                      {"step": step, "cursor": ctx.cursor, "config": asdict(cfg), "val/mean": val,
+                       "compute_dtype": str(ctx.compute_dtype).removeprefix("torch.")},
+                      keep=cfg.save_limit, protect=ctx.best and ctx.best[0])
+    if ctx.rank == 0 and ctx.best != best:
+        write_best(cfg.output_dir, ctx.best)
+        say(f"[best] checkpoints/step_{step}: val/mean={val:.4g} (checkpoints/best.json)")
+
+
 def write_best(output_dir, best):
     path = os.path.join(output_dir, "checkpoints", "best.json")
     if best is None:
@@ -129,9 +146,10 @@ def open_trackers(cfg, start_step):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ValueError("--logger tensorboard needs the tensorboard package: pip install tensorboard") from None  # UserError
-        # purge_step hides what an earlier attempt logged after the resumed step
-        w = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            raise ValueError(  # UserError
+                "--logger tensorboard needs the tensorboard package: pip install tensorboard") from None
+        # purge_step hides what an earlier attempt logged after the resumed step (all of it when starting over)
+        w = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else 0)
         logs.append(lambda m, step: [w.add_scalar(k, v, step) for k, v in m.items() if isinstance(v, (int, float))])
         closes.append(w.close)
     if "wandb" in cfg.logger:

@@ -48,7 +48,8 @@ def test_one_and_two_processes_give_the_same_first_step(tmp_path):
 def test_resume_is_exact(tmp_path):
     # two mini-batches per step: old log-probs are recomputed, the optimizer state carries over
     (tmp_path / "r.py").write_text(DENSE_REWARD)
-    kw = ["--global-batch-size", "2", "--save-freq", "1", "--reward-function", f"{tmp_path / 'r.py'}:dense"]
+    kw = ["--global-batch-size", "2", "--save-freq", "1", "--save-limit", "2", "--reward-function",
+          f"{tmp_path / 'r.py'}:dense"]
     straight = run(["--max-steps", "4"] + kw, tmp_path / "a")
     run(["--max-steps", "2"] + kw, tmp_path / "b")
     assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["step_1", "step_2"]  # complete, no .tmp left

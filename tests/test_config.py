@@ -1,0 +1,115 @@
+"""Which defaults are in force (EasyR1's for a real model, the demo's only for the demo) and EasyR1's own YAML
+config read unchanged (tests/easyr1_config.yaml is a verbatim copy of EasyR1's examples/config.yaml)."""
+import os
+import re
+from dataclasses import asdict
+
+import pytest
+import yaml
+
+import dapo
+import easyr1_config as E
+import grpo
+from easyr1_config import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "tests", "easyr1_config.yaml")
+# where the defaults differ from EasyR1's example on purpose (README, Options): files, model and reward are the
+# user's; one GPU must work out of the box (TP 1); validation is greedy; logs go where this project puts them
+DELIBERATE = {"train_files", "val_files", "model_path", "format_prompt", "reward_function", "tensor_parallel_size",
+              "val_temperature", "val_top_p", "logger", "project_name", "experiment_name", "output_dir"}
+
+
+def leaves(d, prefix=""):
+    for k, v in d.items():
+        yield from leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}"]
+
+
+def test_real_models_get_easyr1_defaults():
+    opts, _ = E.translate(yaml.safe_load(open(EXAMPLE)), grpo.Config)
+    real = cli(grpo.Config, grpo.DEMO, args=["--model-path", "Qwen/Qwen2.5-VL-7B-Instruct"])
+    same = {k: v for k, v in opts.items() if k not in DELIBERATE}
+    assert {k: getattr(real, k) for k in same} == same  # lr 1e-6, n 5, 2048 tokens, 262144..4194304 pixels, ...
+    assert (real.lr, real.n, real.max_response_length, real.rollout_batch_size, real.global_batch_size) == (
+        1e-6, 5, 2048, 512, 128)
+    assert real.max_steps == 0 and real.total_epochs == 15  # EasyR1's: max_steps null, 15 epochs
+
+
+def test_the_demo_gets_its_own_and_flags_win(capsys):
+    demo = cli(grpo.Config, grpo.DEMO, args=[])
+    assert {k: getattr(demo, k) for k in grpo.DEMO} == grpo.DEMO
+    # the README's demo table was measured with these
+    assert (demo.lr, demo.n, demo.max_response_length, demo.max_pixels, demo.rollout_batch_size) == (
+        1e-3, 16, 4, 12544, 16)
+    assert "defaults: demo (tiny model); set: nothing" in capsys.readouterr().out
+    # a flag equal to EasyR1's default still wins over the demo's (compared against the demo set, not EasyR1's)
+    assert cli(grpo.Config, grpo.DEMO, args=["--rollout-n", "5", "--lr", "1e-6"]).n == 5
+    real = cli(grpo.Config, grpo.DEMO, args=["--model-path", "m", "--lr", "2e-6"])
+    assert real.lr == 2e-6 and real.n == 5
+    out = capsys.readouterr().out
+    assert "defaults: EasyR1; set: model_path=m lr=2e-06" in out
+    d = cli(dapo.DAPOConfig, dapo.DEMO, args=[])
+    assert (d.max_steps, d.output_dir, d.clip_ratio_high, d.lr) == (60, "outputs/dapo", 0.28, 1e-3)
+    assert cli(dapo.DAPOConfig, dapo.DEMO, args=["--model-path", "m"]).output_dir == "outputs/run"
+
+
+def test_help_shows_the_real_defaults_and_names_the_demos(capsys):
+    with pytest.raises(SystemExit):
+        cli(grpo.Config, grpo.DEMO, args=["--help"])
+    out = re.sub(r"[\s│]+", " ", capsys.readouterr().out)
+    assert re.search(r"--lr FLOAT [^()]*\(default: 1e-06\)", out)
+    assert "the demo (no --model-path) uses" in out and "lr=0.001" in out and "n=16" in out
+
+
+def test_every_key_of_easyr1s_example_is_mapped_or_explained():
+    keys = list(leaves(yaml.safe_load(open(EXAMPLE))))
+    assert len(keys) >= 80
+    assert [k for k in keys if E._entry(k) is None] == []
+    for cls in (grpo.Config, dapo.DAPOConfig):
+        opts, notes = E.translate(yaml.safe_load(open(EXAMPLE)), cls)
+        assert all(o in asdict(cls()) for o in opts)
+        listed = " ".join(notes)
+        for k in keys:  # each key either sets an option or is named in the start-up notes
+            entry = E.TABLE[E._entry(k)]
+            assert entry[0] in opts or k in listed, k
+
+
+def test_readme_migration_table_is_the_tables():
+    assert E.markdown() in open(os.path.join(ROOT, "README.md")).read()
+
+
+def test_example_config_values_and_overrides(capsys):
+    cfg = cli(grpo.Config, grpo.DEMO, args=["--config", EXAMPLE, "--lr", "3e-6"])
+    assert cfg.lr == 3e-6  # the flag wins over the file
+    assert (cfg.model_path, cfg.n, cfg.kl_coef, cfg.val_temperature, cfg.val_top_p) == (
+        "Qwen/Qwen2.5-7B-Instruct", 5, 1e-2, 0.6, 0.95)
+    assert cfg.output_dir == "checkpoints/easy_r1/qwen2_5_7b_math_grpo"  # EasyR1's rule for the save path
+    assert cfg.logger == ["jsonl", "wandb"] and cfg.val_freq == 5 and cfg.save_limit == 3
+    out = capsys.readouterr().out
+    assert "defaults: EasyR1; from " in out and "worker.actor.model.lora.alpha=64" in out  # listed, with why
+    d = cli(dapo.DAPOConfig, dapo.DEMO, args=["--config", EXAMPLE])
+    assert (d.filter_groups, d.filter_key, d.max_try_make_batch) == (False, "overall", 20)
+
+
+def test_conversions_and_refusals():
+    y = yaml.safe_load(open(EXAMPLE))
+    y["algorithm"].update(disable_kl=True, kl_penalty="kl")
+    y["worker"]["actor"]["optim"]["lr"] = "5e-7"  # YAML reads this as a string; EasyR1 converts by type
+    y["trainer"].update(val_freq=-1, save_limit=-1, max_steps=40)
+    y["worker"]["actor"]["optim"]["lr_warmup_ratio"] = 0.1
+    y["worker"]["reward"]["reward_function"] = "my_reward.py"
+    opts, _ = E.translate(y, grpo.Config)
+    assert (opts["kl_coef"], opts["kl_penalty"], opts["lr"], opts["val_freq"], opts["save_limit"]) == (
+        0.0, "k1", 5e-7, 0, 0)
+    assert (opts["max_steps"], opts["lr_warmup_steps"], opts["reward_function"]) == (40, 4, "my_reward.py:main")
+    y["worker"]["actor"]["model"]["lora"]["rank"] = 8
+    y["algorithm"].update(online_filtering=True, kl_penalty="full", adv_estimator="gae")
+    y["trainer"]["logger"] = ["mlflow"]
+    y["data"]["typo_key"] = 1
+    with pytest.raises(ValueError) as e:
+        E.translate(y, grpo.Config)
+    for part in ("data.typo_key: not an EasyR1 key", "algorithm.kl_penalty='full'", "algorithm.adv_estimator='gae'",
+                 "online_filtering=True: that is DAPO's dynamic sampling", "lora.rank=8: LoRA is not implemented",
+                 "trainer.logger=['mlflow']"):
+        assert part in str(e.value), part
+    assert "dynamic sampling" not in str(pytest.raises(ValueError, E.translate, y, dapo.DAPOConfig).value)
