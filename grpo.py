@@ -81,6 +81,9 @@ class Config:
     freeze_vision_tower: bool = False  # train the language model only (the vision tower keeps its weights)
     gradient_checkpointing: bool = True
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
+    padding_free: Literal["auto", "on", "off"] = "auto"  # one packed row per micro-batch, varlen attention; auto =
+    # on where a fast varlen kernel runs (CUDA, bf16), off = padded rows (the reference path)
+    vision_varlen: Literal["auto", "on", "off"] = "auto"  # the vision tower's windows in one attention call per layer
     logprob_chunk_size: int = 4096
     # --- trainer ---
     max_steps: int = 150
@@ -225,11 +228,13 @@ def setup(cfg: Config):
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     ctx.model = A.build_actor(ctx.model_path, device, torch.float32, ctx.compute_dtype,
                               cfg.gradient_checkpointing, cfg.attn_implementation,
-                              freeze_vision_tower=cfg.freeze_vision_tower)
+                              freeze_vision_tower=cfg.freeze_vision_tower, padding_free=cfg.padding_free,
+                              vision_varlen=cfg.vision_varlen)
     ctx.ref = None
     if cfg.kl_coef > 0:
         ctx.ref = A.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
-                                attn_implementation=cfg.attn_implementation, trainable=False)
+                                attn_implementation=cfg.attn_implementation, trainable=False,
+                                padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen)
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
                                            device)
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
@@ -334,9 +339,9 @@ def update_policy(ctx, samples):
                                                      sum(s.get("loss_mask", 1) for s in mini)]).clamp(min=1).tolist()
             lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in mini]
             for idx in A.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device,
-                                            [id(s["prompt"]) for s in mini]):
+                                            [id(s["prompt"]) for s in mini], packed=ctx.model.packed):
                 mb = [mini[i] for i in idx]
-                batch, resp_len = A.collate(mb, ctx.pad_id, dev)
+                batch, resp_len = A.collate(mb, ctx.pad_id, dev, ctx.model)
                 lp, ent = ctx.model(**batch, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)  # [N]
                 logp, mask = A.pad_responses(lp, resp_len)  # [b, R]
                 mask = mask & torch.tensor([s.get("loss_mask", 1) > 0 for s in mb], device=dev)[:, None]
