@@ -4,12 +4,17 @@
     python bench.py report benchmarks/h200/*.jsonl                    # the tables of BENCHMARKS.md
     torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
     python bench.py --trainer-only --profile --max-steps 2           # no engine: log-probs + update, kernel table
+    python bench.py --workload realistic --padding-free off         # real response lengths, padded training
 
 Random weights with the real dimensions (tiny_model.build_random_model: no download) and geo3k-like prompts: one
-512x512 figure and about 100 text tokens. A random policy almost never emits EOS, so every response runs to
-max_response_length: the worst case, and the same work on every run. Any flag of grpo.Config can be given; the
-defaults below are the benchmark's. Writes <output_dir>/metrics.jsonl and prints a summary line per phase
-(mean over the steps after the first, which pays for warm-up).
+512x512 figure and about 100 text tokens. Two workloads, each the same work on every run:
+- forced (default): a random policy almost never emits EOS, so every response runs to max_response_length (the
+  worst case; the issue's bar);
+- realistic: each sample's length is drawn from a seeded log-normal shaped like geo3k RL runs (median 0.3 x
+  max_response_length, sigma 0.65: most answers a few hundred tokens, a tail to the maximum, ~3% truncated) and
+  enforced per request (vLLM: max_tokens = the length, ignore_eos).
+Any flag of grpo.Config can be given; the defaults below are the benchmark's. Writes <output_dir>/metrics.jsonl
+and prints a summary line per phase (mean over the steps after the first, which pays for warm-up).
 """
 import json
 import os
@@ -53,6 +58,31 @@ def make_geo_dataset(path, n_rows, tokenizer, seed=0, size=512, text_tokens=100)
     return path
 
 
+# realistic workload: log-normal response lengths (median as a fraction of max_response_length, sigma of the log)
+REALISTIC_MEDIAN, REALISTIC_SIGMA = 0.3, 0.65
+
+
+def response_lengths(seed, pos, n, max_len):
+    """The n forced response lengths of the prompt at stream position `pos`: a pure function of (seed, pos), so
+    the same prompt gets the same lengths whatever the rank count, engine or run."""
+    import math
+
+    import torch
+    g = torch.Generator().manual_seed(seed * 1_000_003 + pos * 7 + 11)
+    x = torch.empty(n, dtype=torch.float64).log_normal_(math.log(REALISTIC_MEDIAN * max_len), REALISTIC_SIGMA,
+                                                         generator=g)
+    return x.round().clamp(1, max_len).long().tolist()
+
+
+def realistic_collect(ctx, step, metrics):
+    """grpo.collect_rollouts with forced per-sample response lengths (the realistic workload)."""
+    cfg = ctx.cfg
+    drawn = grpo.draw_prompts(ctx, ctx.cursor, cfg.rollout_batch_size)
+    ctx.cursor += cfg.rollout_batch_size
+    lengths = [response_lengths(cfg.seed, pos, cfg.n, cfg.max_response_length) for pos, _ in drawn]
+    return grpo.generate_and_score(ctx, drawn, cfg.n, cfg.temperature, lengths=lengths)
+
+
 def defaults(workdir, model_path, data_path):
     return grpo.Config(
         model_path=model_path, train_files=data_path, val_files="", reward_function="math",
@@ -67,7 +97,8 @@ def defaults(workdir, model_path, data_path):
 def summarize(metrics_path):
     rows = [json.loads(x) for x in open(metrics_path) if '"timing/step"' in x]
     steady = rows[1:] or rows
-    keys = sorted({k for r in steady for k in r if k.startswith(("timing/", "throughput/", "memory/"))})
+    keys = sorted({k for r in steady for k in r if k.startswith(("timing/", "throughput/", "memory/", "perf/",
+                                                                  "response_length/"))})
     return {k: sum(r[k] for r in steady if k in r) / sum(1 for r in steady if k in r) for k in keys}
 
 
@@ -100,12 +131,14 @@ def report(paths):
 
 
 PHASES = ["timing/gen", "timing/old_logprob", "timing/ref_logprob", "timing/update", "timing/sync", "timing/step",
-          "throughput/tokens_per_s", "memory/gpu_peak_allocated_gb", "memory/host_peak_rss_gb"]
+          "throughput/tokens_per_s", "perf/pad_fraction", "perf/mfu_ref", "perf/mfu_update",
+          "memory/gpu_peak_allocated_gb", "memory/host_peak_rss_gb"]
 
 
-def synthetic_collect(ctx, step, metrics):
-    """--trainer-only: this rank's prompts with random full-length responses and random 0/1 rewards in place of
-    generation, so the trainer's phases can be timed (and profiled) without an inference engine."""
+def synthetic_collect(ctx, step, metrics, realistic=False):
+    """--trainer-only: this rank's prompts with random responses (full length, or the realistic workload's lengths)
+    and random 0/1 rewards in place of generation, so the trainer's phases can be timed (and profiled) without an
+    inference engine."""
     import torch
     cfg = ctx.cfg
     drawn = grpo.draw_prompts(ctx, ctx.cursor, cfg.rollout_batch_size)
@@ -114,18 +147,21 @@ def synthetic_collect(ctx, step, metrics):
     special = set(ctx.tokenizer.all_special_ids) | set(ctx.model.forbidden)
     allowed = torch.tensor([i for i in range(256) if i not in special])  # byte tokens: in every vocabulary
     samples = []
-    for k, (_, rec) in enumerate(drawn):
-        for _ in range(cfg.n):
-            ids = allowed[torch.randint(len(allowed), (cfg.max_response_length,), generator=g)].tolist()
+    M = cfg.max_response_length
+    for k, (pos, rec) in enumerate(drawn):
+        for L in (response_lengths(cfg.seed, pos, cfg.n, M) if realistic else [M] * cfg.n):
+            ids = allowed[torch.randint(len(allowed), (L,), generator=g)].tolist()
             r = float(torch.randint(2, (1,), generator=g))
-            samples.append(dict(prompt=rec, response_ids=ids, finished=False, rollout_logp=None, group=k, text="",
+            samples.append(dict(prompt=rec, response_ids=ids, finished=L < M, rollout_logp=None, group=k, text="",
                                 scores={"overall": r}, reward=r))
     return samples
 
 
-def run(cfg, trainer_only=False, profile=False):
+def run(cfg, trainer_only=False, profile=False, workload="forced"):
     """Train cfg.max_steps steps; with `profile`, the last step runs under torch.profiler and its kernel table
     (sorted by device time) goes to <output_dir>/profile.txt. Returns the summary (steady-state means)."""
+    if workload not in ("forced", "realistic"):
+        raise ValueError(f"--workload {workload}: choose forced or realistic")
     import torch
     if trainer_only:
         cfg = replace(cfg, rollout_engine="hf")  # built but never asked to generate: only weight syncs reach it
@@ -134,7 +170,11 @@ def run(cfg, trainer_only=False, profile=False):
         import shutil
         shutil.rmtree(cfg.output_dir, ignore_errors=True)
     grpo.dist.barrier()
-    base = synthetic_collect if trainer_only else grpo.collect_rollouts
+    realistic = workload == "realistic"
+    if trainer_only:
+        base = lambda ctx, step, metrics: synthetic_collect(ctx, step, metrics, realistic)  # noqa: E731
+    else:
+        base = realistic_collect if realistic else grpo.collect_rollouts
     prof = None
     if profile:
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
@@ -166,11 +206,13 @@ def main():
         return
     flags = {f: f in argv for f in ("--trainer-only", "--profile")}
     argv = [a for a in argv if a not in flags]
-    preset = "qwen2_5_vl_3b"
-    if "--preset" in argv:
-        i = argv.index("--preset")
-        preset = argv[i + 1]
-        del argv[i:i + 2]
+    opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced"}  # bench.py's own options
+    for flag in opts:
+        if flag in argv:
+            i = argv.index(flag)
+            opts[flag] = argv[i + 1]
+            del argv[i:i + 2]
+    preset, workload = opts["--preset"], opts["--workload"]
     workdir = os.environ.get("BENCH_DIR", os.path.expanduser(f"~/.cache/vlm_rl/bench-{preset}"))
     rank = int(os.environ.get("RANK", "0"))
     # v2: ~100 text tokens under the model's own tokenizer (v1 had ~360: 95 words, split finely by the BPE)
@@ -188,9 +230,9 @@ def main():
             time.sleep(2)
     import tyro
     cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
-    summary = run(replace(cfg, resume="never"), flags["--trainer-only"], flags["--profile"])
+    summary = run(replace(cfg, resume="never"), flags["--trainer-only"], flags["--profile"], workload)
     if rank == 0:
-        summary["preset"] = preset
+        summary.update(preset=preset, workload=workload, padding_free=cfg.padding_free)
         print("BENCH_RESULT " + json.dumps(summary), flush=True)
         with open(os.path.join(cfg.output_dir, "bench_summary.json"), "w") as f:
             json.dump(summary, f, indent=1)

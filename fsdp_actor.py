@@ -65,13 +65,20 @@ class LogProbModel(nn.Module):
                           if isinstance(i, int) and i >= 0]
         self.has_vision = getattr(cfg, "vision_config", None) is not None and hasattr(hf_model.model,
                                                                                        "get_image_features")
+        # who computes the rotary positions: collate() for Qwen2-VL/2.5-VL (3-D M-RoPE) and text LLMs (1-D), on the
+        # CPU; None = the model itself (other VLMs, which cannot be packed)
+        self.rope = ("mrope" if cfg.model_type in ("qwen2_vl", "qwen2_5_vl") else
+                     "1d" if getattr(cfg, "vision_config", None) is None else None)
+        self.packed = False  # build_actor: True when this model trains padding-free (one packed row per micro-batch)
 
-    def forward(self, input_ids, resp_mask, mm_inputs, owner=None, temperature=1.0, chunk_size=4096):
-        """mm_inputs: processor outputs of the *distinct* prompts of the batch; owner: (for each row the distinct
-        prompt it shows, for each distinct prompt its number of images), as built by collate."""
-        hidden = self.hidden_states(input_ids, mm_inputs, owner)  # [B, T, H]
-        h = hidden[resp_mask]  # [N, H]   positions that predict a response token
-        targets = input_ids[:, 1:][resp_mask[:, :-1]]  # [N]   (resp_mask is 0 at the last column)
+    def forward(self, input_ids, resp_idx, targets, mm_inputs, owner=None, position_ids=None, varlen=None,
+                temperature=1.0, chunk_size=4096):
+        """As collate() builds them: input_ids [B, T] (or [1, N] packed), resp_idx [n] the flat positions that
+        predict response tokens, targets [n] those tokens, mm_inputs the processor outputs of the *distinct*
+        prompts of the batch, owner (for each row the distinct prompt it shows, for each distinct prompt its number
+        of images), position_ids the rotary positions, varlen the packed row's sequence boundaries."""
+        hidden = self.hidden_states(input_ids, mm_inputs, owner, position_ids, varlen)  # [B, T, H]
+        h = hidden.flatten(0, 1).index_select(0, resp_idx)  # [n, H] (an index, not a boolean mask: no host sync)
         head = self.hf.get_output_embeddings()
         logps, ents = [], []
         for hc, tc in zip(h.split(chunk_size), targets.split(chunk_size)):
@@ -82,23 +89,27 @@ class LogProbModel(nn.Module):
                 lp, ent = _chunk_logprobs(hc, tc, head.weight, temperature, self.forbidden)
             logps.append(lp)
             ents.append(ent)
-        return torch.cat(logps), torch.cat(ents)  # [N], [N]
+        return torch.cat(logps), torch.cat(ents)  # [n], [n]
 
-    def hidden_states(self, input_ids, mm_inputs, owner):
-        # No attention mask: rows are right-padded and attention is causal, so no real token ever sees a pad (the
-        # pads' own outputs are never read). A padding mask would also keep SDPA off its flash kernel (and, with
-        # grouped-query attention, on the slow O(T^2)-memory math path).
-        kw = dict(input_ids=input_ids, attention_mask=None, use_cache=False)
+    def hidden_states(self, input_ids, mm_inputs, owner, position_ids=None, varlen=None):
+        # No attention mask: padded rows are right-padded and attention is causal, so no real token ever sees a pad
+        # (the pads' own outputs are never read); a padding mask would also keep SDPA off its flash kernel (and,
+        # with grouped-query attention, on the slow O(T^2)-memory math path). A packed row has no pads: `varlen`
+        # (cu_seq_lens_q/k, max_length_q/k) keeps each sample's attention inside the sample.
+        kw = dict(attention_mask=None, use_cache=False, position_ids=position_ids, **(varlen or {}))
         if not mm_inputs and not self.has_vision:
-            return self.hf.model(**kw).last_hidden_state
+            return self.hf.model(input_ids=input_ids, **kw).last_hidden_state
         if not mm_inputs:
             # Every rank must run the same sharded modules in the same order (each vision block is an FSDP unit
             # whose weights are all-gathered collectively): a text-only micro-batch still runs the vision tower
             # first, on one blank image, and adds 0 x its output so that backward reaches its blocks too.
             embeds = self.hf.model.get_input_embeddings()(input_ids)  # [B, T, H]
             embeds = embeds + self._idle_vision(embeds)
-            return self.hf.model(inputs_embeds=embeds, attention_mask=None, use_cache=False).last_hidden_state
-        kw.update(mm_token_types(self.hf, input_ids, mm_inputs))
+            if position_ids is None and self.rope == "mrope":  # plain text positions; left to itself, the model
+                # would offset them by the rope_deltas an earlier image batch left behind (and fail on a new B)
+                kw["position_ids"] = torch.arange(input_ids.shape[1], device=input_ids.device).expand(
+                    3, *input_ids.shape)
+            return self.hf.model(inputs_embeds=embeds, **kw).last_hidden_state
         owner, counts = owner  # per row: its distinct prompt; per distinct prompt: its number of images
         if "image_grid_thw" not in mm_inputs:
             raise NotImplementedError(f"{type(self.hf).__name__}: images are supported for Qwen-VL-style models "
@@ -106,7 +117,9 @@ class LogProbModel(nn.Module):
         grid = mm_inputs["image_grid_thw"]  # [I, 3], distinct prompts' images in order
         grid_of = grid.split(counts)  # one [images, 3] chunk per distinct prompt
         row_grid = torch.cat([grid_of[i] for i in owner])  # [I_rows, 3] the images as the rows show them
-        if self.hf.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
+        if position_ids is None:  # the model derives the 3-D positions from the image tokens and grids
+            kw.update(input_ids=input_ids, image_grid_thw=row_grid, **mm_token_types(self.hf, input_ids, mm_inputs))
+        if self.rope == "mrope":
             # The n samples of a prompt share its image: run the vision tower once per distinct image (not n times)
             # and scatter its features into every row that shows it. Gradients from all rows add up in one place.
             feats = self.hf.model.get_image_features(mm_inputs["pixel_values"], grid)
@@ -115,13 +128,12 @@ class LogProbModel(nn.Module):
             embeds = self.hf.model.get_input_embeddings()(input_ids)  # [B, T, H]
             rows = torch.cat([f for i in owner for f in feats[starts[i]:starts[i] + counts[i]]]).to(embeds.dtype)
             embeds = embeds.masked_scatter((input_ids == self.hf.config.image_token_id)[..., None], rows)
-            return self.hf.model(inputs_embeds=embeds, image_grid_thw=row_grid, **kw).last_hidden_state
+            return self.hf.model(inputs_embeds=embeds, **kw).last_hidden_state
         # other VLMs (e.g. Qwen3-VL, whose vision tower also feeds deeper layers): the model's own path, with one
         # copy of the pixels per row
         pixels = mm_inputs["pixel_values"].split([int(g.prod(-1).sum()) for g in grid_of])
-        return self.hf.model(pixel_values=torch.cat([pixels[i] for i in owner]), image_grid_thw=row_grid,
-                             **kw).last_hidden_state
-
+        kw.setdefault("input_ids", input_ids)
+        return self.hf.model(pixel_values=torch.cat([pixels[i] for i in owner]), **kw).last_hidden_state
 
     def _idle_vision(self, like):
         """0 x (the vision tower's output for one blank image of the smallest grid): a zero that is in the graph."""
@@ -161,7 +173,8 @@ def _takes_mm_token_types(model_cls):  # once per class: this runs on every forw
 
 
 def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
-    logits = F.linear(h, weight).float() / temperature  # [n, V] fp32: log_softmax in bf16 loses ~2 digits
+    logits = F.linear(h, weight) / temperature  # [n, V] at least fp32: log_softmax in bf16 loses ~2 digits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if forbidden:
         logits[:, forbidden] = float("-inf")
     logz = torch.logsumexp(logits, dim=-1)  # [n]
@@ -173,15 +186,20 @@ def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
 
 
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
-                trainable=True, freeze_vision_tower=False, lora=None):
+                trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto"):
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
-    r, alpha, target_modules, exclude_modules (see add_lora)."""
+    r, alpha, target_modules, exclude_modules, modules_to_save (see add_lora). padding_free / vision_varlen:
+    "auto" (on where a fast variable-length kernel runs: CUDA, bf16/fp16), "on" (also on CPU, through the plain
+    reference path: for tests) or "off" (transformers' own attention)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
     hf.config.use_cache = False
+    use_varlen = use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free, vision_varlen)
+    if any(use_varlen.values()):
+        set_varlen_attention(hf, **use_varlen)
     if gradient_checkpointing and trainable:
         if hasattr(hf, "activation_checkpointing_enable"):  # transformers 5's name; the old one warns
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -196,6 +214,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     if lora:
         add_lora(hf, **lora)
     model = LogProbModel(hf)
+    model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks = set(getattr(hf, "_no_split_modules", None) or [])
@@ -247,18 +266,185 @@ def adapters_disabled(model):
             m.enable_adapters(True)
 
 
+# ----------------------------------------------------------------------------------------------- varlen attention
+# Both speed paths hand transformers' attention modules one call over many independent sequences, described by
+# cumulative lengths cu_seqlens [S + 1] (int32) and the longest length:
+#  - the vision tower: Qwen2-VL / Qwen2.5-VL run one SDPA call per window (per image for full-attention layers)
+#    unless the configured attention's name contains "flash", in which case they pass cu_seqlens to it instead
+#    (modeling_qwen2_5_vl.py, Qwen2_5_VLVisionAttention.forward, same code in transformers 5.17 and 5.24). So the
+#    vision config gets our function under a name with "flash" in it: one call per layer, no monkeypatching.
+#  - the language model on packed rows (padding-free): the text config gets our function under a plain name; the
+#    cu_seqlens travel as the `cu_seq_lens_q/k`, `max_length_q/k` keyword arguments that transformers forwards
+#    from the model call to every attention function (the TransformersKwargs contract). A name unknown to the mask
+#    interface makes create_causal_mask return None, so no [T, T] mask is ever built for the packed row.
+# Both are registered in transformers' AttentionInterface and selected per sub-config with set_attn_implementation.
+VARLEN_TEXT, VARLEN_VISION = "vlm_rl_varlen", "vlm_rl_flash_varlen"
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_len, causal, scale=None):
+    """q [N, H, D], k/v [N, Hkv, D] (Hkv divides H), sequences back to back as cu_seqlens says -> [N, H, D]. A
+    fast kernel on CUDA in bf16/fp16 when one works here (probed once), else the plain reference below."""
+    kernel = _fast_varlen_kernel(q.device.index) if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    if kernel is not None:
+        return kernel(q, k, v, cu_seqlens, max_len, causal, scale)
+    return reference_varlen_attention(q, k, v, cu_seqlens, causal, scale)
+
+
+def reference_varlen_attention(q, k, v, cu_seqlens, causal, scale=None):
+    """Plain PyTorch, mathematically the same: one SDPA call with a block-diagonal (and causal) boolean mask, so a
+    token only sees its own sequence. O(N^2) memory: the CPU path and the tests' reference, not a GPU speed path."""
+    seg = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=q.device),
+                                  (cu_seqlens[1:] - cu_seqlens[:-1]).to(q.device))  # [N] sequence of each token
+    mask = seg[:, None] == seg[None, :]  # [N, N]
+    if causal:
+        mask = mask.tril()
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])  # [H, N, D]
+    return out.transpose(0, 1)
+
+
+def _torch_varlen_kernel():
+    """torch.nn.attention.varlen.varlen_attn (torch >= 2.10). Its keywords moved between releases: 2.10 took
+    is_causal, 2.11 takes window_size=(-1, 0) for causal and has no GQA flag, 2.13 adds enable_gqa."""
+    from torch.nn.attention.varlen import varlen_attn
+    params = inspect.signature(varlen_attn).parameters
+
+    def kernel(q, k, v, cu, max_len, causal, scale):
+        kw = {"scale": scale}
+        if causal:
+            kw.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
+        if k.shape[1] != q.shape[1]:
+            if "enable_gqa" in params:
+                kw["enable_gqa"] = True
+            else:  # query head h reads kv head h // (H / Hkv), as transformers' repeat_kv lays them out
+                k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+    return kernel
+
+
+def _flash_attn_kernel():
+    from flash_attn import flash_attn_varlen_func  # flash-attn 2 (GQA built in)
+
+    def kernel(q, k, v, cu, max_len, causal, scale):
+        return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=causal)
+    return kernel
+
+
+@functools.cache
+def _fast_varlen_kernel(device_index):
+    """The first kernel that imports *and* matches the reference (forward and backward, causal and not, GQA, an odd
+    head size) on this device; None if none does. A kernel that fails here is skipped with a warning, never used."""
+    import warnings
+    device = torch.device("cuda", device_index)
+    for make in (_torch_varlen_kernel, _flash_attn_kernel):
+        try:
+            kernel = make()
+        except (ImportError, AttributeError):
+            continue
+        try:
+            _check_kernel(kernel, device)
+            return kernel
+        except Exception as e:  # noqa: BLE001 -- any failure means: do not use this kernel
+            warnings.warn(f"varlen attention kernel {make.__name__} unusable here ({str(e)[:300]}); skipping it")
+    return None
+
+
+def _check_kernel(kernel, device):
+    """Three sequences (5, 11, 31 tokens): output and input gradients within bf16 rounding of the fp32 reference."""
+    g = torch.Generator(device=device).manual_seed(0)
+    cu = torch.tensor([0, 5, 16, 47], dtype=torch.int32, device=device)
+    for causal, hkv, dim in ((True, 2, 128), (False, 4, 80)):  # the LM (GQA) and the vision tower's head size
+        x = [torch.randn(47, h, dim, device=device, generator=g) for h in (4, hkv, hkv)]
+        fast = [t.to(torch.bfloat16).requires_grad_() for t in x]
+        ref = [t.clone().requires_grad_() for t in x]
+        out = kernel(*fast, cu, 31, causal, dim ** -0.5)
+        want = reference_varlen_attention(*ref, cu, causal, dim ** -0.5)
+        w = torch.randn(want.shape, device=device, generator=g)
+        (out.float() * w).sum().backward()
+        (want * w).sum().backward()
+        for name, a, b in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in fast], [want] + [t.grad for t in ref]):
+            err = float((a.float() - b).norm() / b.norm())
+            if not err < 2e-2:
+                raise RuntimeError(f"{name} differs from the reference by {err:.3g} (relative; causal={causal})")
+
+
+def use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free="auto", vision_varlen="auto"):
+    """Resolve the two options to {"text": bool, "vision": bool} for this model and device."""
+    for name, v in (("padding_free", padding_free), ("vision_varlen", vision_varlen)):
+        if v not in ("auto", "on", "off"):
+            raise ValueError(f"{name}={v!r}: choose auto, on or off")
+    mt = hf.config.model_type
+    has_vision = getattr(hf.config, "vision_config", None) is not None
+    can = {"text": mt in ("qwen2_vl", "qwen2_5_vl") or not has_vision, "vision": mt in ("qwen2_vl", "qwen2_5_vl")}
+    fast = (device.type == "cuda" and param_dtype in (torch.bfloat16, torch.float16) and attn_implementation is None
+            and _fast_varlen_kernel(device.index if device.index is not None else torch.cuda.current_device())
+            is not None)
+    out = {}
+    for key, v, flag in (("text", padding_free, "--padding-free"), ("vision", vision_varlen, "--vision-varlen")):
+        if v == "on" and not can[key] and (key == "text" or has_vision):  # no vision tower: nothing to switch
+            raise ValueError(f"{flag} on: not supported for model_type {mt!r} (Qwen2-VL, Qwen2.5-VL and text LLMs "
+                             f"are); use {flag} off or auto")
+        out[key] = can[key] and (v == "on" or (v == "auto" and fast))
+    return out
+
+
+def set_varlen_attention(hf, text=False, vision=False):
+    """Select our varlen function for the language model (packed rows) and/or the vision tower (one call per layer)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(VARLEN_TEXT, _hf_varlen_attention)
+    AttentionInterface.register(VARLEN_VISION, _hf_varlen_attention)
+    subs = getattr(hf.config, "sub_configs", None) or {}
+    if "text_config" not in subs:  # a text LLM: one config
+        hf.set_attn_implementation(VARLEN_TEXT)
+        return
+    choice = {}
+    if text:
+        choice["text_config"] = VARLEN_TEXT
+    if vision:
+        choice["vision_config"] = VARLEN_VISION
+    hf.set_attn_implementation(choice)
+
+
+def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function contract: query [1, H, N, D], key/value [1, Hkv, N, D] -> ([1, N, H, D],
+    None). Without cu_seqlens (an ordinary padded call) it is transformers' own SDPA function."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"varlen attention expects one packed row, got a batch of {query.shape[0]}")
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    max_len = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, H, D]
+    out = varlen_attention(q, k, v, cu.to(torch.int32), int(max_len), causal, scaling)
+    return out[None], None
+
+
 # ----------------------------------------------------------------------------------------------- batches
-def collate(samples, pad_id, device):
-    """samples: dicts with prompt (a data.py prompt record) and response_ids. Returns the actor's inputs."""
+def collate(samples, pad_id, device, model=None):
+    """samples: dicts with prompt (a data.py prompt record) and response_ids. Returns (the model's inputs, resp_len).
+    Padded (default): one row per sample, right-padded; packed (a `model` that trains padding-free): the samples
+    back to back in one row, no pads, with their boundaries (cu_seqlens) for the variable-length attention:
+
+        padded  input_ids [B, T]  p p p r r 0 0      packed  input_ids [1, N]  p p p r r p p r r r r
+                                  p p r r r r 0
+    Position t predicts token t+1; resp_idx lists the flat positions that predict response tokens. With `model`,
+    the rotary positions are computed here on the CPU (once per distinct prompt) instead of inside the forward."""
+    packed = model is not None and model.packed
     seqs = [s["prompt"]["prompt_ids"] + list(s["response_ids"]) for s in samples]
-    T = max(len(x) for x in seqs) + 1  # +1: resp_mask needs a 0 in its last column
-    B = len(seqs)
+    lens = [len(x) for x in seqs]
+    B, T = (1, sum(lens)) if packed else (len(seqs), max(lens) + 1)  # +1: a pad after the longest sample
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    resp_mask = torch.zeros(B, T, dtype=torch.bool)
-    for i, (x, s) in enumerate(zip(seqs, samples)):
+    resp_mask = torch.zeros(B, T, dtype=torch.bool)  # the positions before response tokens
+    starts = [(0, sum(lens[:i])) if packed else (i, 0) for i in range(len(seqs))]
+    for (r, c), x, s in zip(starts, seqs, samples):
         lp, lr = len(s["prompt"]["prompt_ids"]), len(s["response_ids"])
-        input_ids[i, :len(x)] = torch.tensor(x)
-        resp_mask[i, lp - 1:lp - 1 + lr] = True
+        input_ids[r, c:c + len(x)] = torch.tensor(x)
+        resp_mask[r, c + lp - 1:c + lp - 1 + lr] = True
+    targets = input_ids.flatten()[1:][resp_mask.flatten()[:-1]]  # [n] the token each of those positions predicts
+    resp_idx = resp_mask.flatten().nonzero().squeeze(1)  # [n]
     # the distinct prompts of the batch (the n samples of a prompt share its images) and which one each row shows
     index, prompts, owner = {}, [], []
     for s in samples:
@@ -269,44 +455,106 @@ def collate(samples, pad_id, device):
     mm = {}
     keys = {k for p in prompts for k in p["mm_inputs"]}  # Qwen-VL: pixel_values [P, D], image_grid_thw [I, 3]
     for key in keys:
-        mm[key] = torch.cat([p["mm_inputs"][key] for p in prompts if key in p["mm_inputs"]]).to(device)
+        mm[key] = to_device(torch.cat([p["mm_inputs"][key] for p in prompts if key in p["mm_inputs"]]), device)
     counts = [len(p["mm_inputs"].get("image_grid_thw", ())) for p in prompts]  # images per distinct prompt
+    position_ids, varlen = None, None
+    if model is not None and model.rope is not None:
+        pos = _positions(model.hf, samples, prompts, owner, model.rope)  # per sample [3, L] (M-RoPE) or [L]
+        if packed:
+            position_ids = torch.cat(pos, dim=-1)[..., None, :]  # [3, 1, N] or [1, N]
+        elif model.rope == "mrope":  # (a text LLM's padded rows keep the model's own 0..T-1)
+            position_ids = torch.zeros(3, B, T, dtype=torch.long)  # [3, B, T]; pads' positions are never read
+            for i, p in enumerate(pos):
+                position_ids[:, i, :p.shape[-1]] = p
+        position_ids = to_device(position_ids, device) if position_ids is not None else None
+    if packed:
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)  # [B + 1]
+        cu = to_device(cu, device)
+        varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
     resp_len = torch.tensor([len(s["response_ids"]) for s in samples])
-    return dict(input_ids=input_ids.to(device), resp_mask=resp_mask.to(device), mm_inputs=mm,
-                owner=(owner, counts)), resp_len
+    return dict(input_ids=to_device(input_ids, device), resp_idx=to_device(resp_idx, device),
+                targets=to_device(targets, device), mm_inputs=mm, owner=(owner, counts), position_ids=position_ids,
+                varlen=varlen), resp_len
 
 
-def pad_responses(values, resp_len):
-    """Flat per-token values [N] -> response-aligned [B, R] (zeros past each response)."""
-    R = int(resp_len.max())
-    mask = torch.arange(R)[None, :] < resp_len[:, None]  # [B, R]
-    out = values.new_zeros(mask.shape)
-    out[mask.to(values.device)] = values
-    return out, mask.to(values.device)
-
-
-def stack_padded(rows, R, device):
-    """List of 1-D per-sample tensors -> [B, R] zero-padded."""
-    out = torch.zeros(len(rows), R, device=device)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = r.to(device)
+def _positions(hf, samples, prompts, owner, rope):
+    """Rotary positions of each sample (CPU). Text LLMs: 0..L-1. Qwen-VL's M-RoPE: the model's own get_rope_index
+    on each distinct prompt; the response continues the prompt's last (text) position on all three axes, which is
+    what get_rope_index gives for a trailing text run (a prompt that ends on an image token gets the full call)."""
+    if rope == "1d":
+        return [torch.arange(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"])) for s in samples]
+    per_prompt = [_rope_index(hf, p["prompt_ids"], p["mm_inputs"]) for p in prompts]  # [3, Lp] each
+    image_ids = {getattr(hf.config, "image_token_id", None), getattr(hf.config, "video_token_id", None)}
+    out = []
+    for s, o in zip(samples, owner):
+        pp, lr = per_prompt[o], len(s["response_ids"])
+        if s["prompt"]["prompt_ids"][-1] in image_ids:
+            out.append(_rope_index(hf, s["prompt"]["prompt_ids"] + list(s["response_ids"]), s["prompt"]["mm_inputs"]))
+        else:
+            out.append(torch.cat([pp, pp[:, -1:] + 1 + torch.arange(lr)], dim=1))
     return out
 
 
-def make_micro_batches(lengths, max_tokens, max_samples, groups=None):
-    """Group sample indices so that each micro-batch holds at most `max_tokens` padded tokens and `max_samples`
-    samples. Sorting by length keeps padding small; with `groups` (the prompt of each sample) the samples of a
-    prompt stay together, so its image goes through the vision tower once per micro-batch. Every rank must run the
-    same number of micro-batches (each forward all-gathers weights collectively), so the count is agreed on and
-    the longest micro-batches split to match."""
+def _rope_index(hf, ids, mm):
+    """[3, L] M-RoPE positions of one sequence from transformers' get_rope_index (CPU tensors in, CPU out)."""
+    ids = torch.tensor([ids])  # [1, L]
+    grids = {k: mm[k] for k in ("image_grid_thw", "video_grid_thw") if k in mm}
+    if not grids:
+        return torch.arange(ids.shape[1]).expand(3, -1)
+    kw = dict(input_ids=ids, attention_mask=None, **grids)
+    if "mm_token_type_ids" in _params(type(hf.model).get_rope_index):
+        kw.update(mm_token_types(hf, ids, mm))
+    return hf.model.get_rope_index(**kw)[0][:, 0]
+
+
+@functools.cache
+def _params(fn):
+    return set(inspect.signature(fn).parameters)
+
+
+def to_device(t, device):
+    """Host -> GPU copy that does not wait: a plain .to(cuda) synchronizes with the GPU's queue (the host then
+    idles until the previous micro-batch's backward is done, and the GPU until the host launches the next)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def pad_responses(values, resp_len):
+    """Flat per-token values [N] -> response-aligned [B, R] (zeros past each response), and the mask [B, R]."""
+    R = int(resp_len.max())
+    mask = torch.arange(R)[None, :] < resp_len[:, None]  # [B, R]
+    idx = to_device(mask.flatten().nonzero().squeeze(1), values.device)  # an index, not a boolean mask: no sync
+    out = values.new_zeros(mask.numel()).index_copy(0, idx, values).view(mask.shape)
+    return out, to_device(mask, values.device)
+
+
+def stack_padded(rows, R, device):
+    """List of 1-D per-sample tensors (or lists) -> [B, R] zero-padded, built on the host and copied once."""
+    out = torch.zeros(len(rows), R)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.as_tensor(r, dtype=out.dtype)
+    return to_device(out, device)
+
+
+def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=False):
+    """Group sample indices so that each micro-batch holds at most `max_tokens` tokens (padded: samples x the
+    longest; packed: the sum of the real lengths) and `max_samples` samples. Sorting by length keeps padding small;
+    with `groups` (the prompt of each sample) the samples of a prompt stay together, so its image goes through the
+    vision tower once per micro-batch. Every rank must run the same number of micro-batches (each forward
+    all-gathers weights collectively), so the count is agreed on and the largest micro-batches split to match."""
     groups = groups if groups is not None else list(range(len(lengths)))
     top = {}
     for g, n in zip(groups, lengths):
         top[g] = max(top.get(g, 0), n)
     order = sorted(range(len(lengths)), key=lambda i: (-top[groups[i]], str(groups[i]), -lengths[i]))
+
+    def size(mb):  # tokens the micro-batch costs (its first sample is its longest)
+        return sum(lengths[i] for i in mb) if packed else len(mb) * lengths[mb[0]]
+
     groups, cur = [], []
     for i in order:
-        if cur and ((len(cur) + 1) * lengths[cur[0]] > max_tokens or len(cur) >= max_samples):
+        if cur and (size(cur + [i]) > max_tokens or len(cur) >= max_samples):
             groups.append(cur)
             cur = []
         cur.append(i)
@@ -316,7 +564,7 @@ def make_micro_batches(lengths, max_tokens, max_samples, groups=None):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=_cpu_group())
     while len(groups) < int(n):  # split the largest group in two (a rank always has >= n samples)
-        j = max(range(len(groups)), key=lambda k: len(groups[k]) * lengths[groups[k][0]])
+        j = max(range(len(groups)), key=lambda k: size(groups[k]))
         g = groups.pop(j)
         groups[j:j] = [g[:len(g) // 2], g[len(g) // 2:]]
     return groups
@@ -343,14 +591,21 @@ def all_reduce_cpu(x, op=dist.ReduceOp.SUM):
 
 @torch.no_grad()
 def compute_logprobs(model, samples, pad_id, device, temperature, max_tokens, max_samples, chunk_size=4096):
-    """Per-sample 1-D log-probs (and entropies) of the response tokens under `model`, no gradients."""
+    """Per-sample 1-D log-probs (and entropies) of the response tokens under `model`, no gradients (CPU tensors,
+    copied back once at the end: a copy per micro-batch would stall the GPU queue each time)."""
     lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    order, lps, ents, lens = [], [], [], []
+    for idx in make_micro_batches(lengths, max_tokens, max_samples, [id(s["prompt"]) for s in samples],
+                                  packed=model.packed):
+        batch, resp_len = collate([samples[i] for i in idx], pad_id, device, model)
+        lp, ent = model(**batch, temperature=temperature, chunk_size=chunk_size)  # [n], [n]
+        order += idx
+        lps.append(lp.float())
+        ents.append(ent.float())
+        lens += resp_len.tolist()
     out_lp, out_ent = [None] * len(samples), [None] * len(samples)
-    for idx in make_micro_batches(lengths, max_tokens, max_samples, [id(s["prompt"]) for s in samples]):
-        batch, resp_len = collate([samples[i] for i in idx], pad_id, device)
-        lp, ent = model(**batch, temperature=temperature, chunk_size=chunk_size)  # [N], [N]
-        for i, a, b in zip(idx, lp.float().cpu().split(resp_len.tolist()), ent.float().cpu().split(resp_len.tolist())):
-            out_lp[i], out_ent[i] = a, b
+    for i, a, b in zip(order, torch.cat(lps).cpu().split(lens), torch.cat(ents).cpu().split(lens)):
+        out_lp[i], out_ent[i] = a, b
     return out_lp, out_ent
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import tyro
 
+import flops
 import fsdp_actor as A
 from data import UserError
 import rundir
@@ -89,6 +90,10 @@ class Config:
     cispo_clip_low: bool = False  # bound CISPO's weight below by 1 - clip_ratio_low, as EasyR1/veRL (the paper: none)
     kl_coef: float = 1e-2  # weight of the KL-to-reference loss term; 0 drops the reference model entirely
     kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"  # KL estimator (k3 = low_var_kl)
+    # truncated importance sampling from the engine's own log-probs (veRL's rollout_is, TRL's vllm_importance_sampling)
+    rollout_correction: Literal["none", "tis"] = "none"  # tis: weight each token's loss by pi_old / pi_engine, capped
+    rollout_correction_level: Literal["token", "sequence"] = "token"  # one weight per token, or per sequence
+    rollout_correction_cap: float = 2.0  # weights above it are truncated to it (veRL's rollout_is_threshold)
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
     freeze_vision_tower: bool = False  # train the language model only (the vision tower keeps its weights)
@@ -99,7 +104,10 @@ class Config:
     lora_modules_to_save: str = ""  # comma-separated modules trained in full beside the adapters (peft's), e.g. lm_head
     gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~1/3 more compute
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
+    padding_free: Literal["auto", "on", "off"] = "auto"  # one packed row per micro-batch (varlen attention); auto: where a fast kernel runs
+    vision_varlen: Literal["auto", "on", "off"] = "auto"  # the vision tower's windows in one attention call per layer
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)
+    peak_tflops: float = 989.0  # per GPU, for perf/mfu_*: H100/H200 dense bf16 (the figure veRL and EasyR1 use)
     # --- trainer ---
     max_steps: int = 0  # training steps (one rollout batch each); 0 = total_epochs passes over the training data
     total_epochs: int = 15  # EasyR1's: used when max_steps is 0
@@ -219,6 +227,26 @@ def agg_loss(loss, mask, mode="token", num_tokens=None, num_seqs=None, max_len=N
     raise ValueError(f"loss_avg_mode={mode!r}: choose token, seq or seq-mean-token-sum-norm")
 
 
+def rollout_correction_weights(old_logp, rollout_logp, mask, level="token", cap=2.0):
+    """Truncated importance sampling (TIS) for the trainer/engine mismatch: the engine sampled from pi_rollout, the
+    loss assumes pi_old (the trainer's log-probs at the same weights). Weights pi_old / pi_rollout per token (or
+    their product per sequence), truncated at `cap`, no gradient; they multiply the per-token policy loss. The
+    formula of veRL (compute_rollout_correction_weights: exp of the log-ratio clamped to +-20, masked, clamp(max=cap),
+    detached) and TRL (token_truncate / sequence_truncate). Returns (weights [B, R], stats: sums and counts)."""
+    log_ratio = (old_logp - rollout_logp) * mask  # [B, R]
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True)  # [B, 1]
+    elif level != "token":
+        raise ValueError(f"rollout_correction_level={level!r}: choose token or sequence")
+    raw = log_ratio.clamp(-20, 20).exp()  # [B, R] or [B, 1]
+    units = mask if level == "token" else mask.any(-1, keepdim=True)  # tokens, or sequences with a token
+    w = (raw.clamp(max=cap) * mask).detach()  # [B, R]
+    units_f = units.to(raw.dtype)
+    stats = {"mean": ((w * mask).sum(), mask.sum()), "capped_frac": (((raw > cap) * units_f).sum(), units_f.sum()),
+             "max": raw.detach().masked_fill(~units, 0).max()}
+    return w, stats
+
+
 # ================================================================================================ setup
 def check_config(cfg: Config, world: int):
     """What can be checked before any process group or model loads: every rank raises the same UserError."""
@@ -307,11 +335,13 @@ def setup(cfg: Config):
                     ) if cfg.lora_rank > 0 else None
     ctx.model = A.build_actor(ctx.model_path, device, torch.float32, ctx.compute_dtype,
                               cfg.gradient_checkpointing, cfg.attn_implementation,
-                              freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora)
+                              freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora,
+                              padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = A.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
-                                attn_implementation=cfg.attn_implementation, trainable=False)
+                                attn_implementation=cfg.attn_implementation, trainable=False,
+                                padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen)
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
                                            device)
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
@@ -361,13 +391,15 @@ def _epoch_perm(N, seed):
     return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
 
 
-def generate_and_score(ctx, drawn, n, temperature, top_p=None):
-    """Sample n responses per prompt and score them. Returns a flat list of sample dicts, grouped by prompt."""
+def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None):
+    """Sample n responses per prompt and score them. Returns a flat list of sample dicts, grouped by prompt.
+    lengths (bench.py's realistic workload): per prompt, n forced response lengths (EOS ignored)."""
     cfg = ctx.cfg
     prompts = [rec for _, rec in drawn]
     seeds = [(cfg.seed * 1_000_003 + pos) % 2**31 for pos, _ in drawn]
     outs = ctx.rollout.generate(prompts, n=n, temperature=temperature, top_p=cfg.top_p if top_p is None else top_p,
-                                max_tokens=cfg.max_response_length, seeds=seeds)
+                                max_tokens=cfg.max_response_length, seeds=seeds,
+                                **({"lengths": lengths} if lengths is not None else {}))
     samples = [dict(prompt=p, response_ids=list(o["response_ids"]), finished=o["finished"],
                     rollout_logp=o.get("logprobs"), group=g)
                for g, (p, group) in enumerate(zip(prompts, outs)) for o in group]
@@ -394,14 +426,20 @@ def update_policy(ctx, samples):
     cfg, dev = ctx.cfg, ctx.device
     n_mini = cfg.rollout_batch_size // cfg.global_batch_size
     per_mini = len(samples) // n_mini
-    sums = {}  # metric -> [sum, count] over all micro-batches, all-reduced at the end
-    diff_max, skipped = 0.0, 0
+    # metric -> [sum, count] over all micro-batches, all-reduced at the end; max metric -> running max. Values stay
+    # tensors on the device until then: a float() per micro-batch would make the host wait for the GPU each time.
+    sums, maxes, skipped = {}, {}, 0
 
     def add(k, v, c=1.0):
         s = sums.setdefault(k, [0.0, 0.0])
-        s[0] += float(v)
-        s[1] += float(c)
+        s[0], s[1] = s[0] + (v.detach().double() if torch.is_tensor(v) else v), s[1] + c
 
+    def add_max(k, v):
+        maxes[k] = torch.maximum(maxes[k], v.detach().double()) if k in maxes else v.detach().double()
+
+    if cfg.rollout_correction == "tis" and any(s.get("rollout_logp") is None for s in samples):
+        raise ValueError("--rollout-correction tis needs the engine's log-probs of its samples, and this rollout "
+                         "returned none; use --rollout-correction none")
     g = torch.Generator().manual_seed(cfg.seed * 7919 + ctx.step)
     for epoch in range(cfg.ppo_epochs):
         shuffle = n_mini > 1 or epoch > 0  # mini-batches see a fresh mix of samples
@@ -414,21 +452,33 @@ def update_policy(ctx, samples):
                                                      sum(s.get("loss_mask", 1) for s in mini)]).clamp(min=1).tolist()
             lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in mini]
             for idx in A.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device,
-                                            [id(s["prompt"]) for s in mini]):
+                                            [id(s["prompt"]) for s in mini], packed=ctx.model.packed):
                 mb = [mini[i] for i in idx]
-                batch, resp_len = A.collate(mb, ctx.pad_id, dev)
+                batch, resp_len = A.collate(mb, ctx.pad_id, dev, ctx.model)
+                add("perf/pad_fraction", batch["input_ids"].numel() - sum(lengths[i] for i in idx),
+                    batch["input_ids"].numel())
                 lp, ent = ctx.model(**batch, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)  # [N]
                 logp, mask = A.pad_responses(lp, resp_len)  # [b, R]
-                mask = mask & torch.tensor([s.get("loss_mask", 1) > 0 for s in mb], device=dev)[:, None]
+                mask = mask & A.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]
                 R = logp.shape[1]
                 if mb[0].get("old_logp") is not None:
                     old = A.stack_padded([s["old_logp"] for s in mb], R, dev)
                 else:  # on-policy: the first forward *is* the old policy
                     old = logp.detach()
-                adv = torch.tensor([s["adv"] for s in mb], device=dev, dtype=logp.dtype)  # [b]
+                adv = A.to_device(torch.tensor([s["adv"] for s in mb], dtype=logp.dtype), dev)  # [b]
                 tok_loss, clip = policy_loss(logp, old, adv, mask, cfg.loss_type, cfg.clip_ratio_low,
                                              cfg.clip_ratio_high, cfg.clip_ratio_dual, cfg.gspo_dual_clip,
                                              cfg.cispo_clip_low)
+                roll = None
+                if all(s.get("rollout_logp") is not None for s in mb):
+                    roll = A.stack_padded([s["rollout_logp"] for s in mb], R, dev)  # [b, R] the engine's
+                if cfg.rollout_correction == "tis":
+                    w, st = rollout_correction_weights(old, roll, mask, cfg.rollout_correction_level,
+                                                       cfg.rollout_correction_cap)
+                    tok_loss = tok_loss * w
+                    add("rollout_corr/weight_mean", *st["mean"])
+                    add("rollout_corr/capped_frac", *st["capped_frac"])
+                    add_max("rollout_corr/weight_max", st["max"])
                 norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
                 pg_loss = agg_loss(tok_loss, mask, cfg.loss_avg_mode, **norm)
                 loss = pg_loss
@@ -439,18 +489,17 @@ def update_policy(ctx, samples):
                     add("actor/kl", (kl.detach() * mask).sum(), mask.sum())
                 # FSDP averages gradients over ranks; the normalisers are already global, so undo the average
                 (loss * ctx.world).backward()
-                add("actor/pg_loss", pg_loss.detach(), 0.0)  # already a share of the global loss: just sum
-                add("actor/loss", loss.detach(), 0.0)
+                add("actor/pg_loss", pg_loss, 0.0)  # already a share of the global loss: just sum
+                add("actor/loss", loss, 0.0)
                 ent_p, _ = A.pad_responses(ent, resp_len)
                 add("actor/entropy", (ent_p * mask).sum(), mask.sum())
                 add("actor/clipfrac", (clip["clipfrac"] * mask).sum(), mask.sum())
                 add("actor/dual_clipfrac", (clip["dual_clipfrac"] * mask).sum(), mask.sum())
-                if epoch == 0 and m == 0 and mb[0].get("rollout_logp") is not None and len(mb[0]["rollout_logp"]):
+                if epoch == 0 and m == 0 and roll is not None:
                     # trainer/rollout mismatch at the weights that generated the samples (before any update)
-                    roll = A.stack_padded([torch.tensor(s["rollout_logp"]) for s in mb], R, dev)
                     diff = ((logp.detach() - roll).abs() * mask)
                     add("rollout/logprob_diff_mean", diff.sum(), mask.sum())
-                    diff_max = max(diff_max, float(diff.max()))
+                    add_max("rollout/logprob_diff_max", diff.max())
             grad_norm = A.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm)  # the same on every rank
             add("actor/grad_norm", grad_norm)
             add("actor/lr", ctx.sched.get_last_lr()[0])
@@ -461,8 +510,10 @@ def update_policy(ctx, samples):
                                 f"skipped (gradient norm {grad_norm}); nothing of this step was saved. Check the data "
                                 "and reward, lower --lr, or raise --max-skipped-steps (0 = never stop)")
     # losses are already global fractions: sum them over ranks and micro-batches, mean over optimizer steps
-    keys = sorted(sums)
-    red = A.all_reduce_cpu([[sums[k][0], sums[k][1]] for k in keys])
+    keys, mkeys = sorted(sums), sorted(maxes)
+    local = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev) for k in keys for x in sums[k]]
+                        + [maxes[k] for k in mkeys]).cpu()  # the one wait for the GPU
+    red = A.all_reduce_cpu(local[:2 * len(keys)].view(-1, 2))
     out = {}
     n_steps = n_mini * cfg.ppo_epochs
     for k, (v, c) in zip(keys, red.tolist()):
@@ -472,8 +523,8 @@ def update_policy(ctx, samples):
             out[k] = v / c  # same on every rank
         else:
             out[k] = v / max(c, 1)
-    if "rollout/logprob_diff_mean" in out:
-        out["rollout/logprob_diff_max"] = float(A.all_reduce_cpu(diff_max, op=dist.ReduceOp.MAX))
+    if mkeys:
+        out.update(zip(mkeys, A.all_reduce_cpu(local[2 * len(keys):], op=dist.ReduceOp.MAX).tolist()))
     ctx.skipped_total += skipped
     out["actor/skipped_steps"], out["actor/skipped_steps_total"] = skipped, ctx.skipped_total
     return out
@@ -528,6 +579,12 @@ def train_step(ctx, step, collect=collect_rollouts):
     metrics.update({f"timing/{k}": v for k, v in T.items()})
     metrics["throughput/tokens_per_s"] = n_tok / T["step"] / ctx.world  # per device, like EasyR1
     metrics["throughput/tokens_per_s_total"] = n_tok / T["step"]
+    # MFU: model FLOPs of the step's real tokens (veRL's convention, flops.py) over the phase's seconds x peak
+    fwd = float(A.all_reduce_cpu(flops.forward_flops(ctx.model.hf.config, samples)))  # one pass, all ranks
+    peak = cfg.peak_tflops * 1e12 * ctx.world
+    metrics["perf/mfu_update"] = 3 * cfg.ppo_epochs * fwd / (T["update"] * peak)  # forward + backward per epoch
+    if "ref_logprob" in T:
+        metrics["perf/mfu_ref"] = fwd / (T["ref_logprob"] * peak)
     metrics.update(memory_metrics(ctx))
     metrics["step"] = step + 1
     return metrics, samples

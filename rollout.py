@@ -67,6 +67,12 @@ def _to_result(ids, logprobs, eos):
     return {"response_ids": ids, "finished": cut is not None, "logprobs": logprobs}
 
 
+def _forced(ids, logprobs, max_tokens):
+    """A forced-length response (benchmarks): generated with EOS ignored, so it is never cut; it counts as finished
+    unless it reached max_tokens (the share of truncated responses is then the workload's, not the model's)."""
+    return {"response_ids": list(ids), "finished": len(ids) < max_tokens, "logprobs": logprobs}
+
+
 # ------------------------------------------------------------------------------------------------ HF engine
 class _SampledLogprobs:
     """Last logits processor: sees exactly the scores HF samples from (after suppression, temperature, top-p).
@@ -105,12 +111,15 @@ class HFRollout:
         self._params = self.model.state_dict()
 
     @torch.no_grad()
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None):
+        """lengths (benchmarks): per prompt, n forced response lengths; EOS is then ignored (see _forced)."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        return [self._generate_one(p, n, temperature, top_p, max_tokens, s) for p, s in zip(prompts, seeds)]
+        lengths = lengths or [None] * len(prompts)
+        return [self._generate_one(p, n, temperature, top_p, max_tokens, s, L)
+                for p, s, L in zip(prompts, seeds, lengths)]
 
-    def _generate_one(self, prompt, n, temperature, top_p, max_tokens, seed):
+    def _generate_one(self, prompt, n, temperature, top_p, max_tokens, seed, lengths=None):
         from transformers import (LogitsProcessorList, SuppressTokensLogitsProcessor, TemperatureLogitsWarper,
                                   TopPLogitsWarper)
         greedy = temperature == 0
@@ -139,10 +148,13 @@ class HFRollout:
             seqs = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **mm,
                                        **mm_token_types(self.model, ids, mm),
                                        do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0,
-                                       max_new_tokens=max_tokens, logits_processor=procs,
-                                       eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0])
+                                       max_new_tokens=max(lengths) if lengths else max_tokens,
+                                       logits_processor=procs, pad_token_id=self.eos_ids[0],
+                                       eos_token_id=None if lengths else self.eos_ids)  # None: never stop
         gen = seqs[:, ids.shape[1]:]  # [rows, T]
         logp = rec.finish(gen[:, -1])  # [rows, T]
+        if lengths:
+            return [_forced(g[:L].tolist(), lp[:L].tolist(), max_tokens) for g, lp, L in zip(gen, logp, lengths)]
         out = [_to_result(g.tolist(), lp.tolist(), self.eos_ids) for g, lp in zip(gen, logp)]
         return [dict(out[0]) for _ in range(n)] if greedy else out
 
@@ -260,14 +272,15 @@ class VLLMRollout:
                 [list(range(r, r + self.tp)) for r in range(0, world, self.tp)], backend="gloo")
 
     # ---- generation
-    def _sampling_params(self, rows, temperature, top_p, max_tokens, seed):
+    def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False):
         from vllm import SamplingParams
         greedy = temperature == 0
         # logit_bias is clamped to [-100, 100] by vLLM: -100 is probability ~e-44, i.e. forbidden
         bias = {i: -100.0 for i in self.forbidden_ids} or None
+        # forced (benchmarks): exactly max_tokens tokens, EOS sampled like any token but never a stop
+        stop = dict(ignore_eos=True) if forced else dict(stop_token_ids=list(self.eos_ids))
         return SamplingParams(n=rows, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                              max_tokens=max_tokens, seed=seed, logprobs=0, logit_bias=bias,
-                              stop_token_ids=list(self.eos_ids), detokenize=False)
+                              max_tokens=max_tokens, seed=seed, logprobs=0, logit_bias=bias, detokenize=False, **stop)
 
     @staticmethod
     def _vllm_prompt(p):
@@ -277,13 +290,15 @@ class VLLMRollout:
             out["multi_modal_data"] = {"image": list(p["images"])}
         return out
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None):
+        """lengths (benchmarks): per prompt, n forced response lengths; each sample is then its own request with
+        max_tokens = its length and EOS ignored, so every run generates exactly the same number of tokens."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if self.weights_lost:
             raise RuntimeError("sleep(level=2) discarded the weights: call sync_weights() before generate()")
         self.wake()
-        mine = [(self._vllm_prompt(p), s) for p, s in zip(prompts, seeds)]
+        mine = [(self._vllm_prompt(p), s, L) for p, s, L in zip(prompts, seeds, lengths or [None] * len(prompts))]
         everyone, offset = [mine], 0
         if self.tp_group is not None:  # every TP rank must feed its engine the same requests in the same order
             everyone = [None] * self.tp
@@ -292,18 +307,29 @@ class VLLMRollout:
         items = [it for part in everyone for it in part]
         greedy = temperature == 0
         rows = 1 if greedy else n  # vLLM rejects n > 1 with greedy sampling; greedy copies are identical anyway
-        params = [self._sampling_params(rows, temperature, top_p, max_tokens, s) for _, s in items]
-        outs = self.llm.generate([pr for pr, _ in items], params, use_tqdm=False)
+        reqs, params, per_item = [], [], []
+        for pr, s, L in items:
+            if L is None:  # the training path: one request, n samples
+                reqs.append(pr)
+                params.append(self._sampling_params(rows, temperature, top_p, max_tokens, s))
+            else:
+                reqs += [pr] * len(L)
+                params += [self._sampling_params(1, temperature, top_p, l, (s + 7919 * j) % 2**31, forced=True)
+                           for j, l in enumerate(L)]
+            per_item.append(1 if L is None else len(L))
+        outs = self.llm.generate(reqs, params, use_tqdm=False)
         # raw logprobs (vLLM < 0.10.1) are only the sampling distribution's when nothing processes the logits
         want_lp = self.processed_logprobs or (temperature == 1.0 and top_p >= 1.0)
-        results = []
-        for o in outs[offset:offset + len(mine)]:
+        results, at = [], sum(per_item[:offset])
+        for (_, _, L), k in zip(items[offset:offset + len(mine)], per_item[offset:offset + len(mine)]):
             group = []
-            for c in o.outputs:
-                ids = list(c.token_ids)
-                lp = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if want_lp and c.logprobs else None
-                group.append(_to_result(ids, lp, self.eos_ids))
-            results.append([dict(group[0]) for _ in range(n)] if greedy else group)
+            for o in outs[at:at + k]:
+                for c in o.outputs:
+                    ids = list(c.token_ids)
+                    lp = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if want_lp and c.logprobs else None
+                    group.append(_to_result(ids, lp, self.eos_ids) if L is None else _forced(ids, lp, max_tokens))
+            at += k
+            results.append([dict(group[0]) for _ in range(n)] if greedy and L is None else group)
         return results
 
     # ---- weights

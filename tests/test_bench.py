@@ -51,5 +51,37 @@ def test_trainer_only_profile_run(tmp_path):
         assert r["response_length/mean"] == 8 and r["response_length/clip_ratio"] == 1.0
         assert r["timing/update"] > 0 and r["timing/ref_logprob"] > 0 and r["actor/kl"] >= 0
     assert rows[1]["actor/kl"] > 0  # the update of step 1 moved the policy away from the reference
+    assert all(0 < r["perf/pad_fraction"] < 1 and r["perf/mfu_update"] > 0 and r["perf/mfu_ref"] > 0 for r in rows)
     table = (out / "profile.txt").read_text()
     assert "aten::" in table and "Self CPU" in table
+
+
+def test_trainer_only_realistic_workload_padding_free(tmp_path):
+    """--workload realistic: forced response lengths from the seeded distribution; padding-free training (the plain
+    varlen path on the CPU) leaves no pad token in the update's micro-batches."""
+    import json
+    import subprocess
+    path = tiny_model.build_tiny_model()
+    proc = data.load_processor(path)
+    parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 4, proc.tokenizer, size=112, text_tokens=20)
+    out = tmp_path / "run"
+    script = (
+        "import bench, dataclasses, torch.distributed as dist\n"
+        f"cfg = bench.defaults({str(tmp_path)!r}, {path!r}, {parquet!r})\n"
+        "cfg = dataclasses.replace(cfg, rollout_batch_size=2, global_batch_size=2, n=4, max_response_length=40,\n"
+        f"    min_pixels=56 * 56, max_pixels=112 * 112, max_steps=2, lr=1e-3, output_dir={str(out)!r},\n"
+        "    padding_free='on', vision_varlen='on', max_token_len_per_device=120)\n"
+        "print('SUMMARY', bench.run(cfg, trainer_only=True, workload='realistic'))\n"
+        "dist.destroy_process_group()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(bench.__file__), env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    want = [L for pos in range(4) for L in bench.response_lengths(1, pos, 4, 40)]  # the 4 prompts of 2 steps
+    for r, lens in zip(rows, (want[:8], want[8:])):
+        assert r["response_length/mean"] == sum(lens) / 8 and r["response_length/max"] == max(lens)
+        assert r["response_length/clip_ratio"] == sum(L == 40 for L in lens) / 8
+        assert r["perf/pad_fraction"] == 0 and r["perf/mfu_update"] > 0

@@ -1,0 +1,61 @@
+"""flops.py -- model FLOPs of a step's real tokens, for MFU (`perf/mfu_update`, `perf/mfu_ref`).
+
+The convention is veRL's FlopsCounter (verl/utils/flops_counter.py, which EasyR1 reuses), so the figures compare:
+- dense layers: 2 FLOPs per weight per token in the forward; the weights counted per token are the attention and MLP
+  projections of every layer plus the embedding *and* the LM head (2 x vocab x hidden, even though the embedding
+  is a lookup and we apply the head only to response tokens);
+- attention: QK^T and PV over each sample's own length s, causal (half the s^2 square): 2 x s^2 x head_dim x heads
+  per layer in the forward;
+- training = 3 x forward (forward + backward), *not* counting the activation-checkpointing recompute; a
+  forward-only pass (reference / old log-probs) = 1 x forward; MFU = FLOPs / (seconds x peak x GPUs).
+veRL counts no vision tower for Qwen2(.5)-VL; we add it (its share is small, ~2-3% at 3B with one 512x512 image per
+prompt), in the style veRL uses for Qwen3-VL's ViT: 2 FLOPs per weight per patch token, non-causal attention
+4 x s^2 x width per layer, with s the window (Qwen2.5-VL's windowed layers) or the frame (full-attention layers),
+and the patch merger per merged token. Each distinct image counts once per pass (that is how the actor runs it).
+"""
+
+
+def lm_forward_flops(cfg, seqlens):
+    """Forward FLOPs of the language model over samples of these lengths (prompt + response tokens)."""
+    t = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    h, L, heads = t.hidden_size, t.num_hidden_layers, t.num_attention_heads
+    kv = getattr(t, "num_key_value_heads", None) or heads
+    hd = getattr(t, "head_dim", None) or h // heads
+    weights = L * (3 * h * t.intermediate_size + h * (2 * heads * hd + 2 * kv * hd)) + 2 * t.vocab_size * h
+    return 2 * weights * sum(seqlens) + 2 * L * heads * hd * sum(s * s for s in seqlens)
+
+
+def vision_forward_flops(vc, grids):
+    """Forward FLOPs of a Qwen2-VL / Qwen2.5-VL vision tower over images with these (t, h, w) patch grids."""
+    m = vc.spatial_merge_size
+    if hasattr(vc, "embed_dim"):  # Qwen2-VL: width embed_dim, GELU MLP of mlp_ratio, full attention everywhere
+        d, mlp, full, window = vc.embed_dim, 2 * vc.embed_dim * int(vc.embed_dim * vc.mlp_ratio), vc.depth, None
+    else:  # Qwen2.5-VL: gated (SwiGLU) MLP; windows of window_size pixels except in fullatt_block_indexes
+        d, mlp, full = vc.hidden_size, 3 * vc.hidden_size * vc.intermediate_size, len(vc.fullatt_block_indexes)
+        window = vc.window_size // m // vc.patch_size  # window side in merged units
+    out_dim = getattr(vc, "out_hidden_size", None) or vc.hidden_size
+    patch = getattr(vc, "in_channels", 3) * vc.temporal_patch_size * vc.patch_size ** 2 * d
+    merger = ((d * m * m) ** 2 + d * m * m * out_dim) / (m * m)  # per patch token (it runs on 1 in m^2)
+    per_token = patch + vc.depth * (mlp + 4 * d * d) + merger
+    total = 0.0
+    for t, gh, gw in grids:
+        frame = gh * gw
+        attn = full * t * frame ** 2
+        if window is not None:  # windows of window x window merged units; the last row/column may be smaller
+            side = lambda n: [min(window, n - i) for i in range(0, n, window)]  # noqa: E731
+            tiles = sum(a * a for a in side(gh // m)) * sum(b * b for b in side(gw // m)) * m ** 4
+            attn += (vc.depth - full) * t * tiles
+        total += 2 * per_token * t * frame + 4 * d * attn
+    return total
+
+
+def forward_flops(cfg, samples):
+    """Forward FLOPs of one pass of the actor over `samples` (dicts with prompt and response_ids)."""
+    seqlens = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    total = lm_forward_flops(cfg, seqlens)
+    vc = getattr(cfg, "vision_config", None)
+    if vc is not None and getattr(cfg, "model_type", "") in ("qwen2_vl", "qwen2_5_vl"):
+        prompts = {id(s["prompt"]): s["prompt"] for s in samples}.values()
+        grids = [g.tolist() for p in prompts for g in p["mm_inputs"].get("image_grid_thw", ())]
+        total += vision_forward_flops(vc, grids)
+    return total

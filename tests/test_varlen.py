@@ -1,0 +1,169 @@
+"""Variable-length attention: the vision tower in one attention call per layer, and padding-free (packed) rows for
+the language model, each equal to transformers' own path (float64 on CPU; the CUDA kernels in tests/test_varlen_gpu.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fsdp_actor as A
+import tiny_model
+
+
+def _vision_run(path, varlen, grid, seed=0):
+    """get_image_features over random pixels in float64: (features, {param name: grad}, pixel grad, SDPA calls)."""
+    hf = A.load_hf_model(path, dtype=torch.float64).eval()
+    if varlen:
+        A.set_varlen_attention(hf, vision=True)
+    vc = hf.config.vision_config
+    dim = getattr(vc, "in_channels", 3) * vc.temporal_patch_size * vc.patch_size ** 2
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(int(grid.prod(-1).sum()), dim, generator=g, dtype=torch.float64, requires_grad=True)
+    calls, orig = [], F.scaled_dot_product_attention
+
+    def spy(q, *a, **kw):
+        calls.append(q.shape)
+        return orig(q, *a, **kw)
+
+    F.scaled_dot_product_attention = spy
+    try:
+        out = hf.model.get_image_features(pixels, grid)
+    finally:
+        F.scaled_dot_product_attention = orig
+    feats = torch.cat(list(getattr(out, "pooler_output", out)))
+    (feats.sin().sum()).backward()
+    grads = {n: p.grad for n, p in hf.model.visual.named_parameters() if p.grad is not None}
+    return feats.detach(), grads, pixels.grad, calls, hf
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl"])
+def test_vision_attention_one_call_per_layer_equals_per_window_path(arch, tmp_path):
+    path = tiny_model.build_tiny_model(arch=arch) if arch == "qwen2_5_vl" else \
+        tiny_model.build_tiny_model(str(tmp_path / arch), arch=arch)
+    # 16x16 patches = 2x2 windows of 8x8 patches, 6x10 = two windows, a 2-frame clip: 7 windows, 3 images
+    grid = torch.tensor([[1, 16, 16], [1, 6, 10], [2, 4, 4]])
+    f0, g0, p0, calls0, hf = _vision_run(path, False, grid)
+    f1, g1, p1, calls1, _ = _vision_run(path, True, grid)
+    depth = hf.config.vision_config.depth
+    assert len(calls1) == depth  # one attention call per layer for all windows and images together
+    assert len(calls0) > 2 * depth  # transformers' path: one per window (Qwen2.5-VL) or per image (Qwen2-VL)
+    assert torch.allclose(f0, f1, atol=1e-12, rtol=1e-10)
+    assert torch.allclose(p0, p1, atol=1e-12, rtol=1e-10)
+    assert g0.keys() == g1.keys() and len(g0) > 5
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=1e-12, rtol=1e-10), n
+
+
+def test_reference_varlen_equals_per_sequence_sdpa():
+    """The plain path (one block-diagonal masked call) against one SDPA call per sequence, causal and not, GQA."""
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 3, 10, 11, 30], dtype=torch.int32)
+    q, k, v = (torch.randn(30, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    for causal in (True, False):
+        out = A.reference_varlen_attention(q, k, v, cu, causal, scale=0.3)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            want = F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=causal,
+                                                  scale=0.3, enable_gqa=True).transpose(0, 1)
+            assert torch.allclose(out[a:b], want, atol=1e-12), (causal, a, b)
+
+
+# ------------------------------------------------------------------------------------------- padding-free training
+def _samples(path, seed=0):
+    """Rows with one image, two images and none, 2 samples per prompt, responses of 1..9 tokens."""
+    import data
+    proc = data.load_processor(path)
+    kw = dict(min_pixels=56 * 56, max_pixels=112 * 112)
+    from PIL import Image
+    imgs = [Image.new("RGB", (112, 84), (200, 30, 30)), Image.new("RGB", (56, 112), (30, 30, 200))]
+    one = data.encode_prompt({"problem": "<image>What colour is it?", "answer": "red", "images": imgs[:1]}, proc, **kw)
+    two = data.encode_prompt({"problem": "<image> and <image>: same colour?", "answer": "no", "images": imgs},
+                             proc, **kw)
+    text = data.encode_prompt({"problem": "Name a colour.", "answer": "red", "images": []}, proc, **kw)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [one, two, text]
+    return [dict(prompt=prompts[i % 3], response_ids=torch.randint(3, 300, (1 + (i * 5) % 9,), generator=g).tolist())
+            for i in range(6)], proc.tokenizer.pad_token_id
+
+
+def _grads(path, samples, pad, packed, dtype):
+    torch.manual_seed(0)
+    model = A.build_actor(path, torch.device("cpu"), dtype, dtype, gradient_checkpointing=True,
+                          padding_free="on" if packed else "off", vision_varlen="on" if packed else "off")
+    assert model.packed == packed
+    w = torch.Generator().manual_seed(1)
+    lps = []
+    for idx in A.make_micro_batches([len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples],
+                                    10_000, 64, [id(s["prompt"]) for s in samples], packed=packed):
+        batch, resp_len = A.collate([samples[i] for i in idx], pad, torch.device("cpu"), model)
+        assert batch["input_ids"].shape[0] == (1 if packed else len(idx))
+        lp, _ = model(**batch)
+        (lp * torch.rand(lp.shape, generator=w, dtype=lp.dtype)).sum().backward()
+        lps += list(zip(idx, lp.detach().split(resp_len.tolist())))
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    return [lp for _, lp in sorted(lps, key=lambda x: x[0])], grads
+
+
+def _text_reference(path, samples):
+    hf = A.load_hf_model(path).eval()
+    out = []
+    for s in samples:
+        ids = torch.tensor([s["prompt"]["prompt_ids"] + s["response_ids"]])
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(input_ids=ids).logits[0].double(), -1)
+        Lp = len(s["prompt"]["prompt_ids"])
+        out.append(lp[Lp - 1:-1].gather(-1, torch.tensor(s["response_ids"])[:, None]).squeeze(-1))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen2"])
+def test_packed_logprobs_and_gradients_equal_padded_and_hf(arch, tmp_path):
+    from test_actor import reference_logprobs
+    A.init_distributed()
+    path = tiny_model.build_tiny_model(str(tmp_path / arch), arch=arch)
+    if arch == "qwen2":  # a text LLM: the same rows without images
+        import data
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path)
+        p = data.encode_prompt({"problem": "Name a colour.", "answer": "red", "images": []}, tok)
+        q = data.encode_prompt({"problem": "What is the answer? Think.", "answer": "blue", "images": []}, tok)
+        samples, pad = [dict(prompt=(p, q)[i % 2], response_ids=[5 + i] * (1 + i)) for i in range(5)], tok.pad_token_id
+    else:
+        samples, pad = _samples(path)
+    # one micro-batch with all kinds of rows, then only the text rows (the vision tower's blank-image run)
+    for subset in (samples, [s for s in samples if not s["prompt"]["mm_inputs"]]):
+        lp_pad, g_pad = _grads(path, subset, pad, False, torch.float64)
+        lp_pack, g_pack = _grads(path, subset, pad, True, torch.float64)
+        ref = reference_logprobs(path, subset, pad) if arch != "qwen2" else _text_reference(path, subset)
+        for a, b, c in zip(lp_pack, lp_pad, ref):
+            assert torch.allclose(a, b, atol=1e-10), (a, b)
+            assert torch.allclose(a, c.to(a.dtype), atol=2e-5), (a, c)  # the plain HF forward (fp32) as well
+        assert g_pad.keys() == g_pack.keys() and len(g_pad) > 10
+        for n in g_pad:
+            assert torch.allclose(g_pad[n], g_pack[n], atol=1e-9, rtol=1e-7), n
+
+
+def test_positions_are_the_models_own_on_the_padded_batch():
+    """M-RoPE positions from one get_rope_index call per distinct prompt, continued through the response, equal the
+    model's get_rope_index over the whole padded batch (what a padded forward computes for itself)."""
+    path = tiny_model.build_tiny_model()
+    samples, pad = _samples(path)
+    hf = A.load_hf_model(path)
+    batch, _ = A.collate(samples, pad, torch.device("cpu"))
+    ids = batch["input_ids"]  # [B, T] padded
+    grid = torch.cat([s["prompt"]["mm_inputs"]["image_grid_thw"] for s in samples if s["prompt"]["mm_inputs"]])
+    want, _ = hf.model.get_rope_index(input_ids=ids, image_grid_thw=grid, attention_mask=None,
+                                      **A.mm_token_types(hf, ids, {"image_grid_thw": grid}))
+    prompts = list({id(s["prompt"]): s["prompt"] for s in samples}.values())
+    owner = [prompts.index(s["prompt"]) for s in samples]
+    got = A._positions(hf, samples, prompts, owner, "mrope")
+    assert any(int(p.max()) < p.shape[1] - 1 for p in got)  # image rows: not plain 0..L-1
+    for i, p in enumerate(got):
+        assert torch.equal(p, want[:, i, :p.shape[1]]), i
+
+
+def test_packed_micro_batches_count_real_tokens():
+    lengths, groups = [10, 12, 30, 28, 5, 6], ["a", "a", "b", "b", "c", "c"]
+    mbs = A.make_micro_batches(lengths, 60, 64, groups, packed=True)
+    assert sorted(i for mb in mbs for i in mb) == list(range(6))
+    assert all(sum(lengths[i] for i in mb) <= 60 for mb in mbs)
+    assert mbs == [[2, 3], [1, 0, 5, 4]]  # 58 and 33 real tokens (padded, the second would cost 4 x 12 = 48)
+    assert A.make_micro_batches([10, 30, 30], 70, 64, packed=True) == [[1, 2, 0]]  # padded: 3 x 30 = 90 > 70
+    assert len(A.make_micro_batches([10, 30, 30], 70, 64)) == 2
