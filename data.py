@@ -84,7 +84,7 @@ def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: i
 def _processor_without_torchvision(model_path, error):
     import transformers
     model_type = transformers.AutoConfig.from_pretrained(model_path).model_type
-    names = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
+    names = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
     if model_type not in names:
         raise error
     ImgProc = getattr(transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor)
@@ -97,6 +97,10 @@ def _processor_without_torchvision(model_path, error):
     proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
     proc.image_token_id = tok.convert_tokens_to_ids(proc.image_token)
     proc.video_token_id = tok.convert_tokens_to_ids(proc.video_token)
+    # Qwen3-VL's processor also knows the frame delimiters (its videos get a timestamp and a start/end per frame)
+    proc.vision_start_token, proc.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+    proc.vision_start_token_id = tok.convert_tokens_to_ids(proc.vision_start_token)
+    proc.vision_end_token_id = tok.convert_tokens_to_ids(proc.vision_end_token)
     return proc
 
 

@@ -105,6 +105,8 @@ class LogProbModel(nn.Module):
         grid = mm_inputs["image_grid_thw"]  # [I, 3], distinct prompts' images in order
         grid_of = grid.split(counts)  # one [images, 3] chunk per distinct prompt
         row_grid = torch.cat([grid_of[i] for i in owner])  # [I_rows, 3] the images as the rows show them
+        if self.hf.config.model_type == "qwen3_vl":
+            return self._deepstack_hidden(input_ids, mm_inputs, owner, counts, row_grid, kw["mm_token_type_ids"])
         if self.hf.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
             # The n samples of a prompt share its image: run the vision tower once per distinct image (not n times)
             # and scatter its features into every row that shows it. Gradients from all rows add up in one place.
@@ -115,12 +117,34 @@ class LogProbModel(nn.Module):
             rows = torch.cat([f for i in owner for f in feats[starts[i]:starts[i] + counts[i]]]).to(embeds.dtype)
             embeds = embeds.masked_scatter((input_ids == self.hf.config.image_token_id)[..., None], rows)
             return self.hf.model(inputs_embeds=embeds, image_grid_thw=row_grid, **kw).last_hidden_state
-        # other VLMs (e.g. Qwen3-VL, whose vision tower also feeds deeper layers): the model's own path, with one
-        # copy of the pixels per row
+        # other VLMs: the model's own path, with one copy of the pixels per row
         pixels = mm_inputs["pixel_values"].split([int(g.prod(-1).sum()) for g in grid_of])
         return self.hf.model(pixel_values=torch.cat([pixels[i] for i in owner]), image_grid_thw=row_grid,
                              **kw).last_hidden_state
 
+    def _deepstack_hidden(self, input_ids, mm_inputs, owner, counts, row_grid, types):
+        """Qwen3-VL: the vision tower once per distinct image, as for Qwen2.5-VL. Its deepstack features (the outputs
+        of a few vision blocks, each added to one of the first LLM layers' outputs at the image positions) are
+        scattered per row the same way and handed to the language model, whose forward takes them as arguments; the
+        full model's forward would instead rerun the tower on every row's copy of the pixels."""
+        m = self.hf.model
+        grid = mm_inputs["image_grid_thw"]  # [I, 3]
+        out = m.get_image_features(mm_inputs["pixel_values"], grid)
+        sizes = (grid.prod(-1) // m.visual.spatial_merge_size ** 2).tolist()  # tokens per distinct image
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        order = [j for i in owner for j in range(starts[i], starts[i] + counts[i])]  # the images as the rows show them
+
+        def per_row(x):  # all distinct images' tokens ([N, H], or split per image) -> all rows' image tokens [N_rows, H]
+            x = x.split(sizes) if isinstance(x, torch.Tensor) else x  # transformers 5.17 returns deepstack unsplit
+            return torch.cat([x[j] for j in order])
+
+        embeds = m.get_input_embeddings()(input_ids)  # [B, T, H]
+        mask = input_ids == self.hf.config.image_token_id  # [B, T]
+        embeds = embeds.masked_scatter(mask[..., None], per_row(out.pooler_output).to(embeds.dtype))
+        deep = [per_row(d).to(embeds.dtype) for d in out.deepstack_features]  # per deepstack layer [N_rows, H]
+        pos, _ = m.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=row_grid)  # [3, B, T]
+        return m.language_model(inputs_embeds=embeds, position_ids=pos, attention_mask=None, use_cache=False,
+                                visual_pos_masks=mask, deepstack_visual_embeds=deep).last_hidden_state
 
     def _idle_vision(self, like):
         """0 x (the vision tower's output for one blank image of the smallest grid): a zero that is in the graph."""
