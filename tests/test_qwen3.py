@@ -52,3 +52,22 @@ def test_qwen3_vl_logprobs_match_plain_hf_forward(qwen3_vl, monkeypatch):
             assert a.shape == b.shape
             assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
     assert seen[0] == 5  # the first (single) micro-batch: each distinct image once, not once per sample
+
+
+def test_qwen3_vl_hf_engine_generates_what_the_trainer_scores(qwen3_vl):
+    """The HF engine samples with a KV cache (its positions continue from the image's 3-D ones); the log-probs it
+    reports must be the trainer's full-forward recomputation of the same tokens, single- and two-image prompts."""
+    path, proc, samples = qwen3_vl
+    eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
+    prompts = [samples[0]["prompt"], samples[2]["prompt"]]  # one image; two images
+    T = 0.25  # a peaked distribution: wrong positions or features then change the numbers visibly
+    out = eng.generate(prompts, n=3, temperature=T, top_p=1.0, max_tokens=12, seeds=[1, 2])
+    model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
+    gen = [dict(prompt=p, response_ids=o["response_ids"]) for p, g in zip(prompts, out) for o in g]
+    assert all(len(s["response_ids"]) > 0 for s in gen)
+    lps, _ = A.compute_logprobs(model, gen, proc.tokenizer.pad_token_id, CPU, T, max_tokens=10_000, max_samples=8)
+    eng_lp = [torch.tensor(o["logprobs"]) for g in out for o in g]
+    for a, b in zip(lps, eng_lp):
+        assert torch.allclose(a, b, atol=1e-4), (a, b)
+    g = eng.generate(prompts[1:], n=2, temperature=0, top_p=1.0, max_tokens=8, seeds=[0])[0]
+    assert g[0] == g[1] and len(g[0]["response_ids"]) > 0
