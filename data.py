@@ -1,4 +1,4 @@
-"""Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour task.
+"""Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour and sum tasks.
 
 Rows follow EasyR1: a `problem` text (with optional `<image>` placeholders), an `answer` and an
 `images` list. encode_prompt turns one row into the prompt record of the shared spec:
@@ -29,6 +29,8 @@ COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220),
 SHAPES = ("circle", "square", "triangle")
 COLOR_QUESTION = "<image>What is the main color of the picture?"
 DEMO_FORMAT_PROMPT = "{{ content }} Answer with one word."
+SUM_QUESTION = "What is {a} + {b}?"
+SUM_FORMAT_PROMPT = "{{ content }} Answer with a number."
 
 
 # ----------------------------------------------------------------------------- loading
@@ -296,4 +298,47 @@ def demo_data(data_dir=None, n_train=2000, n_val=200):
         make_color_dataset(train, n_train, seed=0)
     if not os.path.isfile(val):
         make_color_dataset(val, n_val, seed=1)
+    return train, val
+
+
+def sum_pairs(seed=0, n_val_pairs=20):
+    """The 100 single-digit pairs (a, b), split once: (train pairs, validation pairs). Validation asks sums the
+    policy never saw in training, so passing it takes addition, not a memorised table."""
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[n_val_pairs:], pairs[:n_val_pairs]
+
+
+def make_sum_dataset(out_path: str, pairs, n_rows: int, seed: int) -> str:
+    """Text-only rows (problem, answer; no images column) of the sum task, drawn from `pairs`; written atomically."""
+    import datasets
+    rng = random.Random(seed)
+    rows = {"problem": [], "answer": []}
+    for _ in range(n_rows):
+        a, b = rng.choice(pairs)
+        rows["problem"].append(SUM_QUESTION.format(a=a, b=b))
+        rows["answer"].append(str(a + b))
+    out_path = os.path.abspath(os.path.expanduser(out_path))
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
+    os.close(fd)
+    try:
+        datasets.Dataset.from_dict(rows).to_parquet(tmp)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out_path
+
+
+def demo_sum_data(data_dir=None, n_train=2000, n_val=200):
+    """(train_path, val_path) of the text demo's task, "What is a + b?" for single digits; created once. The
+    validation rows ask only the held-out pairs of sum_pairs."""
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/sum-v1")
+    train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
+    train_pairs, val_pairs = sum_pairs()
+    if not os.path.isfile(train):
+        make_sum_dataset(train, train_pairs, n_train, seed=0)
+    if not os.path.isfile(val):
+        make_sum_dataset(val, val_pairs, n_val, seed=1)
     return train, val

@@ -30,6 +30,9 @@ import fsdp_actor as A
 class Config:
     # --- model and data (empty model_path / train_files = the built-in demo) ---
     model_path: str = ""  # HF hub name or local folder; "" builds the tiny demo VLM in code
+    # the tiny model built when model_path is "" (and its task when train_files is ""): qwen2_5_vl and qwen3_vl
+    # answer the colour task, the text-only qwen3 the sum task (with the number reward)
+    demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3"] = "qwen2_5_vl"
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""
     prompt_key: str = "problem"
@@ -37,7 +40,7 @@ class Config:
     image_key: str = "images"
     image_dir: str | None = None  # root for relative image paths
     format_prompt: str | None = None  # jinja template (string or .jinja file) around {{ content }}
-    reward_function: str = "color"  # math | r1v | color | dapo | path/to/file.py:fn
+    reward_function: str = "color"  # math | r1v | color | number | dapo | path/to/file.py:fn
     max_prompt_length: int = 512
     max_response_length: int = 4  # the demo's: its answer is one word
     min_pixels: int = 56 * 56
@@ -196,17 +199,20 @@ def setup(cfg: Config):
     if not ctx.model_path:  # the demo: rank 0 builds (cached), the others wait and read it
         import tiny_model
         if rank == 0:
-            tiny_model.build_tiny_model()
+            tiny_model.build_tiny_model(arch=cfg.demo_model)
         dist.barrier()
-        ctx.model_path = tiny_model.build_tiny_model()
+        ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model)
     train_files, val_files = cfg.train_files, cfg.val_files
-    fmt = cfg.format_prompt
+    fmt, reward = cfg.format_prompt, cfg.reward_function
     if not train_files:
+        text_demo = cfg.demo_model == "qwen3"
+        make = data.demo_sum_data if text_demo else data.demo_data
         if rank == 0:
-            data.demo_data()
+            make()
         dist.barrier()
-        train_files, val_files = data.demo_data()
-        fmt = fmt if fmt is not None else data.DEMO_FORMAT_PROMPT
+        train_files, val_files = make()
+        fmt = fmt if fmt is not None else data.SUM_FORMAT_PROMPT if text_demo else data.DEMO_FORMAT_PROMPT
+        reward = "number" if text_demo and reward == "color" else reward  # the colour default means "the demo's"
     ctx.processor = data.load_processor(ctx.model_path, cfg.min_pixels, cfg.max_pixels)
     ctx.tokenizer = getattr(ctx.processor, "tokenizer", ctx.processor)
     ctx.pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
@@ -219,7 +225,7 @@ def setup(cfg: Config):
     if len(ctx.train) < cfg.rollout_batch_size:
         raise ValueError(f"{train_files}: {len(ctx.train)} usable prompts < rollout_batch_size="
                          f"{cfg.rollout_batch_size}; lower --rollout-batch-size or add data")
-    ctx.reward_fn = rewards.get_reward_fn(cfg.reward_function)
+    ctx.reward_fn = rewards.get_reward_fn(reward)
     # --- policy (fp32 master weights), reference (frozen, compute dtype), rollout engine (its own weights) ---
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
