@@ -71,3 +71,58 @@ def test_qwen3_vl_hf_engine_generates_what_the_trainer_scores(qwen3_vl):
         assert torch.allclose(a, b, atol=1e-4), (a, b)
     g = eng.generate(prompts[1:], n=2, temperature=0, top_p=1.0, max_tokens=8, seeds=[0])[0]
     assert g[0] == g[1] and len(g[0]["response_ids"]) > 0
+
+
+def reference_text_logprobs(path, samples):
+    """Plain HF forward of a causal LM, one sample at a time, float64 log_softmax over the full logits."""
+    hf = A.load_hf_model(path, dtype=torch.float32).eval()
+    out = []
+    for s in samples:
+        ids = torch.tensor([s["prompt"]["prompt_ids"] + s["response_ids"]])
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(input_ids=ids).logits[0].double(), -1)
+        Lp, Lr = len(s["prompt"]["prompt_ids"]), len(s["response_ids"])
+        out.append(lp[Lp - 1:Lp - 1 + Lr].gather(-1, torch.tensor(s["response_ids"])[:, None]).squeeze(-1))
+    return out
+
+
+def test_qwen3_text_model_end_to_end_pieces(tmp_path):
+    """The text-only path: AutoModelForCausalLM, the tokenizer as processor, rows without an images column, FSDP
+    units from _no_split_modules, log-probs equal to the plain forward, the HF engine, and merge.py."""
+    import merge
+    A.init_distributed()
+    path = tiny_model.build_tiny_model(str(tmp_path / "q3"), arch="qwen3")
+    tok = data.load_processor(path)
+    assert not hasattr(tok, "image_processor")  # a tokenizer: no vision inputs anywhere
+    train, _ = data.demo_sum_data(str(tmp_path / "sum"), n_train=6, n_val=2)
+    assert data.load_rows(train).column_names == ["problem", "answer"]  # no images column
+    ds = data.PromptDataset(train, tok, format_prompt=data.SUM_FORMAT_PROMPT)
+    eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
+    prompts = [ds[0], ds[1], ds[2]]
+    out = eng.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=5, seeds=[0, 1, 2])
+    samples = [dict(prompt=p, response_ids=o["response_ids"]) for p, g in zip(prompts, out) for o in g]
+    model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
+    assert type(model.hf).__name__.endswith("Qwen3ForCausalLM")
+    units = [type(m).__name__ for m in model.hf.modules() if type(m).__name__.startswith("FSDP")]
+    assert units.count("FSDPQwen3DecoderLayer") == 2, units  # each decoder layer its own FSDP unit
+    lps, _ = A.compute_logprobs(model, samples, tok.pad_token_id, CPU, 1.0, max_tokens=10_000, max_samples=8)
+    for a, b, o in zip(lps, reference_text_logprobs(path, samples), [o for g in out for o in g]):
+        assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
+        assert torch.allclose(a, torch.tensor(o["logprobs"]), atol=1e-4)  # what the engine reported sampling
+    # a trained checkpoint of the text demo merges into its own base model (the tiny Qwen3, not the default VLM)
+    model = A.build_actor(path, CPU, torch.float32, torch.float32)
+    opt, sched = A.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, CPU)
+    for p in model.parameters():  # one optimizer step (dcp saves an optimizer with state)
+        p.grad = torch.distributed.tensor.distribute_tensor(torch.ones(p.shape), p.device_mesh, p.placements)
+    A.optimizer_step(model, opt, sched, 1e9)
+    trained = dict(A.iter_full_params(model))
+    ckpt = str(tmp_path / "ckpt" / "step_1")
+    os.makedirs(os.path.dirname(ckpt))
+    A.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
+    merged = A.load_hf_model(merge.merge(ckpt, str(tmp_path / "hf"), dtype="float32"))
+    assert type(merged).__name__ == "Qwen3ForCausalLM"
+    assert all(torch.equal(v, trained[k]) for k, v in merged.state_dict().items())
+    assert os.path.basename(merge.base_model_path(ckpt)) == "q3"
+    demo = {"step": 1, "cursor": 0, "config": {"model_path": "", "demo_model": "qwen3"}}
+    A.save_checkpoint(ckpt, model, opt, sched, demo)
+    assert merge.base_model_path(ckpt) == tiny_model.build_tiny_model(arch="qwen3")
