@@ -1,6 +1,7 @@
-"""bench.py -- seconds per phase of a GRPO step on a real-sized, randomly initialised Qwen2.5-VL.
+"""bench.py -- seconds per phase of a GRPO step on a real-sized, randomly initialised Qwen2.5-VL or Qwen3-VL.
 
     python bench.py --preset qwen2_5_vl_3b --max-steps 3            # one GPU (the design card's speed bar)
+    python bench.py --preset qwen3_vl_8b --max-steps 3              # Qwen3-VL-8B's dimensions (deepstack, patch 16)
     python bench.py report benchmarks/h200/*.jsonl                    # the tables of BENCHMARKS.md
     torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
     python bench.py --trainer-only --profile --max-steps 2           # no engine: log-probs + update, kernel table

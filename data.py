@@ -1,4 +1,4 @@
-"""Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour task.
+"""Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour and sum tasks.
 
 Rows follow EasyR1: a `problem` text (with optional `<image>` placeholders), an `answer` and an
 `images` list. encode_prompt turns one row into the prompt record of the shared spec:
@@ -31,6 +31,8 @@ COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220),
 SHAPES = ("circle", "square", "triangle")
 COLOR_QUESTION = "<image>What is the main color of the picture?"
 DEMO_FORMAT_PROMPT = "{{ content }} Answer with one word."
+SUM_QUESTION = "What is {a} + {b}?"
+SUM_FORMAT_PROMPT = "{{ content }} Answer with a number."
 
 
 class UserError(ValueError):
@@ -167,7 +169,7 @@ def _processor_without_torchvision(model_path):
     """Qwen2(.5)-VL's processor from its parts with the PIL image backend; None where AutoProcessor works."""
     import transformers
     from transformers.utils import is_torchvision_available
-    names = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
+    names = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
     if is_torchvision_available():
         return None
     model_type = getattr(transformers.AutoConfig.from_pretrained(model_path), "model_type", None)
@@ -183,6 +185,10 @@ def _processor_without_torchvision(model_path):
     proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
     proc.image_token_id = tok.convert_tokens_to_ids(proc.image_token)
     proc.video_token_id = tok.convert_tokens_to_ids(proc.video_token)
+    # Qwen3-VL's processor also knows the frame delimiters (its videos get a timestamp and a start/end per frame)
+    proc.vision_start_token, proc.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+    proc.vision_start_token_id = tok.convert_tokens_to_ids(proc.vision_start_token)
+    proc.vision_end_token_id = tok.convert_tokens_to_ids(proc.vision_end_token)
     return proc
 
 
@@ -476,6 +482,49 @@ def demo_data(data_dir=None, n_train=2000, n_val=200):
         make_color_dataset(train, n_train, seed=0)
     if not os.path.isfile(val):
         make_color_dataset(val, n_val, seed=1)
+    return train, val
+
+
+def sum_pairs(seed=0, n_val_pairs=20):
+    """The 100 single-digit pairs (a, b), split once: (train pairs, validation pairs). Validation asks sums the
+    policy never saw in training, so passing it takes addition, not a memorised table."""
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[n_val_pairs:], pairs[:n_val_pairs]
+
+
+def make_sum_dataset(out_path: str, pairs, n_rows: int, seed: int) -> str:
+    """Text-only rows (problem, answer; no images column) of the sum task, drawn from `pairs`; written atomically."""
+    import datasets
+    rng = random.Random(seed)
+    rows = {"problem": [], "answer": []}
+    for _ in range(n_rows):
+        a, b = rng.choice(pairs)
+        rows["problem"].append(SUM_QUESTION.format(a=a, b=b))
+        rows["answer"].append(str(a + b))
+    out_path = os.path.abspath(os.path.expanduser(out_path))
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
+    os.close(fd)
+    try:
+        datasets.Dataset.from_dict(rows).to_parquet(tmp)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out_path
+
+
+def demo_sum_data(data_dir=None, n_train=2000, n_val=200):
+    """(train_path, val_path) of the text demo's task, "What is a + b?" for single digits; created once. The
+    validation rows ask only the held-out pairs of sum_pairs."""
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/sum-v1")
+    train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
+    train_pairs, val_pairs = sum_pairs()
+    if not os.path.isfile(train):
+        make_sum_dataset(train, train_pairs, n_train, seed=0)
+    if not os.path.isfile(val):
+        make_sum_dataset(val, val_pairs, n_val, seed=1)
     return train, val
 
 

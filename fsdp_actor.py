@@ -117,6 +117,9 @@ class LogProbModel(nn.Module):
         grid = mm_inputs["image_grid_thw"]  # [I, 3], distinct prompts' images in order
         grid_of = grid.split(counts)  # one [images, 3] chunk per distinct prompt
         row_grid = torch.cat([grid_of[i] for i in owner])  # [I_rows, 3] the images as the rows show them
+        if self.hf.config.model_type == "qwen3_vl":
+            types = mm_token_types(self.hf, input_ids, mm_inputs).get("mm_token_type_ids")
+            return self._deepstack_hidden(input_ids, mm_inputs, owner, counts, row_grid, types)
         if position_ids is None:  # the model derives the 3-D positions from the image tokens and grids
             kw.update(input_ids=input_ids, image_grid_thw=row_grid, **mm_token_types(self.hf, input_ids, mm_inputs))
         if self.rope == "mrope":
@@ -134,6 +137,30 @@ class LogProbModel(nn.Module):
         pixels = mm_inputs["pixel_values"].split([int(g.prod(-1).sum()) for g in grid_of])
         kw.setdefault("input_ids", input_ids)
         return self.hf.model(pixel_values=torch.cat([pixels[i] for i in owner]), **kw).last_hidden_state
+
+    def _deepstack_hidden(self, input_ids, mm_inputs, owner, counts, row_grid, types):
+        """Qwen3-VL: the vision tower once per distinct image, as for Qwen2.5-VL. Its deepstack features (the outputs
+        of a few vision blocks, each added to one of the first LLM layers' outputs at the image positions) are
+        scattered per row the same way and handed to the language model, whose forward takes them as arguments; the
+        full model's forward would instead rerun the tower on every row's copy of the pixels."""
+        m = self.hf.model
+        grid = mm_inputs["image_grid_thw"]  # [I, 3]
+        out = m.get_image_features(mm_inputs["pixel_values"], grid)
+        sizes = (grid.prod(-1) // m.visual.spatial_merge_size ** 2).tolist()  # tokens per distinct image
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        order = [j for i in owner for j in range(starts[i], starts[i] + counts[i])]  # the images as the rows show them
+
+        def per_row(x):  # all distinct images' tokens ([N, H], or split per image) -> all rows' image tokens [N_rows, H]
+            x = x.split(sizes) if isinstance(x, torch.Tensor) else x  # transformers 5.17 returns deepstack unsplit
+            return torch.cat([x[j] for j in order])
+
+        embeds = m.get_input_embeddings()(input_ids)  # [B, T, H]
+        mask = input_ids == self.hf.config.image_token_id  # [B, T]
+        embeds = embeds.masked_scatter(mask[..., None], per_row(out.pooler_output).to(embeds.dtype))
+        deep = [per_row(d).to(embeds.dtype) for d in out.deepstack_features]  # per deepstack layer [N_rows, H]
+        pos, _ = m.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=row_grid)  # [3, B, T]
+        return m.language_model(inputs_embeds=embeds, position_ids=pos, attention_mask=None, use_cache=False,
+                                visual_pos_masks=mask, deepstack_visual_embeds=deep).last_hidden_state
 
     def _idle_vision(self, like):
         """0 x (the vision tower's output for one blank image of the smallest grid): a zero that is in the graph."""

@@ -35,6 +35,9 @@ import rundir
 class Config:
     # --- model and data (empty model_path / train_files = the built-in demo) ---
     model_path: str = ""  # HF hub name or local folder; "" builds the tiny demo VLM in code
+    # the tiny model built when model_path is "" (and its task when train_files is ""): qwen2_5_vl and qwen3_vl
+    # answer the colour task, the text-only qwen3 the sum task (with the number reward)
+    demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3"] = "qwen2_5_vl"
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)
     prompt_key: str = "problem"  # column with the question text (<image> marks where each image goes)
@@ -283,7 +286,9 @@ def setup(cfg: Config):
     import rewards
     import rollout
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
+    text_demo = not cfg.model_path and not cfg.train_files and cfg.demo_model == "qwen3"  # the sum task
+    reward = "number" if text_demo and cfg.reward_function == "color" else cfg.reward_function  # "color": the demo's
+    reward_fn = rewards.get_reward_fn(reward, cfg.reward_function_kwargs)
     rank, world, device = A.init_distributed()
     ckpt, state = rundir.find_resume(cfg)  # refuses a changed config before anything loads
     random.seed(cfg.seed)
@@ -294,17 +299,18 @@ def setup(cfg: Config):
     if not ctx.model_path:  # the demo: rank 0 builds (cached), the others wait and read it
         import tiny_model
         if rank == 0:
-            tiny_model.build_tiny_model()
+            tiny_model.build_tiny_model(arch=cfg.demo_model)
         dist.barrier()
-        ctx.model_path = tiny_model.build_tiny_model()
+        ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model)
     train_files, val_files = cfg.train_files, cfg.val_files
     fmt = cfg.format_prompt
     if not train_files:
+        make = data.demo_sum_data if text_demo else data.demo_data
         if rank == 0:
-            data.demo_data()
+            make()
         dist.barrier()
-        train_files, val_files = data.demo_data()
-        fmt = fmt if fmt is not None else data.DEMO_FORMAT_PROMPT
+        train_files, val_files = make()
+        fmt = fmt if fmt is not None else data.SUM_FORMAT_PROMPT if text_demo else data.DEMO_FORMAT_PROMPT
     ctx.processor = data.load_processor(ctx.model_path, cfg.min_pixels, cfg.max_pixels)
     ctx.tokenizer = getattr(ctx.processor, "tokenizer", ctx.processor)
     ctx.pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0

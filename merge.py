@@ -44,9 +44,9 @@ def base_model_path(checkpoint, model_path=None):
         return model_path
     state = json.load(open(os.path.join(checkpoint, "trainer_state.json")))
     path = state.get("config", {}).get("model_path")
-    if not path:  # the demo: the tiny model was built in code and cached
+    if not path:  # the demo: the tiny model (of --demo-model) was built in code and cached
         import tiny_model
-        path = tiny_model.build_tiny_model()
+        path = tiny_model.build_tiny_model(arch=state["config"].get("demo_model", "qwen2_5_vl"))
     return path
 
 

@@ -2,7 +2,7 @@
 
 Every reward is `fn(items: list[dict]) -> list[dict]`; an item is
 {"response": str, "response_length": int, "ground_truth": str} and each output dict has at least
-"overall", "format", "accuracy" (floats). Built-ins: math, r1v, color, dapo; or "path/to/file.py:fn",
+"overall", "format", "accuracy" (floats). Built-ins: math, r1v, color, number, dapo; or "path/to/file.py:fn",
 an EasyR1 reward file of either REWARD_TYPE ("batch" as above, or "sequential": one item in, one dict out).
 """
 
@@ -152,6 +152,24 @@ def color_reward(items: list[dict]) -> list[dict]:
     return out
 
 
+INTEGER = re.compile(r"-?\d+")
+
+
+def number_reward(items: list[dict]) -> list[dict]:
+    """The text demo's sum task: name exactly one integer, the right one ("8", "It is 8."; not "8 or 9")."""
+    out = []
+    for item in items:
+        response, gt = _fields(item)
+        found = {int(x) for x in INTEGER.findall(response)}
+        fmt = 1.0 if len(found) == 1 else 0.0
+        try:
+            acc = 1.0 if found == {int(gt.strip())} else 0.0
+        except ValueError:  # a ground truth that is not an integer: nothing can match it
+            acc = 0.0
+        out.append(_combine(acc, fmt, 0.0))  # accuracy alone, as for the colour task
+    return out
+
+
 def _combine(acc: float, fmt: float, format_weight: float) -> dict:
     return {"overall": (1 - format_weight) * acc + format_weight * fmt, "format": fmt, "accuracy": acc}
 
@@ -222,7 +240,8 @@ def overlong_penalty(
 
 # ---------------------------------------------------------------- lookup
 
-BUILTIN_REWARDS = {"math": math_reward, "r1v": r1v_reward, "color": color_reward, "dapo": dapo_reward}
+BUILTIN_REWARDS = {"math": math_reward, "r1v": r1v_reward, "color": color_reward, "number": number_reward,
+                   "dapo": dapo_reward}
 
 
 def get_reward_fn(name: str, kwargs: str | dict | None = None):

@@ -1,9 +1,9 @@
 """Builds small Qwen-VL checkpoints in code (no hub access needed).
 
-build_tiny_model():   a tiny random-weight Qwen2.5-VL / Qwen2-VL / Qwen2 with a BPE tokenizer
-                      trained in code; trains in seconds on a 2-core CPU (the demo and the tests).
-build_random_model(): the real Qwen2.5-VL-3B/7B-Instruct dimensions with random bf16 weights,
-                      for GPU throughput benchmarks without downloading anything.
+build_tiny_model():   a tiny random-weight Qwen2.5-VL / Qwen2-VL / Qwen3-VL / Qwen2 / Qwen3 with a BPE
+                      tokenizer trained in code; trains in seconds on a 2-core CPU (the demos and the tests).
+build_random_model(): the real Qwen2.5-VL-3B/7B-Instruct or Qwen3-VL-8B-Instruct dimensions with random
+                      bf16 weights, for GPU throughput benchmarks without downloading anything.
 
 Both save with save_pretrained (model, tokenizer, processor, generation_config) so every consumer
 (AutoModel*, AutoProcessor, vLLM) loads them exactly like a hub checkpoint. Builds are cached: a
@@ -45,7 +45,8 @@ FILLER_WORDS = ("the a of is what which this image picture shows one word with i
                 "think so because therefore number count left right").split()
 MARKER = "BUILD_COMPLETE.json"
 CACHE_ROOT = os.path.expanduser("~/.cache/vlm_rl")
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen2")
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen2", "qwen3_vl", "qwen3")
+TEXT_ARCHS = ("qwen2", "qwen3")  # causal LMs without a vision tower
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -68,13 +69,18 @@ def _corpus(n_lines=3000, seed=0):
     return lines
 
 
-def build_tokenizer(vocab_size=512):
-    """Byte-level BPE (like Qwen's) trained on the synthetic corpus, plus Qwen special tokens."""
+def build_tokenizer(vocab_size=512, split_digits=False):
+    """Byte-level BPE (like Qwen's) trained on the synthetic corpus, plus Qwen special tokens. split_digits: one
+    token per digit, as Qwen's own tokenizers do (the Qwen3 models use it: numbers then read digit by digit; the
+    older tiny models keep the merged numbers their demo numbers were measured with)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL_TOKENS), min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -103,6 +109,9 @@ def _vl_classes(arch):
     if arch == "qwen2_vl":
         from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
         return Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    if arch == "qwen3_vl":
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+        return Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
     raise ValueError(f"unknown VL arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -123,13 +132,19 @@ def _text_config(ids, vocab_size, hidden, intermediate, layers, heads, kv_heads,
 
 def tiny_config(arch, ids, vocab_size):
     """Config of the tiny demo model. head_dim = 128/4 = 32, so mrope_section sums to 16."""
-    mrope = None if arch == "qwen2" else [4, 6, 6]
+    # Qwen3-VL interleaves the (time, height, width) frequencies (t h w t h w ...) instead of giving each a block;
+    # [6, 5, 5] is its [24, 20, 20] scaled to 16 frequencies
+    mrope = None if arch in TEXT_ARCHS else [6, 5, 5] if arch == "qwen3_vl" else [4, 6, 6]
     text = _text_config(ids, vocab_size, hidden=128, intermediate=256, layers=2, heads=4,
                         kv_heads=2, mrope_section=mrope, tie=False)
-    if arch == "qwen2":
-        from transformers import Qwen2Config
-        cfg = Qwen2Config(**text)
-        cfg.architectures = ["Qwen2ForCausalLM"]
+    if arch in ("qwen3", "qwen3_vl"):
+        text["head_dim"] = 32  # Qwen3 configs name it (and its attention norms q and k per head)
+    if arch == "qwen3_vl":
+        text["rope_parameters"]["mrope_interleaved"] = True  # what vLLM reads; transformers always interleaves
+    if arch in TEXT_ARCHS:
+        from transformers import Qwen2Config, Qwen3Config
+        cfg = (Qwen3Config if arch == "qwen3" else Qwen2Config)(**text)
+        cfg.architectures = ["Qwen3ForCausalLM" if arch == "qwen3" else "Qwen2ForCausalLM"]
         return cfg
     Cfg, Model, _ = _vl_classes(arch)
     if arch == "qwen2_5_vl":
@@ -137,6 +152,11 @@ def tiny_config(arch, ids, vocab_size):
                       out_hidden_size=128, patch_size=14, spatial_merge_size=2,
                       temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
                       hidden_act="silu", tokens_per_second=2)
+    elif arch == "qwen3_vl":  # patch 16; blocks 0 and 1 also feed the LLM's layers 0 and 1 (deepstack)
+        vision = dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2,
+                      out_hidden_size=128, patch_size=16, spatial_merge_size=2,
+                      temporal_patch_size=2, num_position_embeddings=2304,
+                      deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh")
     else:  # Qwen2-VL names: embed_dim = ViT width, hidden_size = output (LLM) width
         vision = dict(depth=2, embed_dim=64, mlp_ratio=2, hidden_size=128, num_heads=2,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
@@ -151,30 +171,47 @@ def _vl_config(Cfg, Model, text, vision, ids, tie):
     return cfg
 
 
-# Real Qwen2.5-VL-Instruct dimensions (from the hub config.json files).
+# Real Qwen2.5-VL-Instruct / Qwen3-VL-Instruct dimensions (from the hub config.json files).
 PRESETS = {
     "qwen2_5_vl_3b": dict(hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2,
                           vocab_size=151936, tie=True),
     # The 7B checkpoint's embedding is padded to 152064 rows (unlike the 3B's 151936).
     "qwen2_5_vl_7b": dict(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4,
                           vocab_size=152064, tie=False),
+    # Qwen/Qwen3-VL-8B-Instruct: a Qwen3-8B-shaped LLM (head_dim 128, q/k norms) and a 27-block ViT
+    # (patch 16) whose blocks 8, 16 and 24 feed the LLM's first three layers (deepstack).
+    "qwen3_vl_8b": dict(arch="qwen3_vl", hidden=4096, intermediate=12288, layers=36, heads=32,
+                        kv_heads=8, vocab_size=151936, tie=False),
 }
 
 
 def preset_config(preset, ids):
-    """Config of a real-size Qwen2.5-VL (vocab of the real model, not of the small tokenizer)."""
+    """Config of a real-size Qwen2.5-VL / Qwen3-VL (vocab of the real model, not of the small tokenizer)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     p = PRESETS[preset]
-    text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"],
-                        p["heads"], p["kv_heads"], mrope_section=[16, 24, 24], tie=p["tie"],
-                        max_pos=128000)
-    text.update(sliding_window=32768, max_window_layers=p["layers"], use_sliding_window=False)
-    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                  out_hidden_size=p["hidden"], patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
-                  hidden_act="silu", tokens_per_second=2, in_channels=3)
-    Cfg, Model, _ = _vl_classes("qwen2_5_vl")
+    arch = p.get("arch", "qwen2_5_vl")
+    if arch == "qwen3_vl":
+        text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"],
+                            p["heads"], p["kv_heads"], mrope_section=[24, 20, 20], tie=p["tie"],
+                            max_pos=262144)
+        text.update(head_dim=128)
+        text["rope_parameters"].update(rope_theta=5000000.0, mrope_interleaved=True)
+        vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                      out_hidden_size=p["hidden"], patch_size=16, spatial_merge_size=2,
+                      temporal_patch_size=2, num_position_embeddings=2304,
+                      deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh",
+                      in_channels=3)
+    else:
+        text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"],
+                            p["heads"], p["kv_heads"], mrope_section=[16, 24, 24], tie=p["tie"],
+                            max_pos=128000)
+        text.update(sliding_window=32768, max_window_layers=p["layers"], use_sliding_window=False)
+        vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                      out_hidden_size=p["hidden"], patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                      hidden_act="silu", tokens_per_second=2, in_channels=3)
+    Cfg, Model, _ = _vl_classes(arch)
     return _vl_config(Cfg, Model, text, vision, ids, tie=p["tie"])
 
 
@@ -192,7 +229,10 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
     ImgProc = getattr(transformers, "Qwen2VLImageProcessorPil", None)
     if ImgProc is None:
         ImgProc = transformers.Qwen2VLImageProcessor
-    ImgProc(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(out)
+    kw = {}
+    if arch == "qwen3_vl":  # the Qwen3-VL repos: 16-pixel patches, inputs scaled to [-1, 1]
+        kw = dict(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    ImgProc(min_pixels=min_pixels, max_pixels=max_pixels, **kw).save_pretrained(out)
     proc_class = _vl_classes(arch)[2].__name__
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     path = os.path.join(out, "preprocessor_config.json")
@@ -204,7 +244,8 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
     video = {k: cfg[k] for k in ("image_mean", "image_std", "do_convert_rgb", "do_normalize",
                                  "do_rescale", "do_resize", "rescale_factor", "resample",
                                  "patch_size", "temporal_patch_size", "merge_size")}
-    video.update(video_processor_type="Qwen2VLVideoProcessor", processor_class=proc_class,
+    video.update(video_processor_type="Qwen3VLVideoProcessor" if arch == "qwen3_vl" else "Qwen2VLVideoProcessor",
+                 processor_class=proc_class,
                  min_pixels=min_pixels, max_pixels=max_pixels, size=size)
     _write_json(os.path.join(out, "video_preprocessor_config.json"), video)
     if not os.path.isfile(os.path.join(out, "chat_template.jinja")):  # older tokenizers embed it
@@ -261,34 +302,36 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0) -> str:
     out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v2")
 
     def build(tmp):
-        tok = build_tokenizer()
+        tok = build_tokenizer(split_digits=arch in ("qwen3", "qwen3_vl"))
         ids = _token_ids(tok)
         vocab_size = (len(tok) + 63) // 64 * 64  # aligned rows, like Qwen's padded embeddings
         cfg = tiny_config(arch, ids, vocab_size)
         torch.manual_seed(seed)
-        if arch == "qwen2":
-            from transformers import Qwen2ForCausalLM as Model
+        if arch in TEXT_ARCHS:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_config(cfg)
         else:
-            Model = _vl_classes(arch)[1]
-        model = Model(cfg).to(torch.float32).eval()  # fp32: the CPU demo trains in fp32
+            model = _vl_classes(arch)[1](cfg)
+        model = model.to(torch.float32).eval()  # fp32: the CPU demo trains in fp32
         model.save_pretrained(tmp)
         _save_generation_config(ids, tmp)
         tok.save_pretrained(tmp)
-        if arch != "qwen2":  # 4..16 image tokens per image keeps CPU steps fast
+        if arch not in TEXT_ARCHS:  # 4..16 image tokens per image keeps CPU steps fast
             _save_processor(arch, tok, tmp, min_pixels=56 * 56, max_pixels=112 * 112)
 
     return _atomic_build(out_dir, build, {"arch": arch, "seed": seed, "version": 1})
 
 
 def build_random_model(out_dir, preset, seed=0, device=None) -> str:
-    """Real-size Qwen2.5-VL with random bf16 weights (GPU benchmarks). Too slow for CPU CI."""
+    """Real-size Qwen2.5-VL / Qwen3-VL with random bf16 weights (GPU benchmarks). Too slow for CPU CI."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    arch = PRESETS.get(preset, {}).get("arch", "qwen2_5_vl")
 
     def build(tmp):
-        tok = build_tokenizer()
+        tok = build_tokenizer(split_digits=arch == "qwen3_vl")
         ids = _token_ids(tok)
         cfg = preset_config(preset, ids)
-        Model = _vl_classes("qwen2_5_vl")[1]
+        Model = _vl_classes(arch)[1]
         torch.manual_seed(seed)
         # Built directly in bf16 on the target device: no fp32 copy, GPU init takes seconds.
         old = torch.get_default_dtype()
@@ -301,14 +344,14 @@ def build_random_model(out_dir, preset, seed=0, device=None) -> str:
         model.save_pretrained(tmp)
         _save_generation_config(ids, tmp)
         tok.save_pretrained(tmp)
-        _save_processor("qwen2_5_vl", tok, tmp, min_pixels=3136, max_pixels=512 * 512)
+        _save_processor(arch, tok, tmp, min_pixels=3136, max_pixels=512 * 512)
 
     return _atomic_build(out_dir, build, {"preset": preset, "seed": seed, "version": 1})
 
 
-def count_params(cfg, arch="qwen2_5_vl") -> int:
+def count_params(cfg, arch=None) -> int:
     """Parameter count of a config without allocating (meta device)."""
-    Model = _vl_classes(arch)[1]
+    Model = _vl_classes(arch or cfg.model_type)[1]
     with torch.device("meta"):
         model = Model(cfg)
     return sum(p.numel() for p in model.parameters())

@@ -136,6 +136,26 @@ def test_color(response, gt, expected):
     assert triple(score("color", response, gt)) == expected
 
 
+@pytest.mark.parametrize(
+    "response, gt, expected",
+    [
+        ("8", "8", (1.0, 1.0, 1.0)),
+        (" 12\n", "12", (1.0, 1.0, 1.0)),
+        ("It is 8.", "8", (1.0, 1.0, 1.0)),
+        ("8 8", "8", (1.0, 1.0, 1.0)),  # the same number twice is still one answer
+        ("9", "8", (0.0, 1.0, 0.0)),  # a number, the wrong one: no reward
+        ("8 or 9", "8", (0.0, 0.0, 0.0)),  # hedging is not an answer
+        ("18", "8", (0.0, 1.0, 0.0)),  # whole numbers, not digits inside them
+        ("eight", "8", (0.0, 0.0, 0.0)),
+        ("", "8", (0.0, 0.0, 0.0)),
+        ("-3", "-3", (1.0, 1.0, 1.0)),
+        ("3", "x", (0.0, 1.0, 0.0)),  # a ground truth that is not an integer matches nothing
+    ],
+)
+def test_number(response, gt, expected):
+    assert triple(score("number", response, gt)) == expected
+
+
 # ---------------------------------------------------------------- dapo
 
 
@@ -208,5 +228,5 @@ def test_custom_errors(tmp_path):
 
 
 def test_unknown_name_lists_builtins():
-    with pytest.raises(ValueError, match=re.escape("['color', 'dapo', 'math', 'r1v']")):
+    with pytest.raises(ValueError, match=re.escape("['color', 'dapo', 'math', 'number', 'r1v']")):
         get_reward_fn("gsm8k")

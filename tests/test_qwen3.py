@@ -1,0 +1,138 @@
+"""Qwen3-VL (deepstack, interleaved M-RoPE, patch 16) and the text-only Qwen3: the trainer's log-probs equal a plain
+HF forward, the HF engine generates, and the demos are selected by --demo-model."""
+import os
+import random
+
+import pytest
+import torch
+
+import data
+import fsdp_actor as A
+import rollout
+import tiny_model
+from test_actor import reference_logprobs
+
+CPU = torch.device("cpu")
+PX = dict(min_pixels=56 * 56, max_pixels=112 * 112)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    A.init_distributed()
+    path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp("q3vl") / "m"), arch="qwen3_vl")
+    proc = data.load_processor(path)
+    rng = random.Random(0)
+    imgs = [data.draw_color_image(rng)[0] for _ in range(4)]
+    one = [data.encode_prompt({"problem": "<image>What is the main color?", "answer": "red", "images": [im]}, proc,
+                              **PX) for im in imgs[:3]]
+    two = data.encode_prompt({"problem": "<image> and <image>: same colour?", "answer": "no", "images": imgs[2:]},
+                             proc, **PX)
+    text = data.encode_prompt({"problem": "Name a colour.", "answer": "red", "images": []}, proc, **PX)
+    prompts = [one[0], one[1], two, text, one[2]]
+    g = torch.Generator().manual_seed(0)
+    samples = [dict(prompt=prompts[i % len(prompts)],
+                    response_ids=torch.randint(3, 300, (1 + (i * 5) % 9,), generator=g).tolist()) for i in range(10)]
+    return path, proc, samples
+
+
+def test_qwen3_vl_logprobs_match_plain_hf_forward(qwen3_vl, monkeypatch):
+    """Images, a two-image row and a text-only row in one batch, 2 samples per prompt: equal to the model's own
+    forward (float64 reference), with the vision tower run once over the distinct images."""
+    path, proc, samples = qwen3_vl
+    model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
+    seen = []
+    vis = model.hf.model.visual
+    monkeypatch.setattr(vis, "forward", lambda pixel_values, grid_thw, **kw: (
+        seen.append(len(grid_thw)), type(vis).forward(vis, pixel_values, grid_thw=grid_thw, **kw))[1])
+    ref = reference_logprobs(path, samples, proc.tokenizer.pad_token_id)
+    for max_tokens in (10_000, 60):  # one micro-batch (5 prompts, 5 distinct images), then several
+        lps, _ = A.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, CPU, 1.0, max_tokens=max_tokens,
+                                    max_samples=16)
+        for a, b in zip(lps, ref):
+            assert a.shape == b.shape
+            assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
+    assert seen[0] == 5  # the first (single) micro-batch: each distinct image once, not once per sample
+
+
+def test_qwen3_vl_hf_engine_generates_what_the_trainer_scores(qwen3_vl):
+    """The HF engine samples with a KV cache (its positions continue from the image's 3-D ones); the log-probs it
+    reports must be the trainer's full-forward recomputation of the same tokens, single- and two-image prompts."""
+    path, proc, samples = qwen3_vl
+    eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
+    prompts = [samples[0]["prompt"], samples[2]["prompt"]]  # one image; two images
+    T = 0.25  # a peaked distribution: wrong positions or features then change the numbers visibly
+    out = eng.generate(prompts, n=3, temperature=T, top_p=1.0, max_tokens=12, seeds=[1, 2])
+    model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
+    gen = [dict(prompt=p, response_ids=o["response_ids"]) for p, g in zip(prompts, out) for o in g]
+    assert all(len(s["response_ids"]) > 0 for s in gen)
+    lps, _ = A.compute_logprobs(model, gen, proc.tokenizer.pad_token_id, CPU, T, max_tokens=10_000, max_samples=8)
+    eng_lp = [torch.tensor(o["logprobs"]) for g in out for o in g]
+    for a, b in zip(lps, eng_lp):
+        assert torch.allclose(a, b, atol=1e-4), (a, b)
+    g = eng.generate(prompts[1:], n=2, temperature=0, top_p=1.0, max_tokens=8, seeds=[0])[0]
+    assert g[0] == g[1] and len(g[0]["response_ids"]) > 0
+
+
+def reference_text_logprobs(path, samples):
+    """Plain HF forward of a causal LM, one sample at a time, float64 log_softmax over the full logits."""
+    hf = A.load_hf_model(path, dtype=torch.float32).eval()
+    out = []
+    for s in samples:
+        ids = torch.tensor([s["prompt"]["prompt_ids"] + s["response_ids"]])
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(input_ids=ids).logits[0].double(), -1)
+        Lp, Lr = len(s["prompt"]["prompt_ids"]), len(s["response_ids"])
+        out.append(lp[Lp - 1:Lp - 1 + Lr].gather(-1, torch.tensor(s["response_ids"])[:, None]).squeeze(-1))
+    return out
+
+
+def test_qwen3_text_model_end_to_end_pieces(tmp_path):
+    """The text-only path: AutoModelForCausalLM, the tokenizer as processor, rows without an images column, FSDP
+    units from _no_split_modules, log-probs equal to the plain forward, the HF engine, and merge.py."""
+    import merge
+    A.init_distributed()
+    path = tiny_model.build_tiny_model(str(tmp_path / "q3"), arch="qwen3")
+    tok = data.load_processor(path)
+    assert not hasattr(tok, "image_processor")  # a tokenizer: no vision inputs anywhere
+    train, _ = data.demo_sum_data(str(tmp_path / "sum"), n_train=6, n_val=2)
+    assert data.load_rows(train).column_names == ["problem", "answer"]  # no images column
+    ds = data.PromptDataset(train, tok, format_prompt=data.SUM_FORMAT_PROMPT)
+    eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
+    prompts = [ds[0], ds[1], ds[2]]
+    out = eng.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=5, seeds=[0, 1, 2])
+    samples = [dict(prompt=p, response_ids=o["response_ids"]) for p, g in zip(prompts, out) for o in g]
+    model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
+    assert type(model.hf).__name__.endswith("Qwen3ForCausalLM")
+    units = [type(m).__name__ for m in model.hf.modules() if type(m).__name__.startswith("FSDP")]
+    assert units.count("FSDPQwen3DecoderLayer") == 2, units  # each decoder layer its own FSDP unit
+    lps, _ = A.compute_logprobs(model, samples, tok.pad_token_id, CPU, 1.0, max_tokens=10_000, max_samples=8)
+    for a, b, o in zip(lps, reference_text_logprobs(path, samples), [o for g in out for o in g]):
+        assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
+        assert torch.allclose(a, torch.tensor(o["logprobs"]), atol=1e-4)  # what the engine reported sampling
+    # a trained checkpoint of the text demo merges into its own base model (the tiny Qwen3, not the default VLM)
+    model = A.build_actor(path, CPU, torch.float32, torch.float32)
+    opt, sched = A.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, CPU)
+    for p in model.parameters():  # one optimizer step (dcp saves an optimizer with state)
+        p.grad = torch.distributed.tensor.distribute_tensor(torch.ones(p.shape), p.device_mesh, p.placements)
+    A.optimizer_step(model, opt, sched, 1e9)
+    trained = dict(A.iter_full_params(model))
+    ckpt = str(tmp_path / "ckpt" / "step_1")
+    os.makedirs(os.path.dirname(ckpt))
+    A.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
+    merged = A.load_hf_model(merge.merge(ckpt, str(tmp_path / "hf"), dtype="float32"))
+    assert type(merged).__name__ == "Qwen3ForCausalLM"
+    assert all(torch.equal(v, trained[k]) for k, v in merged.state_dict().items())
+    assert os.path.basename(merge.base_model_path(ckpt)) == "q3"
+    demo = {"step": 1, "cursor": 0, "config": {"model_path": "", "demo_model": "qwen3"}}
+    A.save_checkpoint(ckpt, model, opt, sched, demo)
+    assert merge.base_model_path(ckpt) == tiny_model.build_tiny_model(arch="qwen3")
+
+
+def test_qwen3_vl_8b_preset_has_the_real_dimensions():
+    """bench.py --preset qwen3_vl_8b: Qwen3-VL-8B-Instruct's config (8.77B parameters, 0.58B of them the ViT)."""
+    ids = tiny_model._token_ids(tiny_model.build_tokenizer())
+    cfg = tiny_model.preset_config("qwen3_vl_8b", ids)
+    assert cfg.model_type == "qwen3_vl" and cfg.vision_config.deepstack_visual_indexes == [8, 16, 24]
+    assert cfg.text_config.rope_parameters["mrope_section"] == [24, 20, 20]
+    n = tiny_model.count_params(cfg)  # meta device: nothing allocated
+    assert 8.7e9 < n < 8.85e9, n
