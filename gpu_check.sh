@@ -3,15 +3,16 @@
 #   a: [GPU0] vLLM engine tests, short 1-GPU demo, stale-sync check  ||  [GPU1] 3B-shaped phase benchmark
 #   c: [GPU0] the full 1-GPU demo with vLLM, the engine tests (TESTS_TIMEOUT)  ||  [GPU1] the 3B benchmark (BENCH_STEPS)
 #   b: 2 GPUs under torchrun: demo at TP 1 (two data-parallel engines) and at TP 2; the trainer's GPU tests (TESTS_TIMEOUT)
+#   s1, s2, s3: session 3's calls (see each below)
 #   p: the trainer alone on the 3B bench (no engine, no vLLM needed): phase seconds + the last step's kernel table
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
-export PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \
   VLLM_ENABLE_V1_MULTIPROCESSING=0
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 DEMO="--rollout-engine vllm --enforce-eager --gpu-memory-utilization ${GPU_MEM:-0.25}"
-python -c "import tiny_model, data; tiny_model.build_tiny_model(); data.demo_data()" 2>&1 | tail -1
+python -c "import tiny_model, data; tiny_model.build_tiny_model(); tiny_model.build_tiny_model(arch='qwen3_vl'); data.demo_data()" 2>&1 | tail -1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-a}" in
 a)  # first lease: engine tests, a short 1-GPU demo, the stale-sync check, the 3B benchmark (in parallel on GPU1)
@@ -52,4 +53,27 @@ p)  # the trainer alone (random responses instead of generation): where the 3B u
     --max-steps ${BENCH_STEPS:-2} --output-dir /tmp/prof3b ${BENCH_ARGS:-} > "$OUT/prof3b.log" 2>&1
   cp /tmp/prof3b/metrics.jsonl "$OUT/prof3b_metrics.jsonl"; cp /tmp/prof3b/profile.txt "$OUT/prof3b_profile.txt"
   tail -2 "$OUT/prof3b.log" ;;
+s1)  # session 3, call 1: [GPU1] the 3B forced benchmark (padding-free, varlen vision)  ||  [GPU0] every GPU test, then
+    # the LoRA demo with vLLM
+  (CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-520} python bench.py --preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} \
+     --output-dir /tmp/b3f > "$OUT/bench3b_forced.log" 2>&1; cp /tmp/b3f/metrics.jsonl "$OUT/bench3b_forced.jsonl") &
+  CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-330} python -m pytest -m gpu -q -rs tests > "$OUT/gpu_tests.log" 2>&1
+  tail -4 "$OUT/gpu_tests.log"
+  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO_TIMEOUT:-170} python grpo.py $DEMO --lora-rank 16 --lora-modules-to-save lm_head \
+    --output-dir /tmp/lora ${DEMO_ARGS:-} > "$OUT/lora_demo.log" 2>&1; cp /tmp/lora/metrics.jsonl "$OUT/lora_demo.jsonl"
+  tail -c 400 "$OUT/lora_demo.log"; wait; tail -c 600 "$OUT/bench3b_forced.log" ;;
+s2)  # call 2: the 3B realistic-length workload, padded [GPU0] against padding-free [GPU1]
+  for pf in off on; do
+    gpu=$([ $pf = off ] && echo 0 || echo 1)
+    (CUDA_VISIBLE_DEVICES=$gpu timeout ${BENCH_TIMEOUT:-520} python bench.py --preset qwen2_5_vl_3b --workload realistic \
+       --padding-free $pf --max-steps ${BENCH_STEPS:-3} --output-dir /tmp/b3r$pf > "$OUT/bench3b_real_pf$pf.log" 2>&1
+     cp /tmp/b3r$pf/metrics.jsonl "$OUT/bench3b_real_pf$pf.jsonl") &
+  done
+  wait; tail -c 400 "$OUT"/bench3b_real_pf*.log ;;
+s3)  # call 3: [GPU0] the Qwen3-VL demo with vLLM  ||  [GPU1] the Qwen3-VL-8B-shaped benchmark
+  (CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-480} python bench.py --preset qwen3_vl_8b --max-steps ${BENCH_STEPS:-3} \
+     --output-dir /tmp/b8 > "$OUT/bench8b.log" 2>&1; cp /tmp/b8/metrics.jsonl "$OUT/bench8b.jsonl") &
+  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO_TIMEOUT:-450} python grpo.py $DEMO --demo-model qwen3_vl --output-dir /tmp/q3vl \
+    ${DEMO_ARGS:-} > "$OUT/q3vl_demo.log" 2>&1; cp /tmp/q3vl/metrics.jsonl "$OUT/q3vl_demo.jsonl"
+  tail -c 400 "$OUT/q3vl_demo.log"; wait; tail -c 600 "$OUT/bench8b.log" ;;
 esac
