@@ -7,6 +7,7 @@ import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import warnings
@@ -84,7 +85,7 @@ def test_every_option_has_its_own_help():
         import tyro
         for cls in (grpo.Config, dapo.DAPOConfig):
             actions = [a for a in tyro.extras.get_parser(cls)._actions if a.option_strings != ["-h", "--help"]]
-            helps = {a.option_strings[0]: (a.help or "").split(" (default:")[0].strip() for a in actions}
+            helps = {a.option_strings[0]: re.sub(r"\s*\(default: .*\)$", "", a.help or "") for a in actions}
             assert all(helps.values()), [k for k, v in helps.items() if not v]
             assert not [k for k, v in helps.items() if "---" in v]
             assert len(set(helps.values())) == len(helps), "two options share one help text"
