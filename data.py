@@ -364,8 +364,11 @@ def describe_problems(problems, limit=None) -> str:
     lines = [f"  row {i}: {msg}" for i, _, msg in problems[:limit]]
     if limit is not None and len(problems) > limit:
         lines.append(f"  ... and {len(problems) - limit} more")
-    counts = collections.Counter(kind for _, kind, _ in problems)
-    return "\n".join(lines + ["  counts: " + ", ".join(f"{k} {c}" for k, c in counts.items())])
+    return "\n".join(lines + [f"  counts: {count_kinds(problems)}"])
+
+
+def count_kinds(problems) -> str:
+    return ", ".join(f"{k} {c}" for k, c in collections.Counter(kind for _, kind, _ in problems).items())
 
 
 def row_list(problems, limit=20) -> str:
@@ -399,8 +402,8 @@ class PromptDataset:
                             "--skip-bad-rows to drop them; `python data.py check` takes the same options")
         self.notes = []
         if bad:
-            self.notes.append(f"{where}: skipped {len(bad)} bad rows (--skip-bad-rows): rows {row_list(bad)}\n"
-                              + describe_problems(bad, limit=0).lstrip())
+            self.notes.append(f"{where}: skipped {len(bad)} bad rows (--skip-bad-rows; {count_kinds(bad)}): rows "
+                              f"{row_list(bad)}")
         if dropped:
             self.notes.append(f"{where}: dropped {len(dropped)} prompts longer than --max-prompt-length "
                               f"{max_prompt_length} (--filter-overlong-prompts): rows {row_list(dropped)}")

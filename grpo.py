@@ -735,10 +735,13 @@ def main(config_cls=Config, collect=collect_rollouts, demo=DEMO):
     except UserError as e:
         # the checks are deterministic: every rank raises the same error and rank 0 speaks for all of them
         if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
+            from tqdm import tqdm
+            for bar in list(tqdm._instances):
+                bar.close()  # end the progress bar's line first
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:
             time.sleep(2)  # exiting first would let torchrun stop rank 0 before it prints
-        if dist.is_initialized():
+        if dist.is_initialized() and not e.rank_local:  # the others may be inside a collective: just go
             dist.destroy_process_group()
         sys.exit(2)
     dist.destroy_process_group()

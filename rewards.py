@@ -264,9 +264,8 @@ def get_reward_fn(name: str, kwargs: str | dict | None = None):
     try:  # EasyR1 calls fn(inputs, **reward_function_kwargs): a missing or unknown argument fails here, not later
         inspect.signature(fn).bind([] if reward_type == "batch" else {}, **kwargs)
     except TypeError as e:
-        raise UserError(f"{where} cannot be called as fn({reward_type} input, **--reward-function-kwargs "
-                        f"{json.dumps(kwargs)}): {e}; pass its arguments with --reward-function-kwargs "
-                        "'{\"name\": value}'") from e
+        raise UserError(f"{where}: EasyR1 calls it as fn({reward_type} input, **reward_function_kwargs), and with "
+                        f"--reward-function-kwargs '{json.dumps(kwargs)}' that fails: {e}") from e
     except ValueError:  # no signature to read (a builtin or C function): calling it will tell
         pass
     if reward_type == "sequential":
@@ -315,7 +314,8 @@ def _load_custom(path: str, fn_name: str):
                         f"{type(e).__name__}: {e}{hint}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise UserError(f"--reward-function {path}:{fn_name}: the file has no function {fn_name!r}")
+        raise UserError(f"--reward-function {path}:{fn_name}: the file has no function {fn_name!r} (name the one to "
+                        "call with file.py:function; 'main' is EasyR1's default)")
     return fn, getattr(module, "REWARD_TYPE", "batch")
 
 

@@ -291,7 +291,8 @@ def test_prompt_dataset_refuses_skips_and_drops(proc, tmp_path):
     assert "--skip-bad-rows" in msg and "row 6" not in msg
     ds = data.PromptDataset(path, proc, max_prompt_length=512, skip_bad_rows=True, **PX)
     assert ds.indices == [0, 8] and len(ds) == 2 and ds[1]["answer"] == "red"
-    assert "skipped 6 bad rows (--skip-bad-rows): rows 1, 2, 3, 4, 5, 7" in ds.notes[0]
+    assert ds.notes[0].endswith("skipped 6 bad rows (--skip-bad-rows; no answer 2, placeholders != images 1, bad "
+                                "image 2, no prompt 1): rows 1, 2, 3, 4, 5, 7")
     assert "dropped 1 prompts longer than --max-prompt-length 512 (--filter-overlong-prompts): rows 6" in ds.notes[1]
     off = data.PromptDataset(path, proc, max_prompt_length=512, filter_overlong=False, skip_bad_rows=True, **PX)
     assert "skipped 7 bad rows" in off.notes[0] and len(off.notes) == 1  # overlong is a bad row without the filter

@@ -1,3 +1,5 @@
+import json
+import math
 import os
 import re
 import sys
@@ -217,16 +219,146 @@ def test_custom_loader(tmp_path):
 def test_custom_errors(tmp_path):
     path = tmp_path / "my_reward.py"
     path.write_text("x = 1\n")
-    with pytest.raises(ValueError, match=re.escape(f"{path}:function_name")):
+    with pytest.raises(rewards.UserError, match="has no function 'main'"):  # EasyR1's default name
         get_reward_fn(str(path))
-    with pytest.raises(ValueError, match="has no function 'nope'"):
+    with pytest.raises(rewards.UserError, match="has no function 'nope'"):
         get_reward_fn(f"{path}:nope")
-    with pytest.raises(ValueError, match="has no function 'x'"):  # exists but not callable
+    with pytest.raises(rewards.UserError, match="has no function 'x'"):  # exists but not callable
         get_reward_fn(f"{path}:x")
-    with pytest.raises(ValueError, match="file not found"):
+    with pytest.raises(rewards.UserError, match="no such file"):
         get_reward_fn(f"{tmp_path}/missing.py:fn")
+    bad = tmp_path / "broken.py"
+    bad.write_text("import os\n\nimport mathruler_not_installed\n")
+    with pytest.raises(rewards.UserError, match="importing it failed at line 3: ModuleNotFoundError.*pip install"):
+        get_reward_fn(f"{bad}:fn")
+    bad.write_text("def fn(items):\n    return [\n")
+    with pytest.raises(rewards.UserError, match="importing it failed at line 2: SyntaxError"):
+        get_reward_fn(f"{bad}:fn")
+    bad.write_text("REWARD_TYPE = 'parallel'\ndef fn(items):\n    return []\n")
+    with pytest.raises(rewards.UserError, match="REWARD_TYPE = 'parallel'"):
+        get_reward_fn(f"{bad}:fn")
 
 
 def test_unknown_name_lists_builtins():
-    with pytest.raises(ValueError, match=re.escape("['color', 'dapo', 'math', 'number', 'r1v']")):
+    with pytest.raises(rewards.UserError, match=re.escape("['color', 'dapo', 'math', 'number', 'r1v']")):
         get_reward_fn("gsm8k")
+
+
+# ---------------------------------------------------------------- EasyR1 reward files, unchanged
+# Shaped like EasyR1's examples/reward_function/r1v.py (sequential) and dapo.py (batch, with required keyword
+# arguments passed through reward_function_kwargs); only the grader differs (mathruler is not a dependency here).
+EASYR1_SEQUENTIAL = """
+import re
+from typing import Any
+
+REWARD_NAME = "r1v"
+REWARD_TYPE = "sequential"
+
+
+def format_reward(response: str) -> float:
+    pattern = re.compile(r"<think>.*?</think>\\s*<answer>.*?</answer>", re.DOTALL)
+    format_match = re.fullmatch(pattern, response)
+    return 1.0 if format_match else 0.0
+
+
+def accuracy_reward(response: str, ground_truth: str) -> float:
+    content_match = re.search(r"<answer>(.*?)</answer>", response)
+    given_answer = content_match.group(1).strip() if content_match else response.strip()
+    return 1.0 if given_answer == ground_truth.strip() else 0.0
+
+
+def compute_score(reward_input: dict[str, Any], format_weight: float = 0.5) -> dict[str, float]:
+    format_score = format_reward(reward_input["response"])
+    accuracy_score = accuracy_reward(reward_input["response"], reward_input["ground_truth"])
+    return {
+        "overall": (1 - format_weight) * accuracy_score + format_weight * format_score,
+        "format": format_score,
+        "accuracy": accuracy_score,
+    }
+"""
+
+EASYR1_BATCH = """
+from typing import Any
+
+REWARD_NAME = "dapo"
+REWARD_TYPE = "batch"
+
+
+def soft_overlong_punishment(response_length: int, max_response_length: int, overlong_buffer_length: int):
+    expected_len = max_response_length - overlong_buffer_length
+    if response_length <= expected_len:
+        return 0.0
+    elif response_length <= max_response_length:
+        return (expected_len - response_length) / overlong_buffer_length
+    else:
+        return -1.0
+
+
+def compute_score(
+    reward_inputs: list[dict[str, Any]],
+    max_response_length: int,
+    overlong_buffer_length: int,
+    overlong_penalty_factor: float,
+) -> list[dict[str, float]]:
+    scores = []
+    for reward_input in reward_inputs:
+        accuracy_score = 1.0 if reward_input["response"].strip() == reward_input["ground_truth"] else -1.0
+        overlong_score = soft_overlong_punishment(
+            reward_input["response_length"], max_response_length, overlong_buffer_length
+        )
+        scores.append(
+            {
+                "overall": accuracy_score + overlong_score * overlong_penalty_factor,
+                "accuracy": accuracy_score,
+                "overlong": overlong_score,
+            }
+        )
+    return scores
+"""
+
+ITEMS = [{"response": "<think>hm</think> <answer>4</answer>", "response_length": 5, "ground_truth": "4"},
+         {"response": "4", "response_length": 9, "ground_truth": "4"},
+         {"response": "<think>x</think><answer>5</answer>", "response_length": 12, "ground_truth": "4"}]
+
+
+def test_easyr1_sequential_file_runs_unchanged(tmp_path):
+    (tmp_path / "r1v.py").write_text(EASYR1_SEQUENTIAL)
+    fn = get_reward_fn(f"{tmp_path / 'r1v.py'}:compute_score")  # one dict in, one dict out, once per sample
+    assert [triple(s) for s in fn(ITEMS)] == [(1.0, 1.0, 1.0), (0.5, 0.0, 1.0), (0.5, 1.0, 0.0)]
+    fn = get_reward_fn(f"{tmp_path / 'r1v.py'}:compute_score", '{"format_weight": 0.1}')  # EasyR1's kwargs
+    assert [s["overall"] for s in fn(ITEMS)] == pytest.approx([1.0, 0.9, 0.1])
+
+
+def test_easyr1_batch_file_with_reward_function_kwargs(tmp_path):
+    (tmp_path / "dapo.py").write_text(EASYR1_BATCH)
+    name = f"{tmp_path / 'dapo.py'}:compute_score"
+    kw = {"max_response_length": 10, "overlong_buffer_length": 4, "overlong_penalty_factor": 1.0}
+    scores = get_reward_fn(name, json.dumps(kw))(ITEMS)  # as EasyR1's DAPO script passes them
+    assert [(s["overall"], s["accuracy"], s["overlong"]) for s in scores] == [
+        (-1.0, -1.0, 0.0), (0.25, 1.0, -0.75), (-2.0, -1.0, -1.0)]  # (6 - 9) / 4 = -0.75
+    with pytest.raises(rewards.UserError, match="--reward-function-kwargs '{}' that fails: missing a required "
+                                                "argument: 'max_response_length'"):
+        get_reward_fn(name)  # at load time, before any model is built
+    with pytest.raises(rewards.UserError, match="unexpected keyword argument 'format_weight'"):
+        get_reward_fn(name, {**kw, "format_weight": 0.1})
+    with pytest.raises(rewards.UserError, match="--reward-function-kwargs \\{oops: not JSON"):
+        get_reward_fn(name, "{oops")
+
+
+@pytest.mark.parametrize("bad, shown", [(math.nan, "overall=nan"), (math.inf, "overall=inf"), (1e39, "overall=1e+39"),
+                                        ("1.0", "overall='1.0'"), (None, "overall=None")])
+def test_non_finite_or_non_number_scores_name_the_sample(bad, shown):
+    items = [{"response": "red", "response_length": 1, "ground_truth": "red"},
+             {"response": "the sky is blue", "response_length": 4, "ground_truth": "green"}]
+    rewards.check_scores([{"overall": 1.0}, {"overall": 0.0, "accuracy": 0.0}], items, ["p0", "p1"], "r")
+    with pytest.raises(rewards.UserError) as e:
+        rewards.check_scores([{"overall": 1.0}, {"overall": bad}], items, ["What colour? p1", "x"], "my.py:fn")
+    msg = str(e.value)
+    assert shown in msg and "my.py:fn" in msg and "'x'" in msg and "'the sky is blue'" in msg and "'green'" in msg
+    assert e.value.rank_local  # only the rank that scored it knows: that rank prints it
+    with pytest.raises(rewards.UserError, match="returned 1 scores for 2 responses"):
+        rewards.check_scores([{"overall": 1.0}], items, ["a", "b"], "r")
+    with pytest.raises(rewards.UserError, match="not a dict with an 'overall' score"):
+        rewards.check_scores([{"overall": 1.0}, {"score": 1.0}], items, ["a", "b"], "r")
+    with pytest.raises(rewards.UserError, match="accuracy=nan"):
+        rewards.check_scores([{"overall": 1.0}, {"overall": 1.0, "accuracy": math.nan}], items, ["a", "b"], "r")
