@@ -284,13 +284,16 @@ def adapters_disabled(model):
     from peft.tuners.lora import LoraLayer
     from peft.utils.other import ModulesToSaveWrapper
     layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
+    # the flag peft's own enable_adapters(False) sets, without its requires_grad switch: FSDP2 fixes each unit's
+    # gradient dtypes at its first forward, and the reference pass is often the first (seen on GPU: a bf16
+    # gradient then met fp32 master weights)
     for m in layers:
-        m.enable_adapters(False)
+        m._disable_adapters = True
     try:
         yield model
     finally:
         for m in layers:
-            m.enable_adapters(True)
+            m._disable_adapters = False
 
 
 # ----------------------------------------------------------------------------------------------- varlen attention

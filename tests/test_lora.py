@@ -130,3 +130,21 @@ def test_lora_runs_one_and_two_processes_alike_and_resumes_exactly(tmp_path):
     assert straight[-1]["actor/kl"] > 0 and straight[-1]["actor/grad_norm"] > 0  # the adapters moved
     for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl"):
         assert resumed[-1][k] == pytest.approx(straight[-1][k], rel=1e-5, abs=1e-7), k
+
+
+def test_reference_pass_first_then_bf16_update(setup):
+    """The reference pass (adapters off) is often the model's first forward, where FSDP2 fixes each unit's gradient
+    dtypes from the parameters that require grad. Switching the adapters off must not switch their requires_grad
+    (seen on an H200: the update's bf16 gradients then met the fp32 master weights and backward raised)."""
+    path, proc, samples = setup
+    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.bfloat16, gradient_checkpointing=False,
+                          lora={**LORA, "modules_to_save": "lm_head"})
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    with A.adapters_disabled(model):
+        assert [n for n, p in model.named_parameters() if p.requires_grad] == trainable
+        A.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0, 10_000, 8)
+    batch, _ = A.collate(samples, proc.tokenizer.pad_token_id, torch.device("cpu"))
+    lp, _ = model(**batch)
+    lp.sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None and g.dtype == torch.float32 for g in grads.values())

@@ -31,8 +31,8 @@ def vl_prompts(path):
         im = Image.new("RGB", (84 + 28 * i, 56 + 14 * i), (255, 255, 255))
         ImageDraw.Draw(im).rectangle([10, 10, 50, 40], fill=rgb)
         ims.append(im)
-    rows = [{"problem": "<image>What is the color of the shape?", "answer": "", "images": [im]} for im in ims[:3]]
-    rows.append({"problem": "<image> and <image>: which is blue?", "answer": "", "images": ims[2:]})
+    rows = [{"problem": "<image>What is the color of the shape?", "answer": "a", "images": [im]} for im in ims[:3]]
+    rows.append({"problem": "<image> and <image>: which is blue?", "answer": "a", "images": ims[2:]})
     return [data.encode_prompt(r, proc, **PX) for r in rows]
 
 
