@@ -43,8 +43,8 @@ col1() {  # the realistic workload with and without padding-free training
 
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   python -c "import torch, transformers, inspect; from torch.nn.attention.varlen import varlen_attn; \
-print('torch', torch.__version__, 'transformers', transformers.__version__, 'varlen_attn', inspect.signature(varlen_attn))"
-  CUDA_VISIBLE_DEVICES=$G0 python -c "import fsdp_actor as A; k = A._fast_varlen_kernel(0); \
+print('torch', torch.__version__, 'transformers', transformers.__version__); print(inspect.signature(varlen_attn))"
+  CUDA_VISIBLE_DEVICES=$G0 python -c "import varlen; k = varlen._fast_varlen_kernel(0); \
 print('varlen kernel:', k.__qualname__ if k else None)"
 } > "$OUT/env.log" 2>&1
 cat "$OUT/env.log"

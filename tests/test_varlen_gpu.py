@@ -6,6 +6,7 @@ import torch
 
 import fsdp_actor as A
 import tiny_model
+import varlen as V
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +20,7 @@ def test_fast_kernel_at_the_3b_shapes():
     model's shapes: 4 packed samples with GQA 16/2 heads of 128 (causal); 25 windows of 64 patches and one
     1296-patch image with 16 heads of 80 (the vision tower)."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    kernel = A._fast_varlen_kernel(dev.index)
+    kernel = V._fast_varlen_kernel(dev.index)
     assert kernel is not None, "no usable varlen kernel: padding-free and vision varlen would be off (see warnings)"
     g = torch.Generator(device=dev).manual_seed(0)
     for lens, H, Hkv, D, causal in (([1470, 900, 1201, 33], 16, 2, 128, True), ([64] * 25 + [1296], 16, 16, 80, False)):
@@ -28,7 +29,7 @@ def test_fast_kernel_at_the_3b_shapes():
         fast = [t.bfloat16().requires_grad_() for t in x]
         ref = [t.clone().requires_grad_() for t in x]
         out = kernel(*fast, cu, max(lens), causal, D ** -0.5)
-        want = A.reference_varlen_attention(*ref, cu, causal, D ** -0.5)
+        want = V.reference_varlen_attention(*ref, cu, causal, D ** -0.5)
         w = torch.randn(want.shape, device=dev, generator=g)
         (out.float() * w).sum().backward()
         (want * w).sum().backward()
@@ -45,22 +46,22 @@ def test_vision_tower_one_kernel_call_per_layer():
     for varlen in (False, True):
         hf = A.load_hf_model(path, dtype=torch.bfloat16).to(dev).eval()
         if varlen:
-            A.set_varlen_attention(hf, vision=True)
+            V.set_varlen_attention(hf, vision=True)
         vc = hf.config.vision_config
         dim = getattr(vc, "in_channels", 3) * vc.temporal_patch_size * vc.patch_size ** 2
         pixels = torch.randn(int(grid.prod(-1).sum()), dim, device=dev, generator=torch.Generator(dev).manual_seed(0))
-        orig = A.varlen_attention
+        orig = V.varlen_attention
 
         def spy(q, *a, **kw):
             calls.append((q.is_cuda, q.dtype))
             return orig(q, *a, **kw)
 
-        A.varlen_attention = spy
+        V.varlen_attention = spy
         try:
             with torch.no_grad():
                 out = hf.model.get_image_features(pixels.bfloat16(), grid)
         finally:
-            A.varlen_attention = orig
+            V.varlen_attention = orig
         outs.append(torch.cat(list(getattr(out, "pooler_output", out))))
     assert calls == [(True, torch.bfloat16)] * hf.config.vision_config.depth
     assert _rel(outs[1], outs[0]) < 2e-2
