@@ -212,3 +212,18 @@ def test_reference_past_8192_tokens_is_per_sequence_and_equal():
     for a, b in ((0, 4000), (4000, 4001), (4001, 8300)):
         small = V.reference_varlen_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), True, 0.5)
         assert torch.allclose(out[a:b], small, atol=1e-5)
+
+
+def test_text_only_batch_after_an_image_batch_uses_plain_positions():
+    """Left to compute its own positions from inputs_embeds, Qwen2.5-VL would offset a text-only batch by the
+    rope_deltas an earlier image batch left in the model (and fail when the batch size differs)."""
+    from test_actor import reference_logprobs
+    A.init_distributed()
+    path = tiny_model.build_tiny_model()
+    samples, pad = _samples(path)
+    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
+    text = [s for s in samples if not s["prompt"]["mm_inputs"]][:1]
+    with torch.no_grad():
+        model(**A.collate(samples[:4], pad, torch.device("cpu"))[0])  # no model given: the HF model's own positions
+        lp, _ = model(**A.collate(text, pad, torch.device("cpu"))[0])
+    assert torch.allclose(lp.double(), reference_logprobs(path, text, pad)[0], atol=2e-5)
