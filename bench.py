@@ -6,6 +6,7 @@
     torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
     python bench.py --trainer-only --profile --max-steps 2           # no engine: log-probs + update, kernel table
     python bench.py --workload realistic --padding-free off         # real response lengths, padded training
+    python bench.py --prepare-only                                   # just build the random model and the data
 
 Random weights with the real dimensions (tiny_model.build_random_model: no download) and geo3k-like prompts: one
 512x512 figure and about 100 text tokens. Two workloads, each the same work on every run:
@@ -205,7 +206,7 @@ def main():
     if argv[:1] == ["report"]:
         print(report(argv[1:]))
         return
-    flags = {f: f in argv for f in ("--trainer-only", "--profile")}
+    flags = {f: f in argv for f in ("--trainer-only", "--profile", "--prepare-only")}
     argv = [a for a in argv if a not in flags]
     opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced"}  # bench.py's own options
     for flag in opts:
@@ -229,6 +230,8 @@ def main():
         import time
         while not (os.path.exists(os.path.join(model_path, "BUILD_COMPLETE.json")) and os.path.exists(data_path)):
             time.sleep(2)
+    if flags["--prepare-only"]:  # build the model and the data set, nothing else (before parallel runs)
+        return
     import tyro
     cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
     summary = run(replace(cfg, resume="never"), flags["--trainer-only"], flags["--profile"], workload)

@@ -8,7 +8,7 @@ The convention is veRL's FlopsCounter (verl/utils/flops_counter.py, which EasyR1
   per layer in the forward;
 - training = 3 x forward (forward + backward), *not* counting the activation-checkpointing recompute; a
   forward-only pass (reference / old log-probs) = 1 x forward; MFU = FLOPs / (seconds x peak x GPUs).
-veRL counts no vision tower for Qwen2(.5)-VL; we add it (its share is small, ~2-3% at 3B with one 512x512 image per
+veRL counts no vision tower for Qwen2(.5)-VL; we add it (its share is small: 2% at 3B with one 512x512 image per
 prompt), in the style veRL uses for Qwen3-VL's ViT: 2 FLOPs per weight per patch token, non-causal attention
 4 x s^2 x width per layer, with s the window (Qwen2.5-VL's windowed layers) or the frame (full-attention layers),
 and the patch merger per merged token. Each distinct image counts once per pass (that is how the actor runs it).

@@ -1,6 +1,5 @@
 """The speed issue's pieces that are not attention: FLOPs for MFU, the realistic benchmark workload (forced
 response lengths), truncated importance sampling (rollout correction)."""
-import math
 import os
 import sys
 from types import SimpleNamespace

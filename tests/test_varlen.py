@@ -1,18 +1,19 @@
 """Variable-length attention: the vision tower in one attention call per layer, and padding-free (packed) rows for
-the language model, each equal to transformers' own path (float64 on CPU; the CUDA kernels in tests/test_varlen_gpu.py)."""
+the language model, each equal to transformers' own path (float64 on CPU; CUDA kernels: tests/test_varlen_gpu.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fsdp_actor as A
 import tiny_model
+import varlen as V
 
 
 def _vision_run(path, varlen, grid, seed=0):
     """get_image_features over random pixels in float64: (features, {param name: grad}, pixel grad, SDPA calls)."""
     hf = A.load_hf_model(path, dtype=torch.float64).eval()
     if varlen:
-        A.set_varlen_attention(hf, vision=True)
+        V.set_varlen_attention(hf, vision=True)
     vc = hf.config.vision_config
     dim = getattr(vc, "in_channels", 3) * vc.temporal_patch_size * vc.patch_size ** 2
     g = torch.Generator().manual_seed(seed)
@@ -58,7 +59,7 @@ def test_reference_varlen_equals_per_sequence_sdpa():
     cu = torch.tensor([0, 3, 10, 11, 30], dtype=torch.int32)
     q, k, v = (torch.randn(30, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     for causal in (True, False):
-        out = A.reference_varlen_attention(q, k, v, cu, causal, scale=0.3)
+        out = V.reference_varlen_attention(q, k, v, cu, causal, scale=0.3)
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
             want = F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=causal,
                                                   scale=0.3, enable_gqa=True).transpose(0, 1)
@@ -167,3 +168,62 @@ def test_packed_micro_batches_count_real_tokens():
     assert mbs == [[2, 3], [1, 0, 5, 4]]  # 58 and 33 real tokens (padded, the second would cost 4 x 12 = 48)
     assert A.make_micro_batches([10, 30, 30], 70, 64, packed=True) == [[1, 2, 0]]  # padded: 3 x 30 = 90 > 70
     assert len(A.make_micro_batches([10, 30, 30], 70, 64)) == 2
+
+
+def _fake_varlen(style):
+    """Stand-ins with the signatures torch's varlen_attn had (2.10: is_causal; 2.11: window_size, no GQA flag;
+    2.13: window_size and enable_gqa), computing through the reference on the CPU."""
+    def run(q, k, v, cu, causal, scale, gqa):
+        assert gqa or k.shape[1] == q.shape[1], "GQA heads passed to a varlen_attn without enable_gqa"
+        return V.reference_varlen_attention(q, k, v, cu, causal, scale)
+
+    if style == "2.10":
+        def f(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, is_causal=False, scale=None):
+            return run(query, key, value, cu_seq_q, is_causal, scale, False)
+    elif style == "2.11":
+        def f(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+              window_size=(-1, -1)):
+            return run(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale, False)
+    else:
+        def f(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+              window_size=(-1, -1), enable_gqa=False):
+            return run(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale, enable_gqa)
+    return f
+
+
+@pytest.mark.parametrize("style", ["2.10", "2.11", "2.13"])
+def test_torch_varlen_keywords_follow_the_installed_signature(style, monkeypatch):
+    import torch.nn.attention.varlen as tv
+    monkeypatch.setattr(tv, "varlen_attn", _fake_varlen(style), raising=False)
+    kernel = V._torch_varlen_kernel()
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 4, 9, 20], dtype=torch.int32)
+    q, k, v = (torch.randn(20, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    for causal in (True, False):
+        want = V.reference_varlen_attention(q, k, v, cu, causal, 0.5)
+        assert torch.allclose(kernel(q, k, v, cu, 11, causal, 0.5), want)
+
+
+def test_reference_past_8192_tokens_is_per_sequence_and_equal():
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 4000, 4001, 8300], dtype=torch.int32)
+    q, k, v = (torch.randn(8300, h, 4, generator=g) for h in (2, 1, 1))
+    out = V.reference_varlen_attention(q, k, v, cu, True, 0.5)
+    for a, b in ((0, 4000), (4000, 4001), (4001, 8300)):
+        small = V.reference_varlen_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), True, 0.5)
+        assert torch.allclose(out[a:b], small, atol=1e-5)
+
+
+def test_text_only_batch_after_an_image_batch_uses_plain_positions():
+    """Left to compute its own positions from inputs_embeds, Qwen2.5-VL would offset a text-only batch by the
+    rope_deltas an earlier image batch left in the model (and fail when the batch size differs)."""
+    from test_actor import reference_logprobs
+    A.init_distributed()
+    path = tiny_model.build_tiny_model()
+    samples, pad = _samples(path)
+    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
+    text = [s for s in samples if not s["prompt"]["mm_inputs"]][:1]
+    with torch.no_grad():
+        model(**A.collate(samples[:4], pad, torch.device("cpu"))[0])  # no model given: the HF model's own positions
+        lp, _ = model(**A.collate(text, pad, torch.device("cpu"))[0])
+    assert torch.allclose(lp.double(), reference_logprobs(path, text, pad)[0], atol=2e-5)

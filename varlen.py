@@ -1,0 +1,174 @@
+"""varlen.py -- variable-length attention for transformers' Qwen-VL models (and text LLMs), used by fsdp_actor.py:
+the vision tower's windows in one attention call per layer, and padding-free (packed) rows for the language model.
+
+Every fast path has a plain fallback chosen automatically: a CUDA kernel (torch's varlen_attn, else flash-attn 2)
+only if it imports and matches the plain reference on this device (probed once), else the reference itself (one
+SDPA call with a block-diagonal mask). fsdp_actor.build_actor turns the paths on ("auto": where a fast kernel runs).
+"""
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+
+# Both speed paths hand transformers' attention modules one call over many independent sequences, described by
+# cumulative lengths cu_seqlens [S + 1] (int32) and the longest length:
+#  - the vision tower: Qwen2-VL / Qwen2.5-VL run one SDPA call per window (per image for full-attention layers)
+#    unless the configured attention's name contains "flash", in which case they pass cu_seqlens to it instead
+#    (modeling_qwen2_5_vl.py, Qwen2_5_VLVisionAttention.forward, same code in transformers 5.17 and 5.24). So the
+#    vision config gets our function under a name with "flash" in it: one call per layer, no monkeypatching.
+#  - the language model on packed rows (padding-free): the text config gets our function under a plain name; the
+#    cu_seqlens travel as the `cu_seq_lens_q/k`, `max_length_q/k` keyword arguments that transformers forwards
+#    from the model call to every attention function (the TransformersKwargs contract). A name unknown to the mask
+#    interface makes create_causal_mask return None, so no [T, T] mask is ever built for the packed row.
+# Both are registered in transformers' AttentionInterface and selected per sub-config with set_attn_implementation.
+VARLEN_TEXT, VARLEN_VISION = "vlm_rl_varlen", "vlm_rl_flash_varlen"
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_len, causal, scale=None):
+    """q [N, H, D], k/v [N, Hkv, D] (Hkv divides H), sequences back to back as cu_seqlens says -> [N, H, D]. A
+    fast kernel on CUDA in bf16/fp16 when one works here (probed once), else the plain reference below."""
+    kernel = _fast_varlen_kernel(q.device.index) if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    if kernel is not None:
+        return kernel(q, k, v, cu_seqlens, max_len, causal, scale)
+    return reference_varlen_attention(q, k, v, cu_seqlens, causal, scale)
+
+
+def reference_varlen_attention(q, k, v, cu_seqlens, causal, scale=None):
+    """Plain PyTorch, mathematically the same: one SDPA call with a block-diagonal (and causal) boolean mask, so a
+    token only sees its own sequence (O(N^2) memory: the CPU path and the tests' reference). Past 8192 tokens, one
+    SDPA call per sequence instead, as transformers' own path does."""
+    if q.shape[0] > 8192:
+        bounds, gqa = cu_seqlens.tolist(), k.shape[1] != q.shape[1]
+        return torch.cat([F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)),
+                                                         is_causal=causal, scale=scale, enable_gqa=gqa).transpose(0, 1)
+                          for a, b in zip(bounds[:-1], bounds[1:])])
+    seg = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=q.device),
+                                  (cu_seqlens[1:] - cu_seqlens[:-1]).to(q.device))  # [N] sequence of each token
+    mask = seg[:, None] == seg[None, :]  # [N, N]
+    if causal:
+        mask = mask.tril()
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])  # [H, N, D]
+    return out.transpose(0, 1)
+
+
+def _torch_varlen_kernel():
+    """torch.nn.attention.varlen.varlen_attn (torch >= 2.10). Its keywords moved between releases: 2.10 took
+    is_causal, 2.11 takes window_size=(-1, 0) for causal and has no GQA flag, 2.13 adds enable_gqa."""
+    from torch.nn.attention.varlen import varlen_attn
+    params = inspect.signature(varlen_attn).parameters
+
+    def kernel(q, k, v, cu, max_len, causal, scale):
+        kw = {"scale": scale}
+        if causal:
+            kw.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
+        if k.shape[1] != q.shape[1]:
+            if "enable_gqa" in params:
+                kw["enable_gqa"] = True
+            else:  # query head h reads kv head h // (H / Hkv), as transformers' repeat_kv lays them out
+                k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+    return kernel
+
+
+def _flash_attn_kernel():
+    from flash_attn import flash_attn_varlen_func  # flash-attn 2 (GQA built in)
+
+    def kernel(q, k, v, cu, max_len, causal, scale):
+        return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=causal)
+    return kernel
+
+
+@functools.cache
+def _fast_varlen_kernel(device_index):
+    """The first kernel that imports *and* matches the reference (forward and backward, causal and not, GQA, an odd
+    head size) on this device; None if none does. A kernel that fails here is skipped with a warning, never used."""
+    import warnings
+    device = torch.device("cuda", device_index)
+    for make in (_torch_varlen_kernel, _flash_attn_kernel):
+        try:
+            kernel = make()
+        except (ImportError, AttributeError):
+            continue
+        try:
+            _check_kernel(kernel, device)
+            return kernel
+        except Exception as e:  # noqa: BLE001 -- any failure means: do not use this kernel
+            warnings.warn(f"varlen attention kernel {make.__name__} unusable here ({str(e)[:300]}); skipping it")
+    return None
+
+
+def _check_kernel(kernel, device):
+    """Three sequences (5, 11, 31 tokens): output and input gradients within bf16 rounding of the fp32 reference."""
+    g = torch.Generator(device=device).manual_seed(0)
+    cu = torch.tensor([0, 5, 16, 47], dtype=torch.int32, device=device)
+    for causal, hkv, dim in ((True, 2, 128), (False, 4, 80)):  # the LM (GQA) and the vision tower's head size
+        x = [torch.randn(47, h, dim, device=device, generator=g) for h in (4, hkv, hkv)]
+        fast = [t.to(torch.bfloat16).requires_grad_() for t in x]
+        ref = [t.clone().requires_grad_() for t in x]
+        out = kernel(*fast, cu, 31, causal, dim ** -0.5)
+        want = reference_varlen_attention(*ref, cu, causal, dim ** -0.5)
+        w = torch.randn(want.shape, device=device, generator=g)
+        (out.float() * w).sum().backward()
+        (want * w).sum().backward()
+        got, exp = [out] + [t.grad for t in fast], [want] + [t.grad for t in ref]
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, exp):
+            err = float((a.float() - b).norm() / b.norm())
+            if not err < 2e-2:
+                raise RuntimeError(f"{name} differs from the reference by {err:.3g} (relative; causal={causal})")
+
+
+def use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free="auto", vision_varlen="auto"):
+    """Resolve the two options to {"text": bool, "vision": bool} for this model and device."""
+    for name, v in (("padding_free", padding_free), ("vision_varlen", vision_varlen)):
+        if v not in ("auto", "on", "off"):
+            raise ValueError(f"{name}={v!r}: choose auto, on or off")
+    mt = hf.config.model_type
+    has_vision = getattr(hf.config, "vision_config", None) is not None
+    can = {"text": mt in ("qwen2_vl", "qwen2_5_vl") or not has_vision, "vision": mt in ("qwen2_vl", "qwen2_5_vl")}
+    fast = (device.type == "cuda" and param_dtype in (torch.bfloat16, torch.float16) and attn_implementation is None
+            and _fast_varlen_kernel(device.index if device.index is not None else torch.cuda.current_device())
+            is not None)
+    out = {}
+    for key, v, flag in (("text", padding_free, "--padding-free"), ("vision", vision_varlen, "--vision-varlen")):
+        if v == "on" and not can[key] and (key == "text" or has_vision):  # no vision tower: nothing to switch
+            raise ValueError(f"{flag} on: not supported for model_type {mt!r} (Qwen2-VL, Qwen2.5-VL and text LLMs "
+                             f"are); use {flag} off or auto")
+        out[key] = can[key] and (v == "on" or (v == "auto" and fast))
+    return out
+
+
+def set_varlen_attention(hf, text=False, vision=False):
+    """Select our varlen function for the language model (packed rows) and/or the vision tower (one call per layer)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(VARLEN_TEXT, _hf_varlen_attention)
+    AttentionInterface.register(VARLEN_VISION, _hf_varlen_attention)
+    subs = getattr(hf.config, "sub_configs", None) or {}
+    if "text_config" not in subs:  # a text LLM: one config
+        hf.set_attn_implementation(VARLEN_TEXT)
+        return
+    choice = {}
+    if text:
+        choice["text_config"] = VARLEN_TEXT
+    if vision:
+        choice["vision_config"] = VARLEN_VISION
+    hf.set_attn_implementation(choice)
+
+
+def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function contract: query [1, H, N, D], key/value [1, Hkv, N, D] -> ([1, N, H, D],
+    None). Without cu_seqlens (an ordinary padded call) it is transformers' own SDPA function."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"varlen attention expects one packed row, got a batch of {query.shape[0]}")
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    max_len = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, H, D]
+    out = varlen_attention(q, k, v, cu.to(torch.int32), int(max_len), causal, scaling)
+    return out[None], None
