@@ -35,6 +35,24 @@ def qwen3_vl(tmp_path_factory):
     return path, proc, samples
 
 
+def test_qwen3_vl_folder(qwen3_vl):
+    """What vLLM and AutoProcessor read: Qwen3-VL's processor classes, 16-pixel patches, deepstack, interleaving."""
+    import json
+    path, proc, _ = qwen3_vl
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    assert cfg["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    assert cfg["vision_config"]["patch_size"] == 16 and len(cfg["vision_config"]["deepstack_visual_indexes"]) == 2
+    rope = cfg["text_config"]["rope_parameters"]
+    assert rope["mrope_interleaved"] and sum(rope["mrope_section"]) * 2 == cfg["text_config"]["head_dim"]
+    pre = json.load(open(os.path.join(path, "preprocessor_config.json")))
+    video = json.load(open(os.path.join(path, "video_preprocessor_config.json")))
+    assert pre["processor_class"] == "Qwen3VLProcessor" and pre["patch_size"] == 16 and pre["image_mean"] == [0.5] * 3
+    assert video["video_processor_type"] == "Qwen3VLVideoProcessor" and video["patch_size"] == 16
+    assert type(proc).__name__ == "Qwen3VLProcessor"
+    tok = proc.tokenizer
+    assert tok.tokenize("12 + 30") == ["1", "2", "Ġ", "+", "Ġ", "3", "0"]  # one token per digit, like Qwen
+
+
 def test_qwen3_vl_logprobs_match_plain_hf_forward(qwen3_vl, monkeypatch):
     """Images, a two-image row and a text-only row in one batch, 2 samples per prompt: equal to the model's own
     forward (float64 reference), with the vision tower run once over the distinct images."""
@@ -136,3 +154,17 @@ def test_qwen3_vl_8b_preset_has_the_real_dimensions():
     assert cfg.text_config.rope_parameters["mrope_section"] == [24, 20, 20]
     n = tiny_model.count_params(cfg)  # meta device: nothing allocated
     assert 8.7e9 < n < 8.85e9, n
+
+
+@pytest.mark.parametrize("demo, model_cls, reward, images", [
+    ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "color_reward", True),  # the default: today's demo
+    ("qwen3_vl", "Qwen3VLForConditionalGeneration", "color_reward", True),
+    ("qwen3", "Qwen3ForCausalLM", "number_reward", False)])
+def test_demo_model_selects_model_task_and_reward(tmp_path, demo, model_cls, reward, images):
+    import grpo
+    cfg = grpo.Config(demo_model=demo, kl_coef=0.0, rollout_engine="hf", output_dir=str(tmp_path), resume=False)
+    ctx = grpo.setup(cfg)
+    assert type(ctx.model.hf).__name__.endswith(model_cls) and type(ctx.rollout.model).__name__ == model_cls
+    assert ctx.reward_fn.__name__ == reward
+    assert bool(ctx.train[0]["mm_inputs"]) == images and bool(ctx.val[0]["mm_inputs"]) == images
+    assert hasattr(ctx.processor, "image_processor") == images
