@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch.distributed as dist
+import tyro
 
 import fsdp_actor as A
 import grpo
@@ -122,4 +123,6 @@ def collect_dynamic(ctx, step, metrics):
 
 
 if __name__ == "__main__":
-    grpo.main(DAPOConfig, collect_dynamic)
+    with grpo.data.one_line_errors():
+        grpo.train(tyro.cli(DAPOConfig), collect=collect_dynamic)
+    dist.destroy_process_group()
