@@ -568,7 +568,8 @@ def check_main(argv) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["check"]:
-        sys.exit("usage: python data.py check [--train-files ... --val-files ... --model-path ... (grpo.py's data "
-                 "options; --help lists them)]")
+        print("usage: python data.py check [--train-files ... --val-files ... --model-path ... (grpo.py's data "
+              "options; --help lists them)]", file=sys.stderr)
+        sys.exit(2)
     with one_line_errors():
         sys.exit(check_main(sys.argv[2:]))
