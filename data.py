@@ -6,6 +6,7 @@ prompt_ids (image pads expanded, what the actor sees), raw_prompt_ids (one pad p
 vLLM expands itself), resized PIL images, processor outputs (mm_inputs), answer, prompt_text.
 """
 import collections
+import contextlib
 import functools
 import glob
 import io
@@ -13,7 +14,9 @@ import math
 import os
 import random
 import re
+import sys
 import tempfile
+import time
 
 import torch
 from PIL import Image, ImageDraw, UnidentifiedImageError
@@ -51,6 +54,27 @@ class BadRow(UserError):
     def __init__(self, kind, detail=""):
         super().__init__(f"{kind}: {detail}" if detail else kind)
         self.kind = kind
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Around a command line's work: a UserError ends the process with `error: <message>` and exit code 2, no
+    traceback. The checks are deterministic, so every rank raises the same one and rank 0 speaks for them all;
+    a rank_local one (a reward only this rank computed) is printed by the rank that raised it."""
+    try:
+        yield
+    except UserError as e:
+        import torch.distributed as dist
+        if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
+            from tqdm import tqdm
+            for bar in list(tqdm._instances):
+                bar.close()  # end the progress bar's line first
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(2)  # exiting first would let torchrun stop rank 0 before it prints
+        if dist.is_initialized() and not e.rank_local:  # (the others may be inside a collective: just go)
+            dist.destroy_process_group()
+        sys.exit(2)
 
 
 NO_PROMPT, NO_ANSWER, BAD_IMAGE, PLACEHOLDERS, TOO_LONG = (
@@ -592,12 +616,9 @@ def check_main(argv) -> int:
 
 
 if __name__ == "__main__":
-    import sys
     if sys.argv[1:2] != ["check"]:
-        sys.exit("usage: python data.py check [--train-files ... --val-files ... --model-path ... (grpo.py's data "
-                 "options; --help lists them)]")
-    try:
-        sys.exit(check_main(sys.argv[2:]))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("usage: python data.py check [--train-files ... --val-files ... --model-path ... (grpo.py's data "
+              "options; --help lists them)]", file=sys.stderr)
         sys.exit(2)
+    with one_line_errors():
+        sys.exit(check_main(sys.argv[2:]))

@@ -14,6 +14,7 @@ import functools
 import inspect
 import math
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -506,7 +507,9 @@ def optimizer_step(model, opt, sched, max_grad_norm):
     if math.isfinite(norm):
         opt.step()
     opt.zero_grad(set_to_none=True)
-    sched.step()
+    with warnings.catch_warnings():  # a skipped first step makes torch warn about the order; the step is counted
+        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
+        sched.step()
     return norm
 
 

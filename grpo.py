@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import tyro
 
+import data
 import flops
 import fsdp_actor as A
 from data import UserError
@@ -253,7 +254,6 @@ def rollout_correction_weights(old_logp, rollout_logp, mask, level="token", cap=
 # ================================================================================================ setup
 def check_config(cfg: Config, world: int):
     """What can be checked before any process group or model loads: every rank raises the same UserError."""
-    import data
     positive = {"lr": cfg.lr, "max-response-length": cfg.max_response_length,
                 "max-prompt-length": cfg.max_prompt_length, "temperature": cfg.temperature}  # log-probs divide by it
     for opt, v in positive.items():
@@ -727,23 +727,11 @@ def format_line(m):
 
 
 def main(config_cls=Config, collect=collect_rollouts, demo=DEMO):
-    """The command line. A UserError (a bad option, file, row or reward) ends the run with one `error:` line and
-    exit code 2; anything else is a bug and keeps its traceback."""
+    """The command line: defaults (EasyR1's, or the demo's), an EasyR1 --config, the flags; then train. A UserError
+    (a bad option, file, row or reward) ends the run with one `error:` line and exit code 2."""
     from easyr1_config import cli
-    try:
+    with data.one_line_errors():
         train(cli(config_cls, demo), collect)
-    except UserError as e:
-        # the checks are deterministic: every rank raises the same error and rank 0 speaks for all of them
-        if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
-            from tqdm import tqdm
-            for bar in list(tqdm._instances):
-                bar.close()  # end the progress bar's line first
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(2)  # exiting first would let torchrun stop rank 0 before it prints
-        if dist.is_initialized() and not e.rank_local:  # the others may be inside a collective: just go
-            dist.destroy_process_group()
-        sys.exit(2)
     dist.destroy_process_group()
 
 

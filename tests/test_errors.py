@@ -1,8 +1,9 @@
 """What a user sees when the input is wrong: one `error:` line naming the option, file or row (exit code 2, no
 traceback, printed once under torchrun), and no silent failure. README "When something is wrong" lists these.
 
-The option checks run in this process through grpo.main (they fail before any process group or model); the data
-check, the reward check, the skipped-step stop and torchrun run as the user runs them, in a subprocess."""
+The option checks and the data check run in this process as grpo.py's __main__ runs them (they fail before any
+model loads); the reward check, the skipped-step stop, torchrun and data.py check run as the user runs them, in a
+subprocess."""
 import io
 import json
 import os
@@ -33,6 +34,13 @@ def run(args, nproc=1, script="grpo.py", timeout=600):
                           text=True, timeout=timeout)
 
 
+def grpo_main(argv):
+    """grpo.py's __main__, in this process."""
+    import tyro
+    with data.one_line_errors():
+        grpo.train(tyro.cli(grpo.Config, args=argv))
+
+
 def error_of(p):
     """The one error message of a finished run: exit code 2, a single `error:` and no Python traceback of ours."""
     out = p.stdout + p.stderr
@@ -59,21 +67,19 @@ def error_of(p):
     (["--reward-function", "math", "--reward-function-kwargs", '{"format_weight": 0.5}'],
      "unexpected keyword argument 'format_weight'"),
 ])
-def test_option_errors_are_one_line(args, says, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["grpo.py", "--output-dir", str(tmp_path / "out")] + args)
+def test_option_errors_are_one_line(args, says, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        grpo.main()
+        grpo_main(["--output-dir", str(tmp_path / "out")] + args)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
     assert "Repo id must be" not in err
 
 
-def test_unwritable_output_dir(tmp_path, monkeypatch, capsys):
+def test_unwritable_output_dir(tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
-    monkeypatch.setattr(sys, "argv", ["grpo.py", "--output-dir", str(tmp_path / "a_file" / "out")])
     with pytest.raises(SystemExit):
-        grpo.main()
+        grpo_main(["--output-dir", str(tmp_path / "a_file" / "out")])
     assert capsys.readouterr().err.startswith(f"error: --output-dir {tmp_path / 'a_file' / 'out'}: cannot write there")
 
 
@@ -113,11 +119,10 @@ def bad_parquet(path, n_good=4):
 
 def test_bad_rows_stop_training_before_the_model_loads(tmp_path, monkeypatch, capsys):
     src = bad_parquet(tmp_path / "bad.parquet")
-    monkeypatch.setattr(sys, "argv", ["grpo.py", "--train-files", src, "--output-dir", str(tmp_path / "o")] + SMALL)
     monkeypatch.setattr(grpo.A, "build_actor", None)  # the check must come first: loading a model would crash here
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        grpo.main()
+        grpo_main(["--train-files", src, "--output-dir", str(tmp_path / "o")] + SMALL)
     assert e.value.code == 2
     err = capsys.readouterr().err  # (after the datasets library's progress bar for reading the file)
     assert err.count("error: ") == 1 and "Traceback" not in err
