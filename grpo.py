@@ -664,6 +664,7 @@ def train(cfg: Config, collect=collect_rollouts):
     if ctx.done:
         return ctx
     print_batch_arithmetic(ctx)
+    dist.barrier()  # every rank has read the folder (find_resume) before rank 0 changes it
     if ctx.rank == 0:  # logs cut back to the resumed step, config.json for a new run
         rundir.prepare(cfg, ctx.start_step, ctx.ckpt)
     dist.barrier()
