@@ -12,6 +12,8 @@ import typing
 
 import yaml
 
+from data import UserError
+
 
 def _off(v):  # EasyR1's -1 means off / unlimited; here that is 0
     return 0 if v == -1 else v
@@ -283,13 +285,13 @@ def translate(config, cls):
             except ValueError as e:
                 errors.append(f"{k}={y[k]!r}: {e}")
     if errors:
-        raise ValueError("EasyR1 config: " + "; ".join(errors))  # UserError
+        raise UserError("EasyR1 config: " + "; ".join(errors))
     return opts, [f"{', '.join(keys)} ({why})" for why, keys in notes.items()]
 
 
 def load(path, cls):
     if not os.path.isfile(path):
-        raise ValueError(f"--config {path}: no such file")  # UserError
+        raise UserError(f"--config {path}: no such file")
     with open(path) as f:
         return translate(yaml.safe_load(f) or {}, cls)
 

@@ -266,12 +266,14 @@ def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visu
     PeftModel wrapper is dropped: the trainer keeps calling the HF model, whose layers now carry the adapters.
     `modules_to_save` (peft's): modules trained in full next to the adapters, e.g. lm_head."""
     from peft import LoraConfig, get_peft_model
+
+    from data import UserError
     targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
     peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
                                                exclude_modules=exclude_modules or None,
                                                modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
     if not any(p.requires_grad for p in hf.parameters()):
-        raise ValueError(f"--lora-target-modules {target_modules!r} matched no layer")  # UserError
+        raise UserError(f"--lora-target-modules {target_modules!r} matched no layer")
     return peft_model  # (merge.py saves adapter folders through it)
 
 

@@ -15,6 +15,7 @@ import shutil
 from dataclasses import asdict
 
 import fsdp_actor as A
+from data import UserError
 
 # options that may change when a run is resumed: when to stop, validate, save and log, and engine / memory knobs that
 # do not change what is computed. Anything else (data, model, algorithm, batch sizes, seed, ...) must stay the same.
@@ -54,19 +55,19 @@ def find_resume(cfg):
     if cfg.resume == "never":
         held = A.latest_checkpoint(ckpts) or (logs and os.path.join(cfg.output_dir, logs[0]))
         if held:
-            raise ValueError(  # UserError
+            raise UserError(
                 f"--resume never: {cfg.output_dir} already holds a run ({held}); choose a new --output-dir (or "
                 "delete that folder), or continue it with --resume auto")
         return None, None
     ckpt = A.latest_checkpoint(ckpts) if cfg.resume == "auto" else cfg.resume.rstrip("/")
     state = _read_json(os.path.join(ckpt, "trainer_state.json")) if ckpt else None
     if ckpt and state is None:
-        raise ValueError(  # UserError
+        raise UserError(
             f"--resume {ckpt}: not a checkpoint (no trainer_state.json); give auto, never or checkpoints/step_N")
     config_json = os.path.join(cfg.output_dir, "config.json")
     for src, saved in ((ckpt, state and state.get("config")), (config_json, _read_json(config_json))):
         if saved and (diff := config_diff(saved, cfg)):
-            raise ValueError(  # UserError
+            raise UserError(
                 f"{src} belongs to a run with another config ({'; '.join(diff)}): resume it with the same options, "
                 "or start a new run in another --output-dir")
     return ckpt, state
@@ -146,7 +147,7 @@ def open_trackers(cfg, start_step):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ValueError(  # UserError
+            raise UserError(
                 "--logger tensorboard needs the tensorboard package: pip install tensorboard") from None
         # purge_step hides what an earlier attempt logged after the resumed step (all of it when starting over)
         w = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else 0)
@@ -156,7 +157,7 @@ def open_trackers(cfg, start_step):
         try:
             import wandb
         except ImportError:
-            raise ValueError("--logger wandb needs the wandb package: pip install wandb") from None  # UserError
+            raise UserError("--logger wandb needs the wandb package: pip install wandb") from None
         # without credentials (or a network) the run is written offline: `wandb sync` uploads it later
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False) else "offline")
         run = wandb.init(project=cfg.project_name, name=cfg.experiment_name or os.path.basename(
