@@ -75,7 +75,7 @@ class Config:
     micro_batch_size_per_device: int = 64  # samples per forward/backward, at most
     max_token_len_per_device: int = 16384  # padded tokens per forward/backward, at most
     # --- optimisation ---
-    lr: float = 1e-6  # AdamW learning rate (the demo's tiny model, trained from scratch, uses 1e-3)
+    lr: float = 1e-6  # AdamW learning rate; the demo's tiny model, trained from scratch, uses 1e-3
     weight_decay: float = 1e-2  # AdamW's decoupled weight decay
     lr_warmup_steps: int = 0  # optimizer steps of linear warmup, then constant
     max_grad_norm: float = 1.0  # clip the gradient norm; a step with a non-finite norm is skipped
@@ -102,7 +102,7 @@ class Config:
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
     freeze_vision_tower: bool = False  # train the language model only (the vision tower keeps its weights)
     lora_rank: int = 0  # LoRA (peft) rank; 0 = full fine-tuning. With LoRA only adapters train: the vision tower is frozen unless targeted
-    lora_alpha: int = 32  # LoRA scale = alpha / rank
+    lora_alpha: int = 64  # LoRA scale = alpha / rank (EasyR1's default)
     lora_target_modules: str = "all-linear"  # comma-separated module names, or peft's "all-linear"
     lora_exclude_modules: str = r".*visual.*"  # regex of modules left without adapters (vLLM has no vision LoRA)
     lora_modules_to_save: str = ""  # comma-separated modules trained in full beside the adapters (peft's), e.g. lm_head

@@ -86,7 +86,7 @@ def test_example_config_values_and_overrides(capsys):
     assert cfg.output_dir == "checkpoints/easy_r1/qwen2_5_7b_math_grpo"  # EasyR1's rule for the save path
     assert cfg.logger == ["jsonl", "wandb"] and cfg.val_freq == 5 and cfg.save_limit == 3
     out = capsys.readouterr().out
-    assert "defaults: EasyR1; from " in out and "worker.actor.model.lora.alpha=64" in out  # listed, with why
+    assert "defaults: EasyR1; from " in out and "data.val_batch_size=1024 (no option here" in out  # listed, with why
     d = cli(dapo.DAPOConfig, dapo.DEMO, args=["--config", EXAMPLE])
     assert (d.filter_groups, d.filter_key, d.max_try_make_batch) == (False, "overall", 20)
 
@@ -109,7 +109,15 @@ def test_conversions_and_refusals():
     with pytest.raises(ValueError) as e:
         E.translate(y, grpo.Config)
     for part in ("data.typo_key: not an EasyR1 key", "algorithm.kl_penalty='full'", "algorithm.adv_estimator='gae'",
-                 "online_filtering=True: that is DAPO's dynamic sampling", "lora.rank=8: LoRA is not implemented",
+                 "online_filtering=True: that is DAPO's dynamic sampling",
                  "trainer.logger=['mlflow']"):
         assert part in str(e.value), part
     assert "dynamic sampling" not in str(pytest.raises(ValueError, E.translate, y, dapo.DAPOConfig).value)
+
+
+def test_easyr1_lora_block_maps_to_our_lora_options():
+    y = yaml.safe_load(open(EXAMPLE))
+    y["worker"]["actor"]["model"]["lora"].update(rank=8, target_modules="q_proj,v_proj")
+    opts, _ = E.translate(y, grpo.Config)
+    assert (opts["lora_rank"], opts["lora_alpha"], opts["lora_target_modules"], opts["lora_exclude_modules"]) == (
+        8, 64, "q_proj,v_proj", ".*visual.*")
