@@ -579,8 +579,12 @@ def check_main(argv) -> int:
         return (f.name, Annotated[f.type, marker], dataclasses.field(default=f.default) if f.default is not
                 dataclasses.MISSING else dataclasses.field(default_factory=f.default_factory))
     fields = [field(f, None if f.name in DATA_OPTIONS else tyro.conf.Suppress) for f in dataclasses.fields(grpo.Config)]
-    cfg = tyro.cli(dataclasses.make_dataclass("CheckConfig", fields, bases=(grpo.Config,)), args=argv,
-                   prog="data.py check", description=" ".join(check_main.__doc__.split()))
+    Check = dataclasses.make_dataclass("CheckConfig", fields, bases=(grpo.Config,))
+    kw = dict(args=argv, prog="data.py check", description=" ".join(check_main.__doc__.split()))
+    cfg = tyro.cli(Check, **kw)
+    if not cfg.model_path:  # the demo: its data defaults, as grpo.py applies them (a flag still wins)
+        demo = {k: v for k, v in grpo.DEMO.items() if k in DATA_OPTIONS}
+        cfg = tyro.cli(Check, default=dataclasses.replace(Check(), **demo), **kw)
     check_model_path(cfg.model_path)
     import tiny_model
     model_path = cfg.model_path or tiny_model.build_tiny_model()

@@ -125,8 +125,9 @@ class Config:
     config: str | None = None  # an EasyR1 YAML config (examples/config.yaml, unchanged); flags override it
     seed: int = 1  # data order, sampling seeds and initialisation
     log_samples: int = 4  # generations written to samples.jsonl per step
-    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = field(
-        default_factory=lambda: ["console", "jsonl"])  # jsonl is always on; wandb runs offline without an API key
+    logger: Annotated[list[Literal["console", "jsonl", "tensorboard", "wandb"]], tyro.conf.arg(
+        help="experiment trackers; jsonl is always on; wandb runs offline without an API key")] = field(
+        default_factory=lambda: ["console", "jsonl"])
     project_name: str = "vlm_rl"  # for wandb
     experiment_name: str = ""  # for wandb; "" = the output folder's name
     debug_skip_sync: bool = False  # never send new weights to the engine: rollout/logprob_diff_* must then grow

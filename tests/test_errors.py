@@ -35,10 +35,10 @@ def run(args, nproc=1, script="grpo.py", timeout=600):
 
 
 def grpo_main(argv):
-    """grpo.py's __main__, in this process."""
-    import tyro
+    """grpo.py's __main__ (grpo.main), in this process."""
+    from easyr1_config import cli
     with data.one_line_errors():
-        grpo.train(tyro.cli(grpo.Config, args=argv))
+        grpo.train(cli(grpo.Config, grpo.DEMO, args=argv))
 
 
 def error_of(p):
