@@ -2,9 +2,9 @@
 
     python merge.py outputs/demo/checkpoints/step_150 outputs/demo/hf
     python merge.py outputs/run/checkpoints/step_60 outputs/run/hf --model-path Qwen/Qwen2.5-VL-7B-Instruct --dtype float32
-    python merge.py outputs/run/checkpoints/step_60 outputs/run/adapter --adapter-only   # a LoRA run's peft folder
 
-A checkpoint is what grpo.py saves: the FSDP2-sharded model and optimizer through torch.distributed.checkpoint
+With --adapter-only, the checkpoint of a LoRA run (--lora-rank > 0) becomes a peft adapter folder instead
+(PeftModel.from_pretrained(base, folder) loads it). A checkpoint is what grpo.py saves: the FSDP2-sharded model and optimizer through torch.distributed.checkpoint
 (one shard per rank), plus trainer_state.json. Only the model's tensors are read (the optimizer state, twice the
 model's size, stays on disk); no process group and no GPU are needed, whatever the number of ranks that saved it.
 

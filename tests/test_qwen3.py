@@ -162,7 +162,8 @@ def test_qwen3_vl_8b_preset_has_the_real_dimensions():
     ("qwen3", "Qwen3ForCausalLM", "number_reward", False)])
 def test_demo_model_selects_model_task_and_reward(tmp_path, demo, model_cls, reward, images):
     import grpo
-    cfg = grpo.Config(demo_model=demo, kl_coef=0.0, rollout_engine="hf", output_dir=str(tmp_path), resume=False)
+    cfg = grpo.Config(**{**grpo.DEMO, "demo_model": demo, "kl_coef": 0.0, "rollout_engine": "hf",
+                         "output_dir": str(tmp_path), "resume": "never"})  # as grpo.main makes the demo
     ctx = grpo.setup(cfg)
     assert type(ctx.model.hf).__name__.endswith(model_cls) and type(ctx.rollout.model).__name__ == model_cls
     assert ctx.reward_fn.__name__ == reward
