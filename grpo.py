@@ -31,7 +31,7 @@ class Config:
     # --- model and data (empty model_path / train_files = the built-in demo) ---
     model_path: str = ""  # HF hub name or local folder; "" builds the tiny demo VLM in code
     # the tiny model built when model_path is "" (and its task when train_files is ""): qwen2_5_vl and qwen3_vl
-    # answer the colour task, the text-only qwen3 the sum task (with the number reward)
+    # answer the colour task, the text-only qwen3 the comparison task (with TEXT_DEMO's settings)
     demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3"] = "qwen2_5_vl"
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""
@@ -96,6 +96,12 @@ class Config:
     seed: int = 1
     log_samples: int = 4  # generations written to samples.jsonl per step
     debug_skip_sync: bool = False  # never send new weights to the engine: rollout/logprob_diff_* must then grow
+
+
+# The text demo's settings, applied where an option is left at its default: its own reward; answers of one digit,
+# i.e. one token; and groups of 64, which keep every digit sampled (with 16 the tiny policy settles on a few digits
+# before it has learned to read the question, and a digit it never samples again is never learned).
+TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=64)
 
 
 # ================================================================================================ algorithm
@@ -203,16 +209,18 @@ def setup(cfg: Config):
         dist.barrier()
         ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model)
     train_files, val_files = cfg.train_files, cfg.val_files
-    fmt, reward = cfg.format_prompt, cfg.reward_function
+    fmt = cfg.format_prompt
     if not train_files:
         text_demo = cfg.demo_model == "qwen3"
-        make = data.demo_sum_data if text_demo else data.demo_data
+        for k, v in (TEXT_DEMO.items() if text_demo else ()):
+            if getattr(cfg, k) == getattr(Config, k):
+                setattr(cfg, k, v)
+        make = data.demo_compare_data if text_demo else data.demo_data
         if rank == 0:
             make()
         dist.barrier()
         train_files, val_files = make()
-        fmt = fmt if fmt is not None else data.SUM_FORMAT_PROMPT if text_demo else data.DEMO_FORMAT_PROMPT
-        reward = "number" if text_demo and reward == "color" else reward  # the colour default means "the demo's"
+        fmt = fmt if fmt is not None else data.NUMBER_FORMAT_PROMPT if text_demo else data.DEMO_FORMAT_PROMPT
     ctx.processor = data.load_processor(ctx.model_path, cfg.min_pixels, cfg.max_pixels)
     ctx.tokenizer = getattr(ctx.processor, "tokenizer", ctx.processor)
     ctx.pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
@@ -225,7 +233,7 @@ def setup(cfg: Config):
     if len(ctx.train) < cfg.rollout_batch_size:
         raise ValueError(f"{train_files}: {len(ctx.train)} usable prompts < rollout_batch_size="
                          f"{cfg.rollout_batch_size}; lower --rollout-batch-size or add data")
-    ctx.reward_fn = rewards.get_reward_fn(reward)
+    ctx.reward_fn = rewards.get_reward_fn(cfg.reward_function)
     # --- policy (fp32 master weights), reference (frozen, compute dtype), rollout engine (its own weights) ---
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32

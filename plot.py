@@ -16,6 +16,8 @@ class Args:
     out: str = "reward.png"
     labels: list[str] = field(default_factory=list)
     title: str = "reward (train: sampled, temperature 1; val: greedy, unseen images)"
+    chance: float = 0.25  # where the dotted chance line goes (1 of 4 colours); 0 = no line
+    chance_label: str = "chance (1 of 4 colours)"
 
 
 def main(a: Args):
@@ -31,7 +33,8 @@ def main(a: Args):
         line, = ax.plot(*zip(*train), lw=1, alpha=0.8, label=f"{label} train")
         if val:
             ax.plot(*zip(*val), "o-", color=line.get_color(), ms=3, label=f"{label} val")
-    ax.axhline(0.25, color="grey", ls=":", lw=1, label="chance (1 of 4 colours)")
+    if a.chance:
+        ax.axhline(a.chance, color="grey", ls=":", lw=1, label=a.chance_label)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)

@@ -112,9 +112,9 @@ def test_qwen3_text_model_end_to_end_pieces(tmp_path):
     path = tiny_model.build_tiny_model(str(tmp_path / "q3"), arch="qwen3")
     tok = data.load_processor(path)
     assert not hasattr(tok, "image_processor")  # a tokenizer: no vision inputs anywhere
-    train, _ = data.demo_sum_data(str(tmp_path / "sum"), n_train=6, n_val=2)
+    train, _ = data.demo_compare_data(str(tmp_path / "cmp"), n_train=6, n_val=2)
     assert data.load_rows(train).column_names == ["problem", "answer"]  # no images column
-    ds = data.PromptDataset(train, tok, format_prompt=data.SUM_FORMAT_PROMPT)
+    ds = data.PromptDataset(train, tok, format_prompt=data.NUMBER_FORMAT_PROMPT)
     eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
     prompts = [ds[0], ds[1], ds[2]]
     out = eng.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=5, seeds=[0, 1, 2])
@@ -168,3 +168,26 @@ def test_demo_model_selects_model_task_and_reward(tmp_path, demo, model_cls, rew
     assert ctx.reward_fn.__name__ == reward
     assert bool(ctx.train[0]["mm_inputs"]) == images and bool(ctx.val[0]["mm_inputs"]) == images
     assert hasattr(ctx.processor, "image_processor") == images
+    # the text demo's own settings where the options were left at their defaults; the colour demos keep theirs
+    assert (ctx.cfg.n, ctx.cfg.max_response_length) == ((16, 4) if images else (64, 1))
+    if not images:
+        assert grpo.setup(grpo.Config(demo_model=demo, n=8, kl_coef=0.0, rollout_engine="hf", resume=False,
+                                      output_dir=str(tmp_path))).cfg.n == 8  # a value given is kept
+
+
+def test_compare_task_rows(tmp_path):
+    """The text demo's rows: the answer is the larger digit, both orders of all 45 pairs occur, no answer dominates
+    (a constant answer must not pay), and validation rows are other draws than the training rows."""
+    import re
+    train, val = data.demo_compare_data(str(tmp_path), n_train=1000, n_val=100)
+    rows = {p: list(data.load_rows(p)) for p in (train, val)}
+    for path, rs in rows.items():
+        for row in rs:
+            a, b = map(int, re.fullmatch(r"Which is larger, (\d) or (\d)\?", row["problem"]).groups())
+            assert a != b and row["answer"] == str(max(a, b))
+    questions = {r["problem"] for r in rows[train]}
+    assert len(questions) == 90  # every pair, both orders
+    answers = [r["answer"] for r in rows[train]]
+    assert sorted(set(answers)) == [str(d) for d in range(1, 10)]
+    assert max(answers.count(str(d)) for d in range(1, 10)) < 0.15 * len(answers)  # uniform: 1/9 each
+    assert [r["problem"] for r in rows[val]] != [r["problem"] for r in rows[train]][:100]

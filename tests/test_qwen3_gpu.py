@@ -39,8 +39,8 @@ def vl_prompts(path):
 def text_prompts(path):
     import data
     tok = data.load_processor(path)
-    return [data.encode_prompt({"problem": data.SUM_QUESTION.format(a=a, b=b), "answer": str(a + b)}, tok,
-                               format_prompt=data.SUM_FORMAT_PROMPT) for a, b in ((3, 4), (9, 8), (0, 5), (6, 6))]
+    return [data.encode_prompt({"problem": data.COMPARE_QUESTION.format(a=a, b=b), "answer": str(max(a, b))}, tok,
+                               format_prompt=data.NUMBER_FORMAT_PROMPT) for a, b in ((3, 4), (9, 8), (0, 5), (6, 2))]
 
 
 def mean_logprob_diff(eng, ref, recs, temperature=0.7):
