@@ -72,6 +72,21 @@ def test_qwen3_vl_logprobs_match_plain_hf_forward(qwen3_vl, monkeypatch):
     assert seen[0] == 5  # the first (single) micro-batch: each distinct image once, not once per sample
 
 
+def test_qwen3_vl_text_only_micro_batch(qwen3_vl):
+    """A micro-batch without images still runs the vision tower (a blank image, times 0: every rank runs the same
+    FSDP units) and gives the plain forward's log-probs; the deepstack mergers get a (zero) gradient too."""
+    path, proc, samples = qwen3_vl
+    text = [s for s in samples if not s["prompt"]["mm_inputs"]]
+    model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False)
+    batch, resp_len = A.collate(text, proc.tokenizer.pad_token_id, CPU)
+    lp, _ = model(**batch)
+    for a, b in zip(lp.split(resp_len.tolist()), reference_logprobs(path, text, proc.tokenizer.pad_token_id)):
+        assert torch.allclose(a.double(), b, atol=2e-5)
+    lp.sum().backward()
+    grads = {n: q.grad for n, q in model.named_parameters() if ".deepstack_merger_list." in n}
+    assert grads and all(g is not None and float(g.full_tensor().abs().sum()) == 0 for g in grads.values())
+
+
 def test_qwen3_vl_hf_engine_generates_what_the_trainer_scores(qwen3_vl):
     """The HF engine samples with a KV cache (its positions continue from the image's 3-D ones); the log-probs it
     reports must be the trainer's full-forward recomputation of the same tokens, single- and two-image prompts."""
