@@ -1,4 +1,4 @@
-"""Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour and sum tasks.
+"""Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour and comparison tasks.
 
 Rows follow EasyR1: a `problem` text (with optional `<image>` placeholders), an `answer` and an
 `images` list. encode_prompt turns one row into the prompt record of the shared spec:
@@ -34,8 +34,8 @@ COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220),
 SHAPES = ("circle", "square", "triangle")
 COLOR_QUESTION = "<image>What is the main color of the picture?"
 DEMO_FORMAT_PROMPT = "{{ content }} Answer with one word."
-SUM_QUESTION = "What is {a} + {b}?"
-SUM_FORMAT_PROMPT = "{{ content }} Answer with a number."
+COMPARE_QUESTION = "Which is larger, {a} or {b}?"
+NUMBER_FORMAT_PROMPT = "{{ content }} Answer with a number."
 
 
 class UserError(ValueError):
@@ -512,23 +512,26 @@ def demo_data(data_dir=None, n_train=2000, n_val=200):
     return train, val
 
 
-def sum_pairs(seed=0, n_val_pairs=20):
-    """The 100 single-digit pairs (a, b), split once: (train pairs, validation pairs). Validation asks sums the
-    policy never saw in training, so passing it takes addition, not a memorised table."""
-    pairs = [(a, b) for a in range(10) for b in range(10)]
-    random.Random(seed).shuffle(pairs)
-    return pairs[n_val_pairs:], pairs[:n_val_pairs]
+
+COMPARE_PAIRS = [(a, b) for a in range(10) for b in range(a + 1, 10)]  # the 45 pairs of different digits
 
 
-def make_sum_dataset(out_path: str, pairs, n_rows: int, seed: int) -> str:
-    """Text-only rows (problem, answer; no images column) of the sum task, drawn from `pairs`; written atomically."""
+def make_compare_dataset(out_path: str, pairs, n_rows: int, seed: int) -> str:
+    """Text-only rows (problem, answer; no images column) of the text demo's task, drawn from `pairs` (either order).
+    The answer is uniform over the larger digits the pairs allow, so no constant answer pays (a tiny policy would
+    otherwise settle on always saying 9). Written atomically."""
     import datasets
     rng = random.Random(seed)
+    by_max = {}
+    for a, b in pairs:
+        by_max.setdefault(max(a, b), []).append((a, b))
     rows = {"problem": [], "answer": []}
     for _ in range(n_rows):
-        a, b = rng.choice(pairs)
-        rows["problem"].append(SUM_QUESTION.format(a=a, b=b))
-        rows["answer"].append(str(a + b))
+        a, b = rng.choice(by_max[rng.choice(sorted(by_max))])
+        if rng.random() < 0.5:
+            a, b = b, a
+        rows["problem"].append(COMPARE_QUESTION.format(a=a, b=b))
+        rows["answer"].append(str(max(a, b)))
     out_path = os.path.abspath(os.path.expanduser(out_path))
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
@@ -542,16 +545,17 @@ def make_sum_dataset(out_path: str, pairs, n_rows: int, seed: int) -> str:
     return out_path
 
 
-def demo_sum_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the text demo's task, "What is a + b?" for single digits; created once. The
-    validation rows ask only the held-out pairs of sum_pairs."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/sum-v1")
+def demo_compare_data(data_dir=None, n_train=2000, n_val=200):
+    """(train_path, val_path) of the text demo's task, "Which is larger, a or b?" for two different digits; created
+    once. Validation draws fresh rows (another seed) from the same 90 questions: it measures the learned comparison
+    on every question, not generalisation to unseen pairs (the tiny policy learns a table: holding 9 of the 45 pairs
+    out of training, it answered 57% of them right while it answered the trained ones all right)."""
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/compare-v1")
     train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
-    train_pairs, val_pairs = sum_pairs()
     if not os.path.isfile(train):
-        make_sum_dataset(train, train_pairs, n_train, seed=0)
+        make_compare_dataset(train, COMPARE_PAIRS, n_train, seed=0)
     if not os.path.isfile(val):
-        make_sum_dataset(val, val_pairs, n_val, seed=1)
+        make_compare_dataset(val, COMPARE_PAIRS, n_val, seed=1)
     return train, val
 
 

@@ -153,7 +153,7 @@ class LogProbModel(nn.Module):
         starts = [sum(counts[:i]) for i in range(len(counts))]
         order = [j for i in owner for j in range(starts[i], starts[i] + counts[i])]  # the images as the rows show them
 
-        def per_row(x):  # all distinct images' tokens ([N, H], or split per image) -> all rows' image tokens [N_rows, H]
+        def per_row(x):  # distinct images' tokens ([N, H], or split per image) -> the rows' image tokens [N_rows, H]
             x = x.split(sizes) if isinstance(x, torch.Tensor) else x  # transformers 5.17 returns deepstack unsplit
             return torch.cat([x[j] for j in order])
 

@@ -5,6 +5,10 @@
 #   b: 2 GPUs under torchrun: demo at TP 1 (two data-parallel engines) and at TP 2; the trainer's GPU tests (TESTS_TIMEOUT)
 #   s1, s2, s3: session 3's calls (see each below)
 #   p: the trainer alone on the 3B bench (no engine, no vLLM needed): phase seconds + the last step's kernel table
+#   q: Qwen3: [GPU0] the Qwen3-VL demo with vLLM, then tests/test_qwen3_gpu.py (engine checks, deepstack-only sync,
+#      both Qwen3 demos' log-prob agreement)
+#   q8: 2 GPUs under torchrun: the Qwen3-VL-8B-shaped benchmark (8.77B parameters: fp32 weights, gradients and AdamW
+#      state are 140 GB, more than one H200 holds; FSDP over 2 GPUs halves it)
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
 export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -76,4 +80,14 @@ s3)  # call 3: [GPU0] the Qwen3-VL demo with vLLM  ||  [GPU1] the Qwen3-VL-8B-sh
   CUDA_VISIBLE_DEVICES=0 timeout ${DEMO_TIMEOUT:-450} python grpo.py $DEMO --demo-model qwen3_vl --output-dir /tmp/q3vl \
     ${DEMO_ARGS:-} > "$OUT/q3vl_demo.log" 2>&1; cp /tmp/q3vl/metrics.jsonl "$OUT/q3vl_demo.jsonl"
   tail -c 400 "$OUT/q3vl_demo.log"; wait; tail -c 600 "$OUT/bench8b.log" ;;
+q)  # Qwen3-VL and Qwen3 (tiny) on one GPU
+  python -c "import tiny_model, data; [tiny_model.build_tiny_model(arch=a) for a in ('qwen3_vl', 'qwen3')]; data.demo_compare_data()"
+  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO1_TIMEOUT:-300} python grpo.py $DEMO --demo-model qwen3_vl --output-dir /tmp/q3vl \
+    ${DEMO1_ARGS:-} > "$OUT/q3vl.log" 2>&1; cp /tmp/q3vl/metrics.jsonl "$OUT/q3vl_metrics.jsonl"; tail -c 300 "$OUT/q3vl.log"
+  CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-500} python -m pytest -m gpu -q -s tests/test_qwen3_gpu.py \
+    > "$OUT/q3_gpu_tests.log" 2>&1; tail -3 "$OUT/q3_gpu_tests.log" ;;
+q8)  # the Qwen3-VL-8B-shaped benchmark on 2 GPUs (one engine per GPU)
+  timeout ${BENCH_TIMEOUT:-530} torchrun --standalone --nproc_per_node 2 bench.py --preset qwen3_vl_8b \
+    --max-steps ${BENCH_STEPS:-3} --gpu-memory-utilization 0.3 --output-dir /tmp/bench8b ${BENCH_ARGS:-} > "$OUT/bench8b.log" 2>&1
+  cp /tmp/bench8b/metrics.jsonl "$OUT/bench8b_metrics.jsonl"; tail -2 "$OUT/bench8b.log" ;;
 esac

@@ -244,9 +244,11 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
     video = {k: cfg[k] for k in ("image_mean", "image_std", "do_convert_rgb", "do_normalize",
                                  "do_rescale", "do_resize", "rescale_factor", "resample",
                                  "patch_size", "temporal_patch_size", "merge_size")}
-    video.update(video_processor_type="Qwen3VLVideoProcessor" if arch == "qwen3_vl" else "Qwen2VLVideoProcessor",
-                 processor_class=proc_class,
+    video.update(video_processor_type="Qwen2VLVideoProcessor", processor_class=proc_class,
                  min_pixels=min_pixels, max_pixels=max_pixels, size=size)
+    if arch == "qwen3_vl":  # its own video processor, which knows only `size` (as in the Qwen3-VL repos)
+        del video["min_pixels"], video["max_pixels"]
+        video["video_processor_type"] = "Qwen3VLVideoProcessor"
     _write_json(os.path.join(out, "video_preprocessor_config.json"), video)
     if not os.path.isfile(os.path.join(out, "chat_template.jinja")):  # older tokenizers embed it
         with open(os.path.join(out, "chat_template.jinja"), "w") as f:

@@ -72,6 +72,21 @@ def test_qwen3_vl_logprobs_match_plain_hf_forward(qwen3_vl, monkeypatch):
     assert seen[0] == 5  # the first (single) micro-batch: each distinct image once, not once per sample
 
 
+def test_qwen3_vl_text_only_micro_batch(qwen3_vl):
+    """A micro-batch without images still runs the vision tower (a blank image, times 0: every rank runs the same
+    FSDP units) and gives the plain forward's log-probs; the deepstack mergers get a (zero) gradient too."""
+    path, proc, samples = qwen3_vl
+    text = [s for s in samples if not s["prompt"]["mm_inputs"]]
+    model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False)
+    batch, resp_len = A.collate(text, proc.tokenizer.pad_token_id, CPU)
+    lp, _ = model(**batch)
+    for a, b in zip(lp.split(resp_len.tolist()), reference_logprobs(path, text, proc.tokenizer.pad_token_id)):
+        assert torch.allclose(a.double(), b, atol=2e-5)
+    lp.sum().backward()
+    grads = {n: q.grad for n, q in model.named_parameters() if ".deepstack_merger_list." in n}
+    assert grads and all(g is not None and float(g.full_tensor().abs().sum()) == 0 for g in grads.values())
+
+
 def test_qwen3_vl_hf_engine_generates_what_the_trainer_scores(qwen3_vl):
     """The HF engine samples with a KV cache (its positions continue from the image's 3-D ones); the log-probs it
     reports must be the trainer's full-forward recomputation of the same tokens, single- and two-image prompts."""
@@ -112,9 +127,9 @@ def test_qwen3_text_model_end_to_end_pieces(tmp_path):
     path = tiny_model.build_tiny_model(str(tmp_path / "q3"), arch="qwen3")
     tok = data.load_processor(path)
     assert not hasattr(tok, "image_processor")  # a tokenizer: no vision inputs anywhere
-    train, _ = data.demo_sum_data(str(tmp_path / "sum"), n_train=6, n_val=2)
+    train, _ = data.demo_compare_data(str(tmp_path / "cmp"), n_train=6, n_val=2)
     assert data.load_rows(train).column_names == ["problem", "answer"]  # no images column
-    ds = data.PromptDataset(train, tok, format_prompt=data.SUM_FORMAT_PROMPT)
+    ds = data.PromptDataset(train, tok, format_prompt=data.NUMBER_FORMAT_PROMPT)
     eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
     prompts = [ds[0], ds[1], ds[2]]
     out = eng.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=5, seeds=[0, 1, 2])
@@ -162,10 +177,33 @@ def test_qwen3_vl_8b_preset_has_the_real_dimensions():
     ("qwen3", "Qwen3ForCausalLM", "number_reward", False)])
 def test_demo_model_selects_model_task_and_reward(tmp_path, demo, model_cls, reward, images):
     import grpo
-    cfg = grpo.Config(**{**grpo.DEMO, "demo_model": demo, "kl_coef": 0.0, "rollout_engine": "hf",
-                         "output_dir": str(tmp_path), "resume": "never"})  # as grpo.main makes the demo
-    ctx = grpo.setup(cfg)
+    from easyr1_config import cli
+    args = ["--demo-model", demo, "--kl-coef", "0", "--rollout-engine", "hf", "--output-dir", str(tmp_path),
+            "--resume", "never"]
+    ctx = grpo.setup(cli(grpo.Config, grpo.DEMO, args=args, text_demo=grpo.TEXT_DEMO))  # as grpo.main makes it
     assert type(ctx.model.hf).__name__.endswith(model_cls) and type(ctx.rollout.model).__name__ == model_cls
     assert ctx.reward_fn.__name__ == reward
     assert bool(ctx.train[0]["mm_inputs"]) == images and bool(ctx.val[0]["mm_inputs"]) == images
     assert hasattr(ctx.processor, "image_processor") == images
+    # the text demo's own settings where the options were left at their defaults; the colour demos keep theirs
+    assert (ctx.cfg.n, ctx.cfg.max_response_length) == ((16, 4) if images else (64, 1))
+    if not images:
+        assert cli(grpo.Config, grpo.DEMO, args=args + ["--rollout-n", "8"], text_demo=grpo.TEXT_DEMO).n == 8
+
+
+def test_compare_task_rows(tmp_path):
+    """The text demo's rows: the answer is the larger digit, both orders of all 45 pairs occur, no answer dominates
+    (a constant answer must not pay), and validation rows are other draws than the training rows."""
+    import re
+    train, val = data.demo_compare_data(str(tmp_path), n_train=1000, n_val=100)
+    rows = {p: list(data.load_rows(p)) for p in (train, val)}
+    for path, rs in rows.items():
+        for row in rs:
+            a, b = map(int, re.fullmatch(r"Which is larger, (\d) or (\d)\?", row["problem"]).groups())
+            assert a != b and row["answer"] == str(max(a, b))
+    questions = {r["problem"] for r in rows[train]}
+    assert len(questions) == 90  # every pair, both orders
+    answers = [r["answer"] for r in rows[train]]
+    assert sorted(set(answers)) == [str(d) for d in range(1, 10)]
+    assert max(answers.count(str(d)) for d in range(1, 10)) < 0.15 * len(answers)  # uniform: 1/9 each
+    assert [r["problem"] for r in rows[val]] != [r["problem"] for r in rows[train]][:100]
