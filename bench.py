@@ -22,6 +22,7 @@ import json
 import os
 import random
 import sys
+import time
 from dataclasses import replace
 
 import grpo
@@ -183,12 +184,20 @@ def run(cfg, trainer_only=False, profile=False, workload="forced"):
                                                         if torch.cuda.is_available() else [])
         prof = torch.profiler.profile(activities=acts)
 
-    def collect(ctx, step, metrics):
+    t_prof = []
+
+    def collect(ctx, step, metrics):  # the profiled span's wall time too: the GPU's busy share
         if prof is not None and step == cfg.max_steps - 1:
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            t_prof.append(time.perf_counter())
             prof.start()  # from here to the end of train(): the last step's collect, log-probs and update
         return base(ctx, step, metrics)
 
     grpo.train(cfg, collect=collect)
+    wall = 0.0
+    if t_prof:
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        wall = time.perf_counter() - t_prof[0]
     summary = {}
     if rank == 0:
         summary = summarize(os.path.join(cfg.output_dir, "metrics.jsonl"))
@@ -196,8 +205,11 @@ def run(cfg, trainer_only=False, profile=False, workload="forced"):
         prof.stop()
         if rank == 0:
             key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            avg = prof.key_averages()
+            busy = sum(getattr(e, key) for e in avg) / 1e6  # seconds of kernels (device) or of ops (CPU)
             with open(os.path.join(cfg.output_dir, "profile.txt"), "w") as f:
-                f.write(prof.key_averages().table(sort_by=key, row_limit=60))
+                f.write(f"profiled wall {wall:.2f} s, {key} {busy:.2f} s: busy {busy / max(wall, 1e-9):.0%}\n")
+                f.write(avg.table(sort_by=key, row_limit=60))
     return summary
 
 

@@ -73,6 +73,7 @@ class LogProbModel(nn.Module):
         self.rope = ("mrope" if cfg.model_type in ("qwen2_vl", "qwen2_5_vl") else
                      "1d" if getattr(cfg, "vision_config", None) is None else None)
         self.packed = False  # build_actor: True when this model trains padding-free (one packed row per micro-batch)
+        self.chunk_logprobs = _chunk_logprobs  # build_actor: its compiled twin with --torch-compile
 
     def forward(self, input_ids, resp_idx, targets, mm_inputs, owner=None, position_ids=None, varlen=None,
                 temperature=1.0, chunk_size=4096):
@@ -86,10 +87,10 @@ class LogProbModel(nn.Module):
         logps, ents = [], []
         for hc, tc in zip(h.split(chunk_size), targets.split(chunk_size)):
             if torch.is_grad_enabled():  # recompute the chunk's logits in backward instead of keeping them
-                lp, ent = checkpoint(_chunk_logprobs, hc, tc, head.weight, temperature, self.forbidden,
+                lp, ent = checkpoint(self.chunk_logprobs, hc, tc, head.weight, temperature, self.forbidden,
                                      use_reentrant=False)
             else:
-                lp, ent = _chunk_logprobs(hc, tc, head.weight, temperature, self.forbidden)
+                lp, ent = self.chunk_logprobs(hc, tc, head.weight, temperature, self.forbidden)
             logps.append(lp)
             ents.append(ent)
         return torch.cat(logps), torch.cat(ents)  # [n], [n]
@@ -216,13 +217,15 @@ def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
 
 
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
-                trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto"):
+                trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto",
+                torch_compile="off"):
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
     r, alpha, target_modules, exclude_modules, modules_to_save (see add_lora). padding_free / vision_varlen:
     "auto" (on where a fast variable-length kernel runs: CUDA, bf16/fp16), "on" (also on CPU, through the plain
-    reference path: for tests) or "off" (transformers' own attention)."""
+    reference path: for tests) or "off" (transformers' own attention). torch_compile: fused elementwise kernels
+    (varlen.compile_elementwise), "auto" = on for CUDA in bf16/fp16."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
@@ -246,6 +249,9 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
         add_lora(hf, **lora)
     model = LogProbModel(hf)
     model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
+    if torch_compile == "on" or (torch_compile == "auto" and device.type == "cuda"
+                                 and param_dtype in (torch.bfloat16, torch.float16)):
+        model.chunk_logprobs, _ = varlen.compile_elementwise(hf, _chunk_logprobs)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks = set(getattr(hf, "_no_split_modules", None) or [])

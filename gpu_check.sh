@@ -9,6 +9,9 @@
 #      both Qwen3 demos' log-prob agreement)
 #   q8: 2 GPUs under torchrun: the Qwen3-VL-8B-shaped benchmark (8.77B parameters: fp32 weights, gradients and AdamW
 #      state are 140 GB, more than one H200 holds; FSDP over 2 GPUs halves it)
+#   t: the trainer alone on the 3B bench, 16 prompts x 8 x 1024 (no vLLM needed; ~8 min on nvidia-h200-x2): [GPU0]
+#      --torch-compile off, profiled, then on without gradient checkpointing (8192-token micro-batches)  ||  [GPU1]
+#      --torch-compile on, profiled
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
 export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -90,4 +93,17 @@ q8)  # the Qwen3-VL-8B-shaped benchmark on 2 GPUs (one engine per GPU)
   timeout ${BENCH_TIMEOUT:-530} torchrun --standalone --nproc_per_node 2 bench.py --preset qwen3_vl_8b \
     --max-steps ${BENCH_STEPS:-3} --gpu-memory-utilization 0.3 --output-dir /tmp/bench8b ${BENCH_ARGS:-} > "$OUT/bench8b.log" 2>&1
   cp /tmp/bench8b/metrics.jsonl "$OUT/bench8b_metrics.jsonl"; tail -2 "$OUT/bench8b.log" ;;
+t)  # speed probe of the trainer (issue 11): fused elementwise kernels on/off, each run's last step profiled
+  timeout 200 python bench.py --preset qwen2_5_vl_3b --prepare-only > "$OUT/t_prepare.log" 2>&1; tail -1 "$OUT/t_prepare.log"
+  tprobe() {  # tprobe NAME GPU ARGS...
+    local name=$1 gpu=$2; shift 2
+    CUDA_VISIBLE_DEVICES=$gpu timeout ${T_TIMEOUT:-200} python bench.py --preset qwen2_5_vl_3b --trainer-only --max-steps 3 \
+      --rollout-batch-size 16 --global-batch-size 16 --output-dir /tmp/$name "$@" > "$OUT/$name.log" 2>&1
+    cp /tmp/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl"; cp /tmp/$name/profile.txt "$OUT/${name}_profile.txt" 2>/dev/null
+    echo "$name: $(grep -o 'BENCH_RESULT.*' "$OUT/$name.log" | head -c 600)"
+  }
+  (tprobe t_compile_on 1 --profile --torch-compile on) &
+  tprobe t_compile_off 0 --profile --torch-compile off
+  tprobe t_compile_on_nockpt 0 --torch-compile on --no-gradient-checkpointing --max-token-len-per-device 8192
+  wait ;;
 esac

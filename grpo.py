@@ -110,6 +110,7 @@ class Config:
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     padding_free: Literal["auto", "on", "off"] = "auto"  # one packed row per micro-batch (varlen attention); auto: where a fast kernel runs
     vision_varlen: Literal["auto", "on", "off"] = "auto"  # the vision tower's windows in one attention call per layer
+    torch_compile: Literal["auto", "on", "off"] = "auto"  # fused norms/MLP/rotary/log-prob kernels; auto: CUDA bf16
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)
     peak_tflops: float = 989.0  # per GPU, for perf/mfu_*: H100/H200 dense bf16 (the figure veRL and EasyR1 use)
     # --- trainer ---
@@ -346,12 +347,14 @@ def setup(cfg: Config):
     ctx.model = A.build_actor(ctx.model_path, device, torch.float32, ctx.compute_dtype,
                               cfg.gradient_checkpointing, cfg.attn_implementation,
                               freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora,
-                              padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen)
+                              padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
+                              torch_compile=cfg.torch_compile)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = A.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
                                 attn_implementation=cfg.attn_implementation, trainable=False,
-                                padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen)
+                                padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
+                                torch_compile=cfg.torch_compile)
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
                                            device)
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,

@@ -227,3 +227,28 @@ def test_text_only_batch_after_an_image_batch_uses_plain_positions():
         model(**A.collate(samples[:4], pad, torch.device("cpu"))[0])  # no model given: the HF model's own positions
         lp, _ = model(**A.collate(text, pad, torch.device("cpu"))[0])
     assert torch.allclose(lp.double(), reference_logprobs(path, text, pad)[0], atol=2e-5)
+
+
+def test_compiled_elementwise_kernels_equal_the_plain_modules(tmp_path, monkeypatch):
+    """--torch-compile on: the norms, gated MLPs, rotary functions and the log-prob chunk compiled by inductor give
+    the plain path's log-probs and gradients (float64, packed rows with images and without)."""
+    import sys
+    A.init_distributed()
+    path = tiny_model.build_tiny_model(arch="qwen2_5_vl")
+    samples, pad = _samples(path)
+    mod = sys.modules[type(A.load_hf_model(path)).__module__]
+    for fn in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_vision"):  # undone after the test
+        monkeypatch.setattr(mod, fn, getattr(mod, fn))
+    lp0, g0 = _grads(path, samples, pad, True, torch.float64)
+    built = A.build_actor
+    monkeypatch.setattr(A, "build_actor", lambda *a, **kw: built(*a, **kw, torch_compile="on"))
+    lp1, g1 = _grads(path, samples, pad, True, torch.float64)
+    model = A.build_actor(path, torch.device("cpu"), torch.float64, torch.float64)
+    compiled = [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    assert any(n.endswith("mlp") for n in compiled) and any(n.endswith("norm") for n in compiled), compiled
+    assert model.chunk_logprobs is not A._chunk_logprobs and hasattr(mod.apply_rotary_pos_emb, "_torchdynamo_orig_callable")
+    for a, b in zip(lp0, lp1):
+        assert torch.allclose(a, b, atol=1e-10), (a, b)
+    assert g0.keys() == g1.keys()
+    for n in g0:  # transformers' RMSNorm rounds to fp32 inside even in float64: fused, it rounds elsewhere
+        assert (g0[n] - g1[n]).abs().max() <= 1e-6 * g0[n].abs().max(), n
