@@ -92,7 +92,7 @@ def defaults(workdir, model_path, data_path):
         format_prompt="{{ content }} Put the final answer in \\boxed{}.",
         max_prompt_length=1024, max_response_length=1024, min_pixels=3136, max_pixels=512 * 512,
         rollout_batch_size=64, global_batch_size=64, n=8, temperature=1.0, lr=1e-6, kl_coef=1e-2,
-        micro_batch_size_per_device=64, max_token_len_per_device=32768, gpu_memory_utilization=0.5,
+        micro_batch_size_per_device=256, max_token_len_per_device=65536, gpu_memory_utilization=0.5,
         max_num_batched_tokens=16384, max_steps=3, val_freq=0, save_freq=-1, resume="never",
         output_dir=os.path.join(workdir, "run"))
 
@@ -206,7 +206,9 @@ def run(cfg, trainer_only=False, profile=False, workload="forced"):
         if rank == 0:
             key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             avg = prof.key_averages()
-            busy = sum(getattr(e, key) for e in avg) / 1e6  # seconds of kernels (device) or of ops (CPU)
+            # seconds of kernels (device events only: an aten op's device time repeats its kernels'), or of CPU ops
+            busy = sum(getattr(e, key) for e in avg if not torch.cuda.is_available()
+                       or e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
             with open(os.path.join(cfg.output_dir, "profile.txt"), "w") as f:
                 f.write(f"profiled wall {wall:.2f} s, {key} {busy:.2f} s: busy {busy / max(wall, 1e-9):.0%}\n")
                 f.write(avg.table(sort_by=key, row_limit=60))

@@ -9,9 +9,12 @@
 #      both Qwen3 demos' log-prob agreement)
 #   q8: 2 GPUs under torchrun: the Qwen3-VL-8B-shaped benchmark (8.77B parameters: fp32 weights, gradients and AdamW
 #      state are 140 GB, more than one H200 holds; FSDP over 2 GPUs halves it)
-#   t: the trainer alone on the 3B bench, 16 prompts x 8 x 1024 (no vLLM needed; ~8 min on nvidia-h200-x2): [GPU0]
-#      --torch-compile off, profiled, then on without gradient checkpointing (8192-token micro-batches)  ||  [GPU1]
-#      --torch-compile on, profiled
+#   t: the trainer alone on the 3B bench, 16 prompts x 8 x 1024 (no vLLM needed; ~7 min on nvidia-h200-x2): [GPU0]
+#      --torch-compile on (32k-token micro-batches, profiled), then on with 64k  ||  [GPU1] off with 64k (profiled),
+#      then on without gradient checkpointing (16k)
+#   f: session 4's final call: [GPU0] the 3B forced benchmark alone on its GPU (the issue-11 bar)  ||  [GPU1] the
+#      phases named in F_GPU1 (e.g. "v q"), cut at F_GPU1_TIMEOUT (270 s) so that they end before the benchmark's
+#      timed steps 2 and 3 (its engine start, step 1 and the compilation take ~5 min)
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
 export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -93,6 +96,15 @@ q8)  # the Qwen3-VL-8B-shaped benchmark on 2 GPUs (one engine per GPU)
   timeout ${BENCH_TIMEOUT:-530} torchrun --standalone --nproc_per_node 2 bench.py --preset qwen3_vl_8b \
     --max-steps ${BENCH_STEPS:-3} --gpu-memory-utilization 0.3 --output-dir /tmp/bench8b ${BENCH_ARGS:-} > "$OUT/bench8b.log" 2>&1
   cp /tmp/bench8b/metrics.jsonl "$OUT/bench8b_metrics.jsonl"; tail -2 "$OUT/bench8b.log" ;;
+f)
+  (CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-560} python bench.py --preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} \
+     --output-dir /tmp/b3f > "$OUT/bench3b_forced.log" 2>&1; cp /tmp/b3f/metrics.jsonl "$OUT/bench3b_forced_metrics.jsonl"
+   cp /tmp/b3f/bench_summary.json "$OUT/bench3b_forced_summary.json") &
+  for ph in ${F_GPU1:-}; do
+    CUDA_VISIBLE_DEVICES=1 GPU_SLOT=1 timeout ${F_GPU1_TIMEOUT:-270} bash gpu_check.sh $ph > "$OUT/phase_$ph.log" 2>&1
+    echo "phase $ph: $(tail -c 300 "$OUT/phase_$ph.log")"
+  done
+  wait; grep -o 'BENCH_RESULT.*' "$OUT/bench3b_forced.log" | head -c 1500; tail -c 400 "$OUT/bench3b_forced.log" ;;
 t)  # speed probe of the trainer (issue 11): fused elementwise kernels on/off, each run's last step profiled
   timeout 200 python bench.py --preset qwen2_5_vl_3b --prepare-only > "$OUT/t_prepare.log" 2>&1; tail -1 "$OUT/t_prepare.log"
   tprobe() {  # tprobe NAME GPU ARGS...
@@ -102,8 +114,9 @@ t)  # speed probe of the trainer (issue 11): fused elementwise kernels on/off, e
     cp /tmp/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl"; cp /tmp/$name/profile.txt "$OUT/${name}_profile.txt" 2>/dev/null
     echo "$name: $(grep -o 'BENCH_RESULT.*' "$OUT/$name.log" | head -c 600)"
   }
-  (tprobe t_compile_on 1 --profile --torch-compile on) &
-  tprobe t_compile_off 0 --profile --torch-compile off
-  tprobe t_compile_on_nockpt 0 --torch-compile on --no-gradient-checkpointing --max-token-len-per-device 8192
+  (tprobe t_off_64k 1 --profile --torch-compile off --max-token-len-per-device 65536
+   tprobe t_on_64k_nockpt 1 --torch-compile on --max-token-len-per-device 16384 --no-gradient-checkpointing) &
+  tprobe t_on_32k 0 --profile --torch-compile on
+  tprobe t_on_64k 0 --torch-compile on --max-token-len-per-device 65536
   wait ;;
 esac

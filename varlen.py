@@ -192,7 +192,10 @@ def compile_elementwise(hf, log_probs_fn):
             m.compile(dynamic=True)  # token counts change every micro-batch: one graph with a symbolic length
             n += 1
     mod = sys.modules[type(hf).__module__]
-    for fn in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_vision", "apply_multimodal_rotary_pos_emb"):
+    # Not the vision tower's rotary function: its cos/sin are fp32 and FSDP2 casts a unit's inputs to bf16 in forward
+    # but not in checkpointing's recompute, so a compiled graph would save bf16 tensors once and fp32 the next time
+    # (torch.utils.checkpoint refuses that: "Recomputed values ... have different metadata"; seen on the H200).
+    for fn in ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb"):
         f = getattr(mod, fn, None)
         if f is not None and not hasattr(f, "_torchdynamo_orig_callable"):  # a module-level function, read at
             setattr(mod, fn, torch.compile(f, dynamic=True))               # call time by attention: swap it once
