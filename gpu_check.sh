@@ -28,11 +28,11 @@ case "${1:-a}" in
 a)  # first lease: engine tests, a short 1-GPU demo, the stale-sync check, the 3B benchmark (in parallel on GPU1)
   (CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-530} python bench.py --preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} \
      > "$OUT/bench3b.log" 2>&1; cp ~/.cache/vlm_rl/bench-qwen2_5_vl_3b/run/metrics.jsonl "$OUT/bench3b_metrics.jsonl") &
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python -m pytest -m gpu -q -s -x tests/test_vllm_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout 200 python -m pytest -m gpu -q -s -x tests/test_vllm_gpu.py > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
-  CUDA_VISIBLE_DEVICES=0 timeout 240 python grpo.py $DEMO --output-dir /tmp/demo1 ${DEMO1_ARGS:-} > "$OUT/demo1.log" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout 240 python grpo.py $DEMO --output-dir /tmp/demo1 ${DEMO1_ARGS:-} > "$OUT/demo1.log" 2>&1
   cp /tmp/demo1/metrics.jsonl "$OUT/demo1_metrics.jsonl"; tail -2 "$OUT/demo1.log"
-  CUDA_VISIBLE_DEVICES=0 timeout 100 python grpo.py $DEMO --debug-skip-sync --max-steps ${STALE_STEPS:-20} --val-freq 0 \
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout 100 python grpo.py $DEMO --debug-skip-sync --max-steps ${STALE_STEPS:-20} --val-freq 0 \
      --output-dir /tmp/stale > "$OUT/stale.log" 2>&1
   cp /tmp/stale/metrics.jsonl "$OUT/stale_metrics.jsonl"; tail -2 "$OUT/stale.log"
   wait; tail -2 "$OUT/bench3b.log" ;;
@@ -41,10 +41,10 @@ c)  # [GPU0] the full 1-GPU demo with vLLM, then the engine tests  ||  [GPU1] th
     (CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-330} python bench.py --preset qwen2_5_vl_3b --max-steps $BENCH_STEPS \
        --output-dir /tmp/bench3b ${BENCH_ARGS:-} > "$OUT/bench3b.log" 2>&1; cp /tmp/bench3b/metrics.jsonl "$OUT/bench3b_metrics.jsonl") &
   fi
-  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO1_TIMEOUT:-300} python grpo.py $DEMO --output-dir /tmp/gpu1 ${DEMO1_ARGS:-} \
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${DEMO1_TIMEOUT:-300} python grpo.py $DEMO --output-dir /tmp/gpu1 ${DEMO1_ARGS:-} \
     > "$OUT/gpu1.log" 2>&1; cp /tmp/gpu1/metrics.jsonl "$OUT/gpu1_metrics.jsonl"; tail -c 300 "$OUT/gpu1.log"
   if [ -n "${TESTS_TIMEOUT:-}" ]; then
-    CUDA_VISIBLE_DEVICES=0 timeout $TESTS_TIMEOUT python -m pytest -m gpu -q -s tests/test_vllm_gpu.py > "$OUT/gpu_tests.log" 2>&1
+    CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout $TESTS_TIMEOUT python -m pytest -m gpu -q -s tests/test_vllm_gpu.py > "$OUT/gpu_tests.log" 2>&1
     tail -3 "$OUT/gpu_tests.log"
   fi
   wait; tail -2 "$OUT/bench3b.log" 2>/dev/null ;;
@@ -55,11 +55,11 @@ b)  # 2 GPUs under torchrun: the demo at TP 1 (two data-parallel engines) and at
     tail -c 300 "$OUT/tp$tp.log"
   done
   if [ -n "${TESTS_TIMEOUT:-}" ]; then
-    CUDA_VISIBLE_DEVICES=0 timeout $TESTS_TIMEOUT python -m pytest -m gpu -q -s tests/test_grpo_gpu.py > "$OUT/grpo_gpu_tests.log" 2>&1
+    CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout $TESTS_TIMEOUT python -m pytest -m gpu -q -s tests/test_grpo_gpu.py > "$OUT/grpo_gpu_tests.log" 2>&1
     tail -3 "$OUT/grpo_gpu_tests.log"
   fi ;;
 p)  # the trainer alone (random responses instead of generation): where the 3B update's time goes
-  CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-400} python bench.py --preset qwen2_5_vl_3b --trainer-only --profile \
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${BENCH_TIMEOUT:-400} python bench.py --preset qwen2_5_vl_3b --trainer-only --profile \
     --max-steps ${BENCH_STEPS:-2} --output-dir /tmp/prof3b ${BENCH_ARGS:-} > "$OUT/prof3b.log" 2>&1
   cp /tmp/prof3b/metrics.jsonl "$OUT/prof3b_metrics.jsonl"; cp /tmp/prof3b/profile.txt "$OUT/prof3b_profile.txt"
   tail -2 "$OUT/prof3b.log" ;;
@@ -67,9 +67,9 @@ s1)  # session 3, call 1: [GPU1] the 3B forced benchmark (padding-free, varlen v
     # the LoRA demo with vLLM
   (CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-520} python bench.py --preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} \
      --output-dir /tmp/b3f > "$OUT/bench3b_forced.log" 2>&1; cp /tmp/b3f/metrics.jsonl "$OUT/bench3b_forced.jsonl") &
-  CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-330} python -m pytest -m gpu -q -rs tests > "$OUT/gpu_tests.log" 2>&1
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TESTS_TIMEOUT:-330} python -m pytest -m gpu -q -rs tests > "$OUT/gpu_tests.log" 2>&1
   tail -4 "$OUT/gpu_tests.log"
-  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO_TIMEOUT:-170} python grpo.py $DEMO --lora-rank 16 --lora-modules-to-save lm_head \
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${DEMO_TIMEOUT:-170} python grpo.py $DEMO --lora-rank 16 --lora-modules-to-save lm_head \
     --output-dir /tmp/lora ${DEMO_ARGS:-} > "$OUT/lora_demo.log" 2>&1; cp /tmp/lora/metrics.jsonl "$OUT/lora_demo.jsonl"
   tail -c 400 "$OUT/lora_demo.log"; wait; tail -c 600 "$OUT/bench3b_forced.log" ;;
 s2)  # call 2: the 3B realistic-length workload, padded [GPU0] against padding-free [GPU1]
@@ -83,21 +83,21 @@ s2)  # call 2: the 3B realistic-length workload, padded [GPU0] against padding-f
 s3)  # call 3: [GPU0] the Qwen3-VL demo with vLLM  ||  [GPU1] the Qwen3-VL-8B-shaped benchmark
   (CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-480} python bench.py --preset qwen3_vl_8b --max-steps ${BENCH_STEPS:-3} \
      --output-dir /tmp/b8 > "$OUT/bench8b.log" 2>&1; cp /tmp/b8/metrics.jsonl "$OUT/bench8b.jsonl") &
-  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO_TIMEOUT:-450} python grpo.py $DEMO --demo-model qwen3_vl --output-dir /tmp/q3vl \
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${DEMO_TIMEOUT:-450} python grpo.py $DEMO --demo-model qwen3_vl --output-dir /tmp/q3vl \
     ${DEMO_ARGS:-} > "$OUT/q3vl_demo.log" 2>&1; cp /tmp/q3vl/metrics.jsonl "$OUT/q3vl_demo.jsonl"
   tail -c 400 "$OUT/q3vl_demo.log"; wait; tail -c 600 "$OUT/bench8b.log" ;;
 q)  # Qwen3-VL and Qwen3 (tiny) on one GPU
   python -c "import tiny_model, data; [tiny_model.build_tiny_model(arch=a) for a in ('qwen3_vl', 'qwen3')]; data.demo_compare_data()"
-  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO1_TIMEOUT:-300} python grpo.py $DEMO --demo-model qwen3_vl --output-dir /tmp/q3vl \
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${DEMO1_TIMEOUT:-300} python grpo.py $DEMO --demo-model qwen3_vl --output-dir /tmp/q3vl \
     ${DEMO1_ARGS:-} > "$OUT/q3vl.log" 2>&1; cp /tmp/q3vl/metrics.jsonl "$OUT/q3vl_metrics.jsonl"; tail -c 300 "$OUT/q3vl.log"
-  CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-500} python -m pytest -m gpu -q -s tests/test_qwen3_gpu.py \
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TESTS_TIMEOUT:-500} python -m pytest -m gpu -q -s tests/test_qwen3_gpu.py \
     > "$OUT/q3_gpu_tests.log" 2>&1; tail -3 "$OUT/q3_gpu_tests.log" ;;
 q8)  # the Qwen3-VL-8B-shaped benchmark on 2 GPUs (one engine per GPU)
   timeout ${BENCH_TIMEOUT:-530} torchrun --standalone --nproc_per_node 2 bench.py --preset qwen3_vl_8b \
     --max-steps ${BENCH_STEPS:-3} --gpu-memory-utilization 0.3 --output-dir /tmp/bench8b ${BENCH_ARGS:-} > "$OUT/bench8b.log" 2>&1
   cp /tmp/bench8b/metrics.jsonl "$OUT/bench8b_metrics.jsonl"; tail -2 "$OUT/bench8b.log" ;;
 f)
-  (CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-560} python bench.py --preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} \
+  (CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${BENCH_TIMEOUT:-560} python bench.py --preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} \
      --output-dir /tmp/b3f > "$OUT/bench3b_forced.log" 2>&1; cp /tmp/b3f/metrics.jsonl "$OUT/bench3b_forced_metrics.jsonl"
    cp /tmp/b3f/bench_summary.json "$OUT/bench3b_forced_summary.json") &
   for ph in ${F_GPU1:-}; do
