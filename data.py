@@ -408,7 +408,8 @@ class PromptDataset:
 
     def __init__(self, source, processor_or_tokenizer, split="train", max_prompt_length=None,
                  filter_overlong=True, skip_bad_rows=False, option="data", **encode_kwargs):
-        where = f"{option} {source if isinstance(source, str) else '(rows)'}"
+        self.source = source if isinstance(source, str) else "(rows)"
+        where = f"{option} {self.source}"
         try:
             self.rows = load_rows(source, split) if isinstance(source, str) else source
             problems = check_rows(self.rows, processor_or_tokenizer, max_prompt_length, **encode_kwargs)
@@ -447,6 +448,31 @@ class PromptDataset:
 
     def __getitem__(self, i: int) -> dict:
         return self.encode_row(self.indices[i])
+
+
+def load_datasets(cfg, model_path, text_demo=False, say=print):
+    """grpo.py's data: the processor (or tokenizer) of model_path and the train and validation PromptDatasets of
+    cfg's data options (the demo's synthetic task when --train-files is empty: rank 0 writes it, the others wait).
+    Every row is checked here, before the model loads; the same on every rank, so all raise together."""
+    import torch.distributed as dist
+    train_files, val_files, fmt = cfg.train_files, cfg.val_files, cfg.format_prompt
+    if not train_files:
+        make = demo_compare_data if text_demo else demo_data
+        if dist.get_rank() == 0:
+            make()
+        dist.barrier()
+        train_files, val_files = make()
+        fmt = fmt if fmt is not None else NUMBER_FORMAT_PROMPT if text_demo else DEMO_FORMAT_PROMPT
+    processor = load_processor(model_path, cfg.min_pixels, cfg.max_pixels)
+    kw = dict(processor_or_tokenizer=processor, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+              image_key=cfg.image_key, image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels,
+              max_pixels=cfg.max_pixels, max_prompt_length=cfg.max_prompt_length,
+              filter_overlong=cfg.filter_overlong_prompts, skip_bad_rows=cfg.skip_bad_rows)
+    train = PromptDataset(train_files, option="--train-files", **kw)
+    val = PromptDataset(val_files, option="--val-files", **kw) if val_files else None
+    for note in train.notes + (val.notes if val else []):
+        say(note)
+    return processor, train, val
 
 
 # ----------------------------------------------------------------------------- synthetic task

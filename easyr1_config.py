@@ -1,5 +1,5 @@
 """easyr1_config.py -- the command line in EasyR1's terms: its defaults (or the demo's), its nested YAML config read
-unchanged (`grpo.py --config examples/config.yaml`), then the flags.
+unchanged (`grpo.py --config examples/config.yaml`), then the flags; and the checks of the values (`check`).
 
 TABLE holds every EasyR1 key: the option it sets here (converted where the two spell a value differently), or none
 and why. A key whose value would change the result but cannot be honoured stops the run with the reason; a key with
@@ -8,10 +8,12 @@ the file. Keys absent from the file keep this project's defaults (EasyR1's examp
 EasyR1's dataclass defaults. `python easyr1_config.py` prints the README's migration table (a test keeps it equal).
 """
 import os
+import tempfile
 import typing
 
 import yaml
 
+import data
 from data import UserError
 
 
@@ -321,6 +323,35 @@ def cli(cls, demo, args=None, text_demo=None):
               + (f"; from {first.config}: " + " ".join(f"{k}={v}" for k, v in from_yaml.items()) if from_yaml else "")
               + f"; set: {' '.join(changed) or 'nothing'}" + "".join(f"\n[config] {n}" for n in notes), flush=True)
     return cfg
+
+
+def check(cfg, world):
+    """The options' values, once parsed: what can be checked before any process group or model loads (every rank
+    raises the same UserError)."""
+    positive = {"lr": cfg.lr, "max-response-length": cfg.max_response_length,
+                "max-prompt-length": cfg.max_prompt_length, "temperature": cfg.temperature}  # log-probs divide by it
+    for opt, v in positive.items():
+        if not v > 0:
+            raise UserError(f"--{opt} {v}: must be > 0" + " (greedy is for --val-temperature)" * (opt == "temperature"))
+    for opt, v in {"rollout-n": cfg.n, "rollout-batch-size": cfg.rollout_batch_size,
+                   "global-batch-size": cfg.global_batch_size, "ppo-epochs": cfg.ppo_epochs}.items():
+        if v < 1:
+            raise UserError(f"--{opt} {v}: must be at least 1")
+    rb, gb = cfg.rollout_batch_size, cfg.global_batch_size
+    if gb > rb:
+        raise UserError(f"--global-batch-size {gb} is larger than --rollout-batch-size {rb}: an optimizer step cannot "
+                        "use more prompts than a rollout step makes; lower it")
+    if rb % gb or gb % world:  # then world divides rollout_batch_size too
+        raise UserError(f"--global-batch-size {gb} must divide --rollout-batch-size {rb} and be a multiple of the "
+                        f"number of ranks ({world})")
+    data.check_model_path(cfg.model_path)
+    data.check_source(cfg.train_files, "--train-files")
+    data.check_source(cfg.val_files, "--val-files")
+    try:  # a run that cannot write its checkpoints should fail now, not after its first hour
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=cfg.output_dir).close()
+    except OSError as e:
+        raise UserError(f"--output-dir {cfg.output_dir}: cannot write there ({e.strerror or e})") from e
 
 
 def markdown():

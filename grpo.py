@@ -14,17 +14,16 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Annotated, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 import tyro
 
 import data
+import easyr1_config
 import flops
 import fsdp_actor as A
 from data import UserError
@@ -258,84 +257,72 @@ def rollout_correction_weights(old_logp, rollout_logp, mask, level="token", cap=
 
 
 # ================================================================================================ setup
-def check_config(cfg: Config, world: int):
-    """What can be checked before any process group or model loads: every rank raises the same UserError."""
-    positive = {"lr": cfg.lr, "max-response-length": cfg.max_response_length,
-                "max-prompt-length": cfg.max_prompt_length, "temperature": cfg.temperature}  # log-probs divide by it
-    for opt, v in positive.items():
-        if not v > 0:
-            raise UserError(f"--{opt} {v}: must be > 0" + " (greedy is for --val-temperature)" * (opt == "temperature"))
-    for opt, v in {"rollout-n": cfg.n, "rollout-batch-size": cfg.rollout_batch_size,
-                   "global-batch-size": cfg.global_batch_size, "ppo-epochs": cfg.ppo_epochs}.items():
-        if v < 1:
-            raise UserError(f"--{opt} {v}: must be at least 1")
-    rb, gb = cfg.rollout_batch_size, cfg.global_batch_size
-    if gb > rb:
-        raise UserError(f"--global-batch-size {gb} is larger than --rollout-batch-size {rb}: an optimizer step cannot "
-                        "use more prompts than a rollout step makes; lower it")
-    if rb % gb or gb % world:  # then world divides rollout_batch_size too
-        raise UserError(f"--global-batch-size {gb} must divide --rollout-batch-size {rb} and be a multiple of the "
-                        f"number of ranks ({world})")
-    data.check_model_path(cfg.model_path)
-    data.check_source(cfg.train_files, "--train-files")
-    data.check_source(cfg.val_files, "--val-files")
-    try:  # a run that cannot write its checkpoints should fail now, not after its first hour
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        tempfile.TemporaryFile(dir=cfg.output_dir).close()
-    except OSError as e:
-        raise UserError(f"--output-dir {cfg.output_dir}: cannot write there ({e.strerror or e})") from e
+@dataclass
+class State:
+    """What one run holds: set up by setup(), read by every stage. cursor, engine_stale and the skip counters
+    change as it trains; the rest stays."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    reward_fn: Callable  # list of {"response", "response_length", "ground_truth"} -> list of score dicts
+    ckpt: str | None  # the checkpoint this run resumes from
+    model_path: str  # the policy's starting weights (the demo's tiny model when --model-path is empty)
+    processor: Any = None  # the HF processor of a VLM, or the tokenizer of a text LLM
+    tokenizer: Any = None
+    pad_id: int = 0
+    train: Any = None  # data.PromptDataset: encoded prompts, checked row by row
+    val: Any = None
+    done: bool = False  # the resumed run was already complete
+    compute_dtype: torch.dtype = torch.float32  # what the matmuls run in (bf16 on GPUs)
+    lora: dict | None = None  # the LoRA settings, or None for full fine-tuning
+    model: Any = None  # fsdp_actor.LogProbModel: the policy, FSDP2-sharded, fp32 master weights
+    ref: Any = None  # the frozen reference; None when kl_coef is 0 or with LoRA (the policy, adapters off)
+    opt: Any = None
+    sched: Any = None
+    rollout: Any = None  # the generation engine (rollout.VLLMRollout or rollout.HFRollout)
+    start_step: int = 0
+    cursor: int = 0  # position in the endless stream of prompts (a checkpoint saves it: exact resume)
+    engine_stale: bool = True  # the engine's weights are older than the policy's (synced before it generates)
+    skipped_run: int = 0  # optimizer steps skipped in a row (non-finite gradient norm)
+    skipped_total: int = 0
+    best: tuple | None = None  # (step, val/mean) of the best checkpoint, never deleted
+
+    def say(self, *a):  # rank 0 prints
+        rundir.log0(self, *a)
 
 
 def setup(cfg: Config):
-    """Everything the loop needs, in one namespace: distributed state, data, reward, policy, reference, engine."""
+    """Everything the loop needs: distributed state, data, reward, policy, reference, engine."""
     import data
     import rewards
     import rollout
-    check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    easyr1_config.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     text_demo = not cfg.model_path and not cfg.train_files and cfg.demo_model == "qwen3"  # the comparison task
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
     rank, world, device = A.init_distributed()
     ckpt, state = rundir.find_resume(cfg)  # refuses a changed config before anything loads
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    ctx = SimpleNamespace(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn, ckpt=ckpt,
-                          start_step=0, cursor=0, skipped_run=0, skipped_total=0)
-    ctx.model_path = cfg.model_path
+    ctx = State(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn, ckpt=ckpt,
+                model_path=cfg.model_path)
     if not ctx.model_path:  # the demo: rank 0 builds (cached), the others wait and read it
         import tiny_model
         if rank == 0:
             tiny_model.build_tiny_model(arch=cfg.demo_model)
         dist.barrier()
         ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model)
-    train_files, val_files = cfg.train_files, cfg.val_files
-    fmt = cfg.format_prompt
-    if not train_files:
-        make = data.demo_compare_data if text_demo else data.demo_data
-        if rank == 0:
-            make()
-        dist.barrier()
-        train_files, val_files = make()
-        fmt = fmt if fmt is not None else data.NUMBER_FORMAT_PROMPT if text_demo else data.DEMO_FORMAT_PROMPT
-    ctx.processor = data.load_processor(ctx.model_path, cfg.min_pixels, cfg.max_pixels)
+    ctx.processor, ctx.train, ctx.val = data.load_datasets(cfg, ctx.model_path, text_demo, say=ctx.say)
     ctx.tokenizer = getattr(ctx.processor, "tokenizer", ctx.processor)
     ctx.pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
-    data_kw = dict(processor_or_tokenizer=ctx.processor, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
-                   image_key=cfg.image_key, image_dir=cfg.image_dir, format_prompt=fmt,
-                   min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_prompt_length=cfg.max_prompt_length,
-                   filter_overlong=cfg.filter_overlong_prompts, skip_bad_rows=cfg.skip_bad_rows)
-    # every row is checked here, before the model loads; the same on every rank, so all raise together
-    ctx.train = data.PromptDataset(train_files, option="--train-files", **data_kw)
-    ctx.val = data.PromptDataset(val_files, option="--val-files", **data_kw) if val_files else None
-    for note in ctx.train.notes + (ctx.val.notes if ctx.val else []):
-        log0(ctx, note)
     if len(ctx.train) < cfg.rollout_batch_size:
-        raise UserError(f"--train-files {train_files}: {len(ctx.train)} usable prompts < --rollout-batch-size "
+        raise UserError(f"--train-files {ctx.train.source}: {len(ctx.train)} usable prompts < --rollout-batch-size "
                         f"{cfg.rollout_batch_size}; lower --rollout-batch-size or add data")
     if cfg.max_steps <= 0:  # EasyR1's total_epochs: an epoch is as many steps as whole rollout batches fit in the data
         cfg.max_steps = cfg.total_epochs * (len(ctx.train) // cfg.rollout_batch_size)
     ctx.done = bool(state and state["step"] >= cfg.max_steps)
     if ctx.done:
-        log0(ctx, f"[resume] {ckpt} is step {state['step']} of --max-steps {cfg.max_steps}: the run is already "
+        ctx.say(f"[resume] {ckpt} is step {state['step']} of --max-steps {cfg.max_steps}: the run is already "
                   "complete, nothing to do (raise --max-steps to train on, or start a new run in another --output-dir)")
         return ctx
     # --- policy (fp32 master weights), reference (frozen, compute dtype), rollout engine (its own weights) ---
@@ -363,26 +350,8 @@ def setup(cfg: Config):
     if ckpt:
         state = A.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
         ctx.start_step, ctx.cursor = state["step"], state["cursor"]  # the engine is synced before step 1 anyway
-        log0(ctx, f"resumed from {ckpt} at step {ctx.start_step}")
+        ctx.say(f"resumed from {ckpt} at step {ctx.start_step}")
     return ctx
-
-
-def log0(ctx, *a):
-    if ctx.rank == 0:
-        print(*a, flush=True)
-
-
-def print_batch_arithmetic(ctx):
-    cfg, w = ctx.cfg, ctx.world
-    updates = cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs
-    log0(ctx, f"[batch] {w} rank(s); per step: {cfg.rollout_batch_size} prompts x n={cfg.n} = "
-              f"{cfg.rollout_batch_size * cfg.n} samples ({cfg.rollout_batch_size * cfg.n // w} per rank); "
-              f"{updates} optimizer step(s) per rollout step ({cfg.rollout_batch_size // cfg.global_batch_size} "
-              f"mini-batches x {cfg.ppo_epochs} epoch(s)) of {cfg.global_batch_size} prompts = "
-              f"{cfg.global_batch_size * cfg.n // w} samples per rank, in micro-batches of <= "
-              f"{cfg.micro_batch_size_per_device} samples and <= {cfg.max_token_len_per_device} tokens; "
-              f"old log-probs {'recomputed' if updates > 1 else 'taken from the first forward (on-policy)'}; "
-              f"reference model {'on, kl_coef=' + str(cfg.kl_coef) if cfg.kl_coef > 0 else 'off'}")
 
 
 # ================================================================================================ the step
@@ -434,26 +403,16 @@ def collect_rollouts(ctx, step, metrics):
     return generate_and_score(ctx, drawn, ctx.cfg.n, ctx.cfg.temperature)
 
 
-def update_policy(ctx, samples):
+def update_policy(ctx, samples, step):
     """rollout_batch_size/global_batch_size mini-batches x ppo_epochs optimizer steps over this rank's samples."""
     cfg, dev = ctx.cfg, ctx.device
     n_mini = cfg.rollout_batch_size // cfg.global_batch_size
     per_mini = len(samples) // n_mini
-    # metric -> [sum, count] over all micro-batches, all-reduced at the end; max metric -> running max. Values stay
-    # tensors on the device until then: a float() per micro-batch would make the host wait for the GPU each time.
-    sums, maxes, skipped = {}, {}, 0
-
-    def add(k, v, c=1.0):
-        s = sums.setdefault(k, [0.0, 0.0])
-        s[0], s[1] = s[0] + (v.detach().double() if torch.is_tensor(v) else v), s[1] + c
-
-    def add_max(k, v):
-        maxes[k] = torch.maximum(maxes[k], v.detach().double()) if k in maxes else v.detach().double()
-
+    log, skipped = MetricSums(), 0
     if cfg.rollout_correction == "tis" and any(s.get("rollout_logp") is None for s in samples):
         raise ValueError("--rollout-correction tis needs the engine's log-probs of its samples, and this rollout "
                          "returned none; use --rollout-correction none")
-    g = torch.Generator().manual_seed(cfg.seed * 7919 + ctx.step)
+    g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     for epoch in range(cfg.ppo_epochs):
         shuffle = n_mini > 1 or epoch > 0  # mini-batches see a fresh mix of samples
         order = torch.randperm(len(samples), generator=g).tolist() if shuffle else list(range(len(samples)))
@@ -463,89 +422,115 @@ def update_policy(ctx, samples):
             # (a sample with loss_mask 0, e.g. DAPO's truncated ones, takes no part in the loss or its normalisers)
             num_tokens, num_seqs = A.all_reduce_cpu([sum(len(s["response_ids"]) * s.get("loss_mask", 1) for s in mini),
                                                      sum(s.get("loss_mask", 1) for s in mini)]).clamp(min=1).tolist()
+            norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
             lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in mini]
             for idx in A.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device,
                                             [id(s["prompt"]) for s in mini], packed=ctx.model.packed):
                 mb = [mini[i] for i in idx]
                 batch, resp_len = A.collate(mb, ctx.pad_id, dev, ctx.model)
-                add("perf/pad_fraction", batch["input_ids"].numel() - sum(lengths[i] for i in idx),
-                    batch["input_ids"].numel())
+                log.add("perf/pad_fraction", batch["input_ids"].numel() - sum(lengths[i] for i in idx),
+                        batch["input_ids"].numel())
                 lp, ent = ctx.model(**batch, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)  # [N]
                 logp, mask = A.pad_responses(lp, resp_len)  # [b, R]
-                mask = mask & A.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]
-                R = logp.shape[1]
-                if mb[0].get("old_logp") is not None:
-                    old = A.stack_padded([s["old_logp"] for s in mb], R, dev)
-                else:  # on-policy: the first forward *is* the old policy
-                    old = logp.detach()
-                adv = A.to_device(torch.tensor([s["adv"] for s in mb], dtype=logp.dtype), dev)  # [b]
-                tok_loss, clip = policy_loss(logp, old, adv, mask, cfg.loss_type, cfg.clip_ratio_low,
-                                             cfg.clip_ratio_high, cfg.clip_ratio_dual, cfg.gspo_dual_clip,
-                                             cfg.cispo_clip_low)
-                roll = None
-                if all(s.get("rollout_logp") is not None for s in mb):
-                    roll = A.stack_padded([s["rollout_logp"] for s in mb], R, dev)  # [b, R] the engine's
-                if cfg.rollout_correction == "tis":
-                    w, st = rollout_correction_weights(old, roll, mask, cfg.rollout_correction_level,
-                                                       cfg.rollout_correction_cap)
-                    tok_loss = tok_loss * w
-                    add("rollout_corr/weight_mean", *st["mean"])
-                    add("rollout_corr/capped_frac", *st["capped_frac"])
-                    add_max("rollout_corr/weight_max", st["max"])
-                norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
-                pg_loss = agg_loss(tok_loss, mask, cfg.loss_avg_mode, **norm)
-                loss = pg_loss
-                if cfg.kl_coef > 0:
-                    ref = A.stack_padded([s["ref_logp"] for s in mb], R, dev)
-                    kl = kl_penalty(logp, ref, cfg.kl_penalty)
-                    loss = loss + cfg.kl_coef * agg_loss(kl, mask, cfg.loss_avg_mode, **norm)
-                    add("actor/kl", (kl.detach() * mask).sum(), mask.sum())
+                loss, mask = micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass=epoch == 0 and m == 0)
                 # FSDP averages gradients over ranks; the normalisers are already global, so undo the average
                 (loss * ctx.world).backward()
-                add("actor/pg_loss", pg_loss, 0.0)  # already a share of the global loss: just sum
-                add("actor/loss", loss, 0.0)
                 ent_p, _ = A.pad_responses(ent, resp_len)
-                add("actor/entropy", (ent_p * mask).sum(), mask.sum())
-                add("actor/clipfrac", (clip["clipfrac"] * mask).sum(), mask.sum())
-                add("actor/dual_clipfrac", (clip["dual_clipfrac"] * mask).sum(), mask.sum())
-                if epoch == 0 and m == 0 and roll is not None:
-                    # trainer/rollout mismatch at the weights that generated the samples (before any update)
-                    diff = ((logp.detach() - roll).abs() * mask)
-                    add("rollout/logprob_diff_mean", diff.sum(), mask.sum())
-                    add_max("rollout/logprob_diff_max", diff.max())
+                log.add("actor/entropy", (ent_p * mask).sum(), mask.sum())
             grad_norm = A.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm)  # the same on every rank
-            add("actor/grad_norm", grad_norm)
-            add("actor/lr", ctx.sched.get_last_lr()[0])
+            log.add("actor/grad_norm", grad_norm)
+            log.add("actor/lr", ctx.sched.get_last_lr()[0])
             skipped += not math.isfinite(grad_norm)
             ctx.skipped_run = 0 if math.isfinite(grad_norm) else ctx.skipped_run + 1
             if cfg.max_skipped_steps and ctx.skipped_run >= cfg.max_skipped_steps:  # before any checkpoint is saved
-                raise UserError(f"stopped at step {ctx.step + 1}: the last {ctx.skipped_run} optimizer steps were "
+                raise UserError(f"stopped at step {step + 1}: the last {ctx.skipped_run} optimizer steps were "
                                 f"skipped (gradient norm {grad_norm}); nothing of this step was saved. Check the data "
                                 "and reward, lower --lr, or raise --max-skipped-steps (0 = never stop)")
-    # losses are already global fractions: sum them over ranks and micro-batches, mean over optimizer steps
-    keys, mkeys = sorted(sums), sorted(maxes)
-    local = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev) for k in keys for x in sums[k]]
-                        + [maxes[k] for k in mkeys]).cpu()  # the one wait for the GPU
-    red = A.all_reduce_cpu(local[:2 * len(keys)].view(-1, 2))
-    out = {}
-    n_steps = n_mini * cfg.ppo_epochs
-    for k, (v, c) in zip(keys, red.tolist()):
-        if k in ("actor/pg_loss", "actor/loss"):
-            out[k] = v / n_steps
-        elif k in ("actor/grad_norm", "actor/lr"):
-            out[k] = v / c  # same on every rank
-        else:
-            out[k] = v / max(c, 1)
-    if mkeys:
-        out.update(zip(mkeys, A.all_reduce_cpu(local[2 * len(keys):], op=dist.ReduceOp.MAX).tolist()))
+    out = log.reduce(dev, n_steps=n_mini * cfg.ppo_epochs)
     ctx.skipped_total += skipped
     out["actor/skipped_steps"], out["actor/skipped_steps_total"] = skipped, ctx.skipped_total
     return out
 
 
+# ------------------------------------------------------------------------------------------ the loss (algorithm)
+def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
+    """The loss of one micro-batch: logp [b, R] the policy's log-probs of the sampled tokens now (with gradient),
+    mask [b, R] its response tokens, mb its samples (advantage; old, reference and engine log-probs where taken),
+    norm the mini-batch's global normalisers. Returns the loss (a share of the mini-batch's) and the mask of the
+    tokens that took part."""
+    dev, R = logp.device, logp.shape[1]
+    mask = mask & A.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]  # [b, R]
+    if mb[0].get("old_logp") is not None:
+        old = A.stack_padded([s["old_logp"] for s in mb], R, dev)  # [b, R]
+    else:  # on-policy: the first forward *is* the old policy
+        old = logp.detach()
+    adv = A.to_device(torch.tensor([s["adv"] for s in mb], dtype=logp.dtype), dev)  # [b]
+    tok_loss, clip = policy_loss(logp, old, adv, mask, cfg.loss_type, cfg.clip_ratio_low, cfg.clip_ratio_high,
+                                 cfg.clip_ratio_dual, cfg.gspo_dual_clip, cfg.cispo_clip_low)  # [b, R]
+    roll = None
+    if all(s.get("rollout_logp") is not None for s in mb):
+        roll = A.stack_padded([s["rollout_logp"] for s in mb], R, dev)  # [b, R] the engine's
+    if cfg.rollout_correction == "tis":
+        w, st = rollout_correction_weights(old, roll, mask, cfg.rollout_correction_level, cfg.rollout_correction_cap)
+        tok_loss = tok_loss * w
+        log.add("rollout_corr/weight_mean", *st["mean"])
+        log.add("rollout_corr/capped_frac", *st["capped_frac"])
+        log.add_max("rollout_corr/weight_max", st["max"])
+    pg_loss = agg_loss(tok_loss, mask, cfg.loss_avg_mode, **norm)
+    loss = pg_loss
+    if cfg.kl_coef > 0:
+        ref = A.stack_padded([s["ref_logp"] for s in mb], R, dev)  # [b, R]
+        kl = kl_penalty(logp, ref, cfg.kl_penalty)  # [b, R]
+        loss = loss + cfg.kl_coef * agg_loss(kl, mask, cfg.loss_avg_mode, **norm)
+        log.add("actor/kl", (kl.detach() * mask).sum(), mask.sum())
+    log.add("actor/pg_loss", pg_loss, 0.0)  # already a share of the global loss: just sum
+    log.add("actor/loss", loss, 0.0)
+    log.add("actor/clipfrac", (clip["clipfrac"] * mask).sum(), mask.sum())
+    log.add("actor/dual_clipfrac", (clip["dual_clipfrac"] * mask).sum(), mask.sum())
+    if first_pass and roll is not None:  # trainer/engine mismatch at the weights that generated the samples
+        diff = ((logp.detach() - roll).abs() * mask)
+        log.add("rollout/logprob_diff_mean", diff.sum(), mask.sum())
+        log.add_max("rollout/logprob_diff_max", diff.max())
+    return loss, mask
+# ------------------------------------------------------------------------------------------ (end of the loss)
+
+
+class MetricSums:
+    """Metric -> [sum, count] over micro-batches (means), or a running max, all-reduced over ranks once at the end.
+    Values stay tensors on the device until then: a float() per micro-batch would make the host wait each time."""
+
+    def __init__(self):
+        self.sums, self.maxes = {}, {}
+
+    def add(self, k, v, c=1.0):  # c = 0: a share of a global total (losses), summed and not averaged
+        s = self.sums.setdefault(k, [0.0, 0.0])
+        s[0], s[1] = s[0] + (v.detach().double() if torch.is_tensor(v) else v), s[1] + c
+
+    def add_max(self, k, v):
+        self.maxes[k] = torch.maximum(self.maxes[k], v.detach().double()) if k in self.maxes else v.detach().double()
+
+    def reduce(self, dev, n_steps):
+        """Means over all ranks; losses (count 0) summed over ranks and micro-batches, averaged over n_steps
+        optimizer steps; grad_norm and lr (the same on every rank) averaged over the steps."""
+        keys, mkeys = sorted(self.sums), sorted(self.maxes)
+        local = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev) for k in keys for x in self.sums[k]]
+                            + [self.maxes[k] for k in mkeys]).cpu()  # the one wait for the GPU
+        red = A.all_reduce_cpu(local[:2 * len(keys)].view(-1, 2))
+        out = {}
+        for k, (v, c) in zip(keys, red.tolist()):
+            if k in ("actor/pg_loss", "actor/loss"):
+                out[k] = v / n_steps
+            elif k in ("actor/grad_norm", "actor/lr"):
+                out[k] = v / c  # same on every rank
+            else:
+                out[k] = v / max(c, 1)
+        if mkeys:
+            out.update(zip(mkeys, A.all_reduce_cpu(local[2 * len(keys):], op=dist.ReduceOp.MAX).tolist()))
+        return out
+
+
 def train_step(ctx, step, collect=collect_rollouts):
     cfg, T, metrics = ctx.cfg, {}, {}
-    ctx.step = step
     t_step = time.time()
     # ---- 0. sync: the engine gets the weights of the last update (streamed, one tensor at a time) ----
     T["sync"] = sync_engine(ctx)
@@ -553,9 +538,9 @@ def train_step(ctx, step, collect=collect_rollouts):
     t = time.time()
     ctx.rollout.wake()
     samples = collect(ctx, step, metrics)
-    free_awake = cuda_free_gb()
+    free_awake = rundir.cuda_free_gb()
     ctx.rollout.sleep()
-    metrics["memory/free_engine_awake_gb"], metrics["memory/free_engine_asleep_gb"] = free_awake, cuda_free_gb()
+    metrics["memory/free_engine_awake_gb"], metrics["memory/free_engine_asleep_gb"] = free_awake, rundir.cuda_free_gb()
     T["gen"] = time.time() - t
     # ---- 3. advantages: normalise within each group of n ----
     rewards = torch.tensor([s["reward"] for s in samples]).view(-1, cfg.n)  # [G, n]
@@ -582,12 +567,12 @@ def train_step(ctx, step, collect=collect_rollouts):
         T["ref_logprob"] = time.time() - t
     # ---- 5. update the policy (the engine is now one update behind: synced before its next generation) ----
     t = time.time()
-    metrics.update(update_policy(ctx, samples))
+    metrics.update(update_policy(ctx, samples, step))
     ctx.engine_stale = True
     T["update"] = time.time() - t
     T["step"] = time.time() - t_step
     # ---- metrics ----
-    metrics.update(sample_metrics(ctx, samples, "reward"))
+    metrics.update(rundir.sample_metrics(ctx, samples, "reward"))
     n_tok = float(A.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
     metrics.update({f"timing/{k}": v for k, v in T.items()})
     metrics["throughput/tokens_per_s"] = n_tok / T["step"] / ctx.world  # per device, like EasyR1
@@ -598,7 +583,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     metrics["perf/mfu_update"] = 3 * cfg.ppo_epochs * fwd / (T["update"] * peak)  # forward + backward per epoch
     if "ref_logprob" in T:
         metrics["perf/mfu_ref"] = fwd / (T["ref_logprob"] * peak)
-    metrics.update(memory_metrics(ctx))
+    metrics.update(rundir.memory_metrics(ctx))
     metrics["step"] = step + 1
     return metrics, samples
 
@@ -617,39 +602,6 @@ def sync_engine(ctx):
     return time.time() - t
 
 
-def cuda_free_gb():
-    return torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 0.0
-
-
-def memory_metrics(ctx):
-    """Peaks since the last call (GPU allocated by torch, GPU reserved by torch's caching allocator; vLLM's pool
-    is separate) and the process's peak resident host memory."""
-    import resource
-    out = {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if torch.cuda.is_available():
-        out["memory/gpu_peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        out["memory/gpu_reserved_gb"] = torch.cuda.memory_reserved() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-    return out
-
-
-def sample_metrics(ctx, samples, prefix):
-    """Rewards and their parts, prompt and response lengths, truncation rate: means over all ranks."""
-    keys = sorted(samples[0]["scores"])
-    rows = [[s["scores"][k] for k in keys] + [len(s["response_ids"]), 0.0 if s["finished"] else 1.0,
-                                               len(s["prompt"]["prompt_ids"]), 1.0] for s in samples]
-    tot = A.all_reduce_cpu(torch.tensor(rows, dtype=torch.float64).sum(0))
-    mx = A.all_reduce_cpu(max(len(s["response_ids"]) for s in samples), op=dist.ReduceOp.MAX)
-    cnt = float(tot[-1])
-    out = {f"{prefix}/{'mean' if k == 'overall' else k}": float(v) / cnt for k, v in zip(keys, tot[:len(keys)])}
-    out["response_length/mean" if prefix == "reward" else f"{prefix}/response_length"] = float(tot[len(keys)]) / cnt
-    if prefix == "reward":
-        out["response_length/max"] = float(mx)
-        out["response_length/clip_ratio"] = float(tot[len(keys) + 1]) / cnt
-        out["prompt_length/mean"] = float(tot[len(keys) + 2]) / cnt  # image tokens included
-    return out
-
-
 def validate(ctx):
     """Greedy (val_temperature) answers to the validation prompts, split over ranks; mean scores."""
     cfg = ctx.cfg
@@ -662,7 +614,7 @@ def validate(ctx):
         drawn = [(-1 - j, ctx.val[j]) for j in mine[i:i + 64]]
         samples += generate_and_score(ctx, drawn, 1, cfg.val_temperature, cfg.val_top_p)
     ctx.rollout.sleep()
-    return sample_metrics(ctx, samples, "val")
+    return rundir.sample_metrics(ctx, samples, "val")
 
 
 # ================================================================================================ main loop
@@ -670,7 +622,7 @@ def train(cfg: Config, collect=collect_rollouts):
     ctx = setup(cfg)
     if ctx.done:
         return ctx
-    print_batch_arithmetic(ctx)
+    rundir.print_batch_arithmetic(ctx)
     dist.barrier()  # every rank has read the folder (find_resume) before rank 0 changes it
     if ctx.rank == 0:  # logs cut back to the resumed step, config.json for a new run
         rundir.prepare(cfg, ctx.start_step, ctx.ckpt)
@@ -687,7 +639,7 @@ def train(cfg: Config, collect=collect_rollouts):
                    desc=os.path.basename(sys.argv[0]).removesuffix(".py") or "train")
     if cfg.val_freq and cfg.val_before_train and ctx.val is not None and ctx.start_step == 0:
         val = validate(ctx)
-        log0(ctx, "[val] step 0 " + " ".join(f"{k}={v:.3f}" for k, v in val.items()))
+        ctx.say("[val] step 0 " + " ".join(f"{k}={v:.3f}" for k, v in val.items()))
         if metrics_f:
             metrics_f.write(json.dumps({"step": 0, **val}) + "\n")
             metrics_f.flush()
@@ -716,7 +668,7 @@ def train(cfg: Config, collect=collect_rollouts):
                 rundir.plot_rewards(cfg)  # ~0.3 s: reward.png follows the run
             bar.update(1)
             if "console" in cfg.logger:
-                bar.write(format_line(metrics))
+                bar.write(rundir.format_line(metrics))
     if bar:
         bar.close()
         close_trackers()
@@ -724,22 +676,11 @@ def train(cfg: Config, collect=collect_rollouts):
     return ctx
 
 
-def format_line(m):
-    keys = [("reward/mean", "reward"), ("reward/accuracy", "acc"), ("val/mean", "val"),
-            ("response_length/mean", "len"), ("actor/kl", "kl"), ("actor/entropy", "ent"),
-            ("actor/grad_norm", "gnorm"), ("rollout/logprob_diff_mean", "lpdiff"),
-            ("dapo/tries", "tries"), ("dapo/generated_accuracy", "gen_acc"),
-            ("timing/gen", "t_gen"), ("timing/update", "t_upd"), ("timing/step", "t_step"),
-            ("throughput/tokens_per_s", "tok/s/dev")]
-    return f"step {m['step']:4d} | " + " ".join(f"{n}={m[k]:.3g}" for k, n in keys if k in m)
-
-
 def main(config_cls=Config, collect=collect_rollouts, demo=DEMO, text_demo=TEXT_DEMO):
     """The command line: defaults (EasyR1's, or the demo's), an EasyR1 --config, the flags; then train. A UserError
     (a bad option, file, row or reward) ends the run with one `error:` line and exit code 2."""
-    from easyr1_config import cli
     with data.one_line_errors():
-        train(cli(config_cls, demo, text_demo=text_demo), collect)
+        train(easyr1_config.cli(config_cls, demo, text_demo=text_demo), collect)
     dist.destroy_process_group()
 
 

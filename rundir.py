@@ -14,6 +14,9 @@ import os
 import shutil
 from dataclasses import asdict
 
+import torch
+import torch.distributed as dist
+
 import fsdp_actor as A
 from data import UserError
 
@@ -178,3 +181,65 @@ def plot_rewards(cfg):
               labels=[os.path.basename(os.path.abspath(cfg.output_dir))],
               title="reward (train: sampled; val: validation set)", chance=None if cfg.train_files else 0.25)
     return True
+
+
+# ----------------------------------------------------------------------------------------------- logging
+def log0(ctx, *a):
+    if ctx.rank == 0:
+        print(*a, flush=True)
+
+
+def print_batch_arithmetic(ctx):
+    cfg, w = ctx.cfg, ctx.world
+    updates = cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs
+    log0(ctx, f"[batch] {w} rank(s); per step: {cfg.rollout_batch_size} prompts x n={cfg.n} = "
+              f"{cfg.rollout_batch_size * cfg.n} samples ({cfg.rollout_batch_size * cfg.n // w} per rank); "
+              f"{updates} optimizer step(s) per rollout step ({cfg.rollout_batch_size // cfg.global_batch_size} "
+              f"mini-batches x {cfg.ppo_epochs} epoch(s)) of {cfg.global_batch_size} prompts = "
+              f"{cfg.global_batch_size * cfg.n // w} samples per rank, in micro-batches of <= "
+              f"{cfg.micro_batch_size_per_device} samples and <= {cfg.max_token_len_per_device} tokens; "
+              f"old log-probs {'recomputed' if updates > 1 else 'taken from the first forward (on-policy)'}; "
+              f"reference model {'on, kl_coef=' + str(cfg.kl_coef) if cfg.kl_coef > 0 else 'off'}")
+
+
+def cuda_free_gb():
+    return torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def memory_metrics(ctx):
+    """Peaks since the last call (GPU allocated by torch, GPU reserved by torch's caching allocator; vLLM's pool
+    is separate) and the process's peak resident host memory."""
+    import resource
+    out = {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if torch.cuda.is_available():
+        out["memory/gpu_peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        out["memory/gpu_reserved_gb"] = torch.cuda.memory_reserved() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def sample_metrics(ctx, samples, prefix):
+    """Rewards and their parts, prompt and response lengths, truncation rate: means over all ranks."""
+    keys = sorted(samples[0]["scores"])
+    rows = [[s["scores"][k] for k in keys] + [len(s["response_ids"]), 0.0 if s["finished"] else 1.0,
+                                               len(s["prompt"]["prompt_ids"]), 1.0] for s in samples]
+    tot = A.all_reduce_cpu(torch.tensor(rows, dtype=torch.float64).sum(0))
+    mx = A.all_reduce_cpu(max(len(s["response_ids"]) for s in samples), op=dist.ReduceOp.MAX)
+    cnt = float(tot[-1])
+    out = {f"{prefix}/{'mean' if k == 'overall' else k}": float(v) / cnt for k, v in zip(keys, tot[:len(keys)])}
+    out["response_length/mean" if prefix == "reward" else f"{prefix}/response_length"] = float(tot[len(keys)]) / cnt
+    if prefix == "reward":
+        out["response_length/max"] = float(mx)
+        out["response_length/clip_ratio"] = float(tot[len(keys) + 1]) / cnt
+        out["prompt_length/mean"] = float(tot[len(keys) + 2]) / cnt  # image tokens included
+    return out
+
+
+def format_line(m):
+    keys = [("reward/mean", "reward"), ("reward/accuracy", "acc"), ("val/mean", "val"),
+            ("response_length/mean", "len"), ("actor/kl", "kl"), ("actor/entropy", "ent"),
+            ("actor/grad_norm", "gnorm"), ("rollout/logprob_diff_mean", "lpdiff"),
+            ("dapo/tries", "tries"), ("dapo/generated_accuracy", "gen_acc"),
+            ("timing/gen", "t_gen"), ("timing/update", "t_upd"), ("timing/step", "t_step"),
+            ("throughput/tokens_per_s", "tok/s/dev")]
+    return f"step {m['step']:4d} | " + " ".join(f"{n}={m[k]:.3g}" for k, n in keys if k in m)

@@ -123,8 +123,8 @@ def _update(path, samples, pad, **cfg_kw):
     model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
     opt, sched = A.build_optimizer(model, 0.0, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
     ctx = SimpleNamespace(cfg=cfg, model=model, ref=None, opt=opt, sched=sched, device=torch.device("cpu"), world=1,
-                          pad_id=pad, step=0, skipped_run=0, skipped_total=0)
-    return grpo.update_policy(ctx, samples)
+                          pad_id=pad, skipped_run=0, skipped_total=0)
+    return grpo.update_policy(ctx, samples, step=0)
 
 
 def test_tis_in_the_update_matches_the_hand_formula(update_setup):
