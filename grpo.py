@@ -9,11 +9,9 @@ is plumbing. dapo.py imports this file and swaps in dynamic sampling and overlon
 """
 import contextlib
 import functools
-import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Literal
@@ -408,7 +406,7 @@ def update_policy(ctx, samples, step):
     cfg, dev = ctx.cfg, ctx.device
     n_mini = cfg.rollout_batch_size // cfg.global_batch_size
     per_mini = len(samples) // n_mini
-    log, skipped = MetricSums(), 0
+    log, skipped = rundir.MetricSums(), 0
     if cfg.rollout_correction == "tis" and any(s.get("rollout_logp") is None for s in samples):
         raise ValueError("--rollout-correction tis needs the engine's log-probs of its samples, and this rollout "
                          "returned none; use --rollout-correction none")
@@ -493,40 +491,6 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
         log.add_max("rollout/logprob_diff_max", diff.max())
     return loss, mask
 # ------------------------------------------------------------------------------------------ (end of the loss)
-
-
-class MetricSums:
-    """Metric -> [sum, count] over micro-batches (means), or a running max, all-reduced over ranks once at the end.
-    Values stay tensors on the device until then: a float() per micro-batch would make the host wait each time."""
-
-    def __init__(self):
-        self.sums, self.maxes = {}, {}
-
-    def add(self, k, v, c=1.0):  # c = 0: a share of a global total (losses), summed and not averaged
-        s = self.sums.setdefault(k, [0.0, 0.0])
-        s[0], s[1] = s[0] + (v.detach().double() if torch.is_tensor(v) else v), s[1] + c
-
-    def add_max(self, k, v):
-        self.maxes[k] = torch.maximum(self.maxes[k], v.detach().double()) if k in self.maxes else v.detach().double()
-
-    def reduce(self, dev, n_steps):
-        """Means over all ranks; losses (count 0) summed over ranks and micro-batches, averaged over n_steps
-        optimizer steps; grad_norm and lr (the same on every rank) averaged over the steps."""
-        keys, mkeys = sorted(self.sums), sorted(self.maxes)
-        local = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev) for k in keys for x in self.sums[k]]
-                            + [self.maxes[k] for k in mkeys]).cpu()  # the one wait for the GPU
-        red = A.all_reduce_cpu(local[:2 * len(keys)].view(-1, 2))
-        out = {}
-        for k, (v, c) in zip(keys, red.tolist()):
-            if k in ("actor/pg_loss", "actor/loss"):
-                out[k] = v / n_steps
-            elif k in ("actor/grad_norm", "actor/lr"):
-                out[k] = v / c  # same on every rank
-            else:
-                out[k] = v / max(c, 1)
-        if mkeys:
-            out.update(zip(mkeys, A.all_reduce_cpu(local[2 * len(keys):], op=dist.ReduceOp.MAX).tolist()))
-        return out
 
 
 def train_step(ctx, step, collect=collect_rollouts):
@@ -628,22 +592,13 @@ def train(cfg: Config, collect=collect_rollouts):
         rundir.prepare(cfg, ctx.start_step, ctx.ckpt)
     dist.barrier()
     ctx.best = rundir.find_best(cfg.output_dir)  # (step, val/mean) of the best checkpoint: never deleted
-    metrics_f = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") if ctx.rank == 0 else None
-    samples_f = open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") if ctx.rank == 0 else None
-    bar = None
     if ctx.rank == 0:
-        from tqdm import tqdm
         rundir.write_best(cfg.output_dir, ctx.best)
-        track, close_trackers = rundir.open_trackers(cfg, ctx.start_step)
-        bar = tqdm(total=cfg.max_steps, initial=ctx.start_step, dynamic_ncols=True,
-                   desc=os.path.basename(sys.argv[0]).removesuffix(".py") or "train")
+    log = rundir.RunLog(cfg, ctx.rank, ctx.start_step)  # metrics.jsonl, samples.jsonl, trackers, console, reward.png
     if cfg.val_freq and cfg.val_before_train and ctx.val is not None and ctx.start_step == 0:
         val = validate(ctx)
         ctx.say("[val] step 0 " + " ".join(f"{k}={v:.3f}" for k, v in val.items()))
-        if metrics_f:
-            metrics_f.write(json.dumps({"step": 0, **val}) + "\n")
-            metrics_f.flush()
-            track(val, 0)
+        log.write({"step": 0, **val})
     for step in range(ctx.start_step, cfg.max_steps):
         metrics, samples = train_step(ctx, step, collect)
         last = step + 1 == cfg.max_steps
@@ -653,25 +608,10 @@ def train(cfg: Config, collect=collect_rollouts):
             metrics["timing/val"] = time.time() - t
         if cfg.save_freq >= 0 and ((cfg.save_freq and (step + 1) % cfg.save_freq == 0) or last):
             t = time.time()
-            rundir.save(ctx, step + 1, metrics, say=bar.write if bar else print)  # keeps the best by val/mean
+            rundir.save(ctx, step + 1, metrics, say=log.say)  # keeps the best by val/mean
             metrics["timing/save"] = time.time() - t
-        if ctx.rank == 0:
-            metrics_f.write(json.dumps(metrics) + "\n")
-            metrics_f.flush()
-            for s in samples[:cfg.log_samples]:
-                samples_f.write(json.dumps({"step": step + 1, "prompt": s["prompt"]["prompt_text"],
-                                            "response": s["text"], "answer": s["prompt"]["answer"],
-                                            "reward": s["reward"]}) + "\n")
-            samples_f.flush()
-            track(metrics, step + 1)
-            if "val/mean" in metrics or (step + 1) % 10 == 0 or last:
-                rundir.plot_rewards(cfg)  # ~0.3 s: reward.png follows the run
-            bar.update(1)
-            if "console" in cfg.logger:
-                bar.write(rundir.format_line(metrics))
-    if bar:
-        bar.close()
-        close_trackers()
+        log.write(metrics, samples, last)
+    log.close()
     dist.barrier()
     return ctx
 

@@ -243,3 +243,85 @@ def format_line(m):
             ("timing/gen", "t_gen"), ("timing/update", "t_upd"), ("timing/step", "t_step"),
             ("throughput/tokens_per_s", "tok/s/dev")]
     return f"step {m['step']:4d} | " + " ".join(f"{n}={m[k]:.3g}" for k, n in keys if k in m)
+
+
+class MetricSums:
+    """Metric -> [sum, count] over micro-batches (means), or a running max, all-reduced over ranks once at the end.
+    Values stay tensors on the device until then: a float() per micro-batch would make the host wait each time."""
+
+    def __init__(self):
+        self.sums, self.maxes = {}, {}
+
+    def add(self, k, v, c=1.0):  # c = 0: a share of a global total (losses), summed and not averaged
+        s = self.sums.setdefault(k, [0.0, 0.0])
+        s[0], s[1] = s[0] + (v.detach().double() if torch.is_tensor(v) else v), s[1] + c
+
+    def add_max(self, k, v):
+        self.maxes[k] = torch.maximum(self.maxes[k], v.detach().double()) if k in self.maxes else v.detach().double()
+
+    def reduce(self, dev, n_steps):
+        """Means over all ranks; losses (count 0) summed over ranks and micro-batches, averaged over n_steps
+        optimizer steps; grad_norm and lr (the same on every rank) averaged over the steps."""
+        keys, mkeys = sorted(self.sums), sorted(self.maxes)
+        local = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev) for k in keys for x in self.sums[k]]
+                            + [self.maxes[k] for k in mkeys]).cpu()  # the one wait for the GPU
+        red = A.all_reduce_cpu(local[:2 * len(keys)].view(-1, 2))
+        out = {}
+        for k, (v, c) in zip(keys, red.tolist()):
+            if k in ("actor/pg_loss", "actor/loss"):
+                out[k] = v / n_steps
+            elif k in ("actor/grad_norm", "actor/lr"):
+                out[k] = v / c  # same on every rank
+            else:
+                out[k] = v / max(c, 1)
+        if mkeys:
+            out.update(zip(mkeys, A.all_reduce_cpu(local[2 * len(keys):], op=dist.ReduceOp.MAX).tolist()))
+        return out
+
+
+class RunLog:
+    """Rank 0's record of a run: metrics.jsonl (one row per step), samples.jsonl (a few generations per step), the
+    trackers, the progress bar with a console line per step, and reward.png. Other ranks keep none of it."""
+
+    def __init__(self, cfg, rank, start_step):
+        self.cfg, self.on = cfg, rank == 0
+        if self.on:
+            import sys
+
+            from tqdm import tqdm
+            self.metrics_f = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a")
+            self.samples_f = open(os.path.join(cfg.output_dir, "samples.jsonl"), "a")
+            self.track, self.close_trackers = open_trackers(cfg, start_step)
+            self.bar = tqdm(total=cfg.max_steps, initial=start_step, dynamic_ncols=True,
+                            desc=os.path.basename(sys.argv[0]).removesuffix(".py") or "train")
+
+    def say(self, *a):
+        if self.on:
+            self.bar.write(" ".join(map(str, a)))
+
+    def write(self, metrics, samples=None, last=False):
+        """One row (a step's metrics, or the step-0 validation when samples is None)."""
+        if not self.on:
+            return
+        step, cfg = metrics["step"], self.cfg
+        self.metrics_f.write(json.dumps(metrics) + "\n")
+        self.metrics_f.flush()
+        self.track(metrics, step)
+        if samples is None:
+            return
+        for s in samples[:cfg.log_samples]:
+            self.samples_f.write(json.dumps({"step": step, "prompt": s["prompt"]["prompt_text"], "response": s["text"],
+                                             "answer": s["prompt"]["answer"], "reward": s["reward"]}) + "\n")
+        self.samples_f.flush()
+        if "val/mean" in metrics or step % 10 == 0 or last:
+            plot_rewards(cfg)  # ~0.3 s: reward.png follows the run
+        self.bar.update(1)
+        if "console" in cfg.logger:
+            self.bar.write(format_line(metrics))
+
+    def close(self):
+        if self.on:
+            self.bar.close()
+            self.close_trackers()
+            self.metrics_f.close()
+            self.samples_f.close()
