@@ -143,7 +143,7 @@ def test_resume_path_logs_cut_back_complete_and_refusals(first_run, capsys):
     from easyr1_config import cli
     args = ["--output-dir", str(out)] + SMALL + kw
     ctx = G.setup(cli(G.Config, G.DEMO, args=args + ["--max-steps", "5"]))
-    assert ctx.done and not hasattr(ctx, "model")
+    assert ctx.done and ctx.model is None  # stopped before the model loads
     assert "already complete" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"lr: 0.001 -> 0.01; kl_coef: 0.01 -> 0.1"):
         rundir.find_resume(cli(G.Config, G.DEMO, args=args + ["--max-steps", "6", "--lr", "0.01", "--kl-coef",
