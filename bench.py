@@ -151,11 +151,11 @@ def synthetic_collect(ctx, step, metrics, realistic=False):
     allowed = torch.tensor([i for i in range(256) if i not in special])  # byte tokens: in every vocabulary
     samples = []
     M = cfg.max_response_length
-    for k, (pos, rec) in enumerate(drawn):
+    for pos, rec in drawn:
         for L in (response_lengths(cfg.seed, pos, cfg.n, M) if realistic else [M] * cfg.n):
             ids = allowed[torch.randint(len(allowed), (L,), generator=g)].tolist()
             r = float(torch.randint(2, (1,), generator=g))
-            samples.append(dict(prompt=rec, response_ids=ids, finished=L < M, rollout_logp=None, group=k, text="",
+            samples.append(dict(prompt=rec, response_ids=ids, finished=L < M, rollout_logp=None, text="",
                                 scores={"overall": r}, reward=r))
     return samples
 

@@ -333,7 +333,10 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
 def encode_prompt(row: dict, processor_or_tokenizer, prompt_key="problem", answer_key="answer",
                   image_key="images", image_dir=None, format_prompt: str | None = None,
                   min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS) -> dict:
-    """One dataset row -> prompt record (see the spec). The processor runs once per prompt."""
+    """One dataset row -> its prompt record, shared by the n samples of the prompt (the processor runs once):
+    prompt_ids (the tokens the model reads: each <image> expanded to its image's pad tokens), raw_prompt_ids (the
+    chat-templated text before that expansion: vLLM expands it itself), images (PIL, resized), mm_inputs (the
+    processor's tensors: pixel_values [P, D], image_grid_thw [I, 3]; {} for text), answer, prompt_text."""
     proc = processor_or_tokenizer
     tok = getattr(proc, "tokenizer", proc)  # a processor wraps a tokenizer; a tokenizer is one
     templated, images, answer, text = _prompt_parts(row, proc, prompt_key, answer_key, image_key, image_dir,

@@ -371,8 +371,23 @@ def _epoch_perm(N, seed):
     return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
 
 
+# A sample is one response to one prompt, a dict that the stages below fill in as the step goes:
+#   prompt         the prompt record (data.encode_prompt), shared by the n samples of the prompt
+#   response_ids   the generated tokens (cut after EOS); finished: stopped by EOS rather than by the length cap
+#   rollout_logp   the engine's log-prob of each sampled token (None when the engine gives none)
+#   text, scores, reward   the decoded response, the reward function's dict for it and its "overall" value
+#   adv            the advantage (one number for every token of the response)
+#   old_logp, ref_logp     per-token log-probs of the policy before this step's update (only when it takes several
+#                  optimizer steps) and of the reference (kl_coef > 0), both 1-D like response_ids
+#   loss_mask      0 leaves the sample out of the loss and its normalisers (DAPO's overlong filtering sets it)
+# Samples travel as a flat list, n per prompt in prompt order: by_prompt() gives the groups.
+def by_prompt(samples, n):
+    """The groups of a flat sample list (n samples per prompt, in prompt order)."""
+    return [samples[i:i + n] for i in range(0, len(samples), n)]
+
+
 def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None):
-    """Sample n responses per prompt and score them. Returns a flat list of sample dicts, grouped by prompt.
+    """Sample n responses per prompt and score them. Returns the flat list of sample dicts (n per prompt).
     lengths (bench.py's realistic workload): per prompt, n forced response lengths (EOS ignored)."""
     cfg = ctx.cfg
     prompts = [rec for _, rec in drawn]
@@ -381,8 +396,7 @@ def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None):
                                 max_tokens=cfg.max_response_length, seeds=seeds,
                                 **({"lengths": lengths} if lengths is not None else {}))
     samples = [dict(prompt=p, response_ids=list(o["response_ids"]), finished=o["finished"],
-                    rollout_logp=o.get("logprobs"), group=g)
-               for g, (p, group) in enumerate(zip(prompts, outs)) for o in group]
+                    rollout_logp=o.get("logprobs")) for p, group in zip(prompts, outs) for o in group]
     texts = ctx.tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
     items = [{"response": t, "response_length": len(s["response_ids"]), "ground_truth": s["prompt"]["answer"]}
              for t, s in zip(texts, samples)]
@@ -507,8 +521,9 @@ def train_step(ctx, step, collect=collect_rollouts):
     metrics["memory/free_engine_awake_gb"], metrics["memory/free_engine_asleep_gb"] = free_awake, rundir.cuda_free_gb()
     T["gen"] = time.time() - t
     # ---- 3. advantages: normalise within each group of n ----
-    rewards = torch.tensor([s["reward"] for s in samples]).view(-1, cfg.n)  # [G, n]
-    lengths = torch.tensor([len(s["response_ids"]) for s in samples]).view(-1, cfg.n)  # [G, n]
+    groups = by_prompt(samples, cfg.n)
+    rewards = torch.tensor([[s["reward"] for s in g] for g in groups])  # [G, n]
+    lengths = torch.tensor([[len(s["response_ids"]) for s in g] for g in groups])  # [G, n]
     adv = compute_advantages(rewards, cfg.adv_estimator, lengths)  # [G, n]
     for s, a in zip(samples, adv.flatten().tolist()):
         s["adv"] = a

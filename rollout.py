@@ -1,6 +1,8 @@
 """Rollout engines: sample n responses per prompt with the current policy weights.
 
-Two engines with one interface (see the spec's "Rollout engine interface"):
+Two engines with one interface: generate(prompts, n, temperature, top_p, max_tokens, seeds) -> per prompt, n dicts
+{"response_ids", "finished" (stopped by EOS), "logprobs" (of the sampled tokens, or None)}; sync_weights(iterable of
+(HF name, tensor)); sleep() / wake() around the trainer's phases.
   HFRollout    plain transformers `generate` on its own unsharded copy of the policy (CPU tests, small GPU runs)
   VLLMRollout  vLLM colocated with the trainer, SPMD under torchrun (one engine per rank, no Ray)
   make_rollout picks one ("auto": vLLM when it imports and CUDA is there, else HF).
@@ -57,7 +59,7 @@ def special_token_ids(model_path):
 
 
 def _to_result(ids, logprobs, eos):
-    """Cut after the first EOS (kept) and build the spec's dict. `finished` means "stopped by EOS", the same test
+    """Cut after the first EOS (kept) and build the result dict of the interface above. `finished` means "stopped by EOS", the same test
     in both engines (vLLM's finish_reason would also say "stop" for stop strings, which we never set)."""
     ids = list(ids)
     cut = next((i + 1 for i, t in enumerate(ids) if t in eos), None)

@@ -235,13 +235,14 @@ def sample_metrics(ctx, samples, prefix):
     return out
 
 
-def format_line(m):
-    keys = [("reward/mean", "reward"), ("reward/accuracy", "acc"), ("val/mean", "val"),
-            ("response_length/mean", "len"), ("actor/kl", "kl"), ("actor/entropy", "ent"),
-            ("actor/grad_norm", "gnorm"), ("rollout/logprob_diff_mean", "lpdiff"),
-            ("dapo/tries", "tries"), ("dapo/generated_accuracy", "gen_acc"),
-            ("timing/gen", "t_gen"), ("timing/update", "t_upd"), ("timing/step", "t_step"),
-            ("throughput/tokens_per_s", "tok/s/dev")]
+# the console line's metrics and their short names (dapo.py adds its own)
+CONSOLE = [("reward/mean", "reward"), ("reward/accuracy", "acc"), ("val/mean", "val"), ("response_length/mean", "len"),
+           ("actor/kl", "kl"), ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"),
+           ("rollout/logprob_diff_mean", "lpdiff"), ("timing/gen", "t_gen"), ("timing/update", "t_upd"),
+           ("timing/step", "t_step"), ("throughput/tokens_per_s", "tok/s/dev")]
+
+
+def format_line(m, keys=CONSOLE):
     return f"step {m['step']:4d} | " + " ".join(f"{n}={m[k]:.3g}" for k, n in keys if k in m)
 
 

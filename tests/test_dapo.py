@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def fake(accs, n, length=3, finished=True):
     """Samples of len(accs)//n groups with the given accuracies (reward = accuracy)."""
-    return [dict(response_ids=[1] * length, finished=finished, reward=float(a), group=i // n,
+    prompts = [{"prompt_text": f"q{g}"} for g in range(len(accs) // max(n, 1))]
+    return [dict(prompt=prompts[i // n], response_ids=[1] * length, finished=finished, reward=float(a),
                  scores={"overall": float(a), "accuracy": float(a)}) for i, a in enumerate(accs)]
 
 
@@ -43,7 +44,7 @@ def test_select_groups_never_keeps_zero_variance_nor_too_many(n, groups, limit, 
     assert len(kept) % n == 0 and len(kept) <= limit * n
     for g in range(0, len(kept), n):
         grp = kept[g:g + n]
-        assert len({s["group"] for s in grp}) == 1  # whole groups, in order
+        assert len({id(s["prompt"]) for s in grp}) == 1  # whole groups, in order
         assert len({s["scores"]["accuracy"] for s in grp}) > 1  # never a zero-variance group
     mixed = sum(len(set(accs[g:g + n])) > 1 for g in range(0, len(accs), n))
     assert failed == groups - mixed and len(kept) == min(mixed, limit) * n
@@ -79,7 +80,8 @@ def test_collect_fills_the_batch_exactly(monkeypatch):
     ctx = stub_ctx(monkeypatch, [[1, 1, 0, 1], [0, 0, 0, 0], [1, 0, 0, 1]])  # 1 mixed, then 0, then 2 (1 spare)
     m = {}
     out = collect_dynamic(ctx, 0, m)
-    assert len(out) == 4 and [s["group"] for s in out] == [0, 0, 1, 1]
+    assert len(out) == 4 and [[s["scores"]["accuracy"] for s in g] for g in grpo.by_prompt(out, 2)] == [[0, 1], [1, 0]]
+    assert all(len({id(s["prompt"]) for s in g}) == 1 for g in grpo.by_prompt(out, 2))  # whole groups
     assert ctx.cursor == 6  # three tries of 2 prompts
     assert m["dapo/tries"] == 3 and m["dapo/groups_generated"] == 6 and m["dapo/groups_filtered"] == 3
     assert m["dapo/groups_kept"] == 2 and m["dapo/groups_surplus"] == 1
