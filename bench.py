@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import replace
 
+import data
 import grpo
 
 WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
@@ -80,7 +81,7 @@ def response_lengths(seed, pos, n, max_len):
 def realistic_collect(ctx, step, metrics):
     """grpo.collect_rollouts with forced per-sample response lengths (the realistic workload)."""
     cfg = ctx.cfg
-    drawn = grpo.draw_prompts(ctx, ctx.cursor, cfg.rollout_batch_size)
+    drawn = data.draw_prompts(ctx.train, ctx.cursor, cfg.rollout_batch_size, ctx.rank, ctx.world, cfg.seed)
     ctx.cursor += cfg.rollout_batch_size
     lengths = [response_lengths(cfg.seed, pos, cfg.n, cfg.max_response_length) for pos, _ in drawn]
     return grpo.generate_and_score(ctx, drawn, cfg.n, cfg.temperature, lengths=lengths)
@@ -144,7 +145,7 @@ def synthetic_collect(ctx, step, metrics, realistic=False):
     inference engine."""
     import torch
     cfg = ctx.cfg
-    drawn = grpo.draw_prompts(ctx, ctx.cursor, cfg.rollout_batch_size)
+    drawn = data.draw_prompts(ctx.train, ctx.cursor, cfg.rollout_batch_size, ctx.rank, ctx.world, cfg.seed)
     ctx.cursor += cfg.rollout_batch_size
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 8191 + ctx.rank)
     special = set(ctx.tokenizer.all_special_ids) | set(ctx.model.forbidden)

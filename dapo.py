@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+import data
 import fsdp_actor as A
 import grpo
 import rewards
@@ -82,7 +83,7 @@ def collect_dynamic(ctx, step, metrics):
     kept, tries = [], 0
     counts = [0.0] * 5  # groups generated, failed the filter, passed, samples truncated, sum of filter_key
     while True:
-        drawn = grpo.draw_prompts(ctx, ctx.cursor, gen)
+        drawn = data.draw_prompts(ctx.train, ctx.cursor, gen, ctx.rank, ctx.world, cfg.seed)
         ctx.cursor += gen  # every rank advances the same stream, so resume stays exact
         samples = shape_overlong(grpo.generate_and_score(ctx, drawn, cfg.n, cfg.temperature), cfg)
         tries += 1

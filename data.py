@@ -453,6 +453,23 @@ class PromptDataset:
         return self.encode_row(self.indices[i])
 
 
+def draw_prompts(dataset, cursor, count, rank, world, seed):
+    """`count` prompts (all ranks together) from an endless stream of seeded epoch shuffles of `dataset`, starting at
+    `cursor`. Returns this rank's share as (stream position, record): a pure function of the cursor, so resume is
+    exact and the seed of each prompt does not depend on the number of ranks."""
+    N, per = len(dataset), count // world
+    out = []
+    for pos in range(cursor + rank * per, cursor + (rank + 1) * per):
+        epoch, k = divmod(pos, N)
+        out.append((pos, dataset[int(_epoch_perm(N, seed + epoch)[k])]))
+    return out
+
+
+@functools.lru_cache(maxsize=2)  # the current epoch (and the next, while a batch straddles them)
+def _epoch_perm(N, seed):
+    return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
+
+
 def load_datasets(cfg, model_path, text_demo=False, say=print):
     """grpo.py's data: the processor (or tokenizer) of model_path and the train and validation PromptDatasets of
     cfg's data options (the demo's synthetic task when --train-files is empty: rank 0 writes it, the others wait).

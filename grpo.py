@@ -8,7 +8,6 @@ The algorithm lives in the middle section (advantages, KL estimators, policy los
 is plumbing. dapo.py imports this file and swaps in dynamic sampling and overlong shaping.
 """
 import contextlib
-import functools
 import math
 import os
 import random
@@ -22,7 +21,6 @@ import tyro
 
 import data
 import easyr1_config
-import flops
 import fsdp_actor as A
 from data import UserError
 import rundir
@@ -353,24 +351,6 @@ def setup(cfg: Config):
 
 
 # ================================================================================================ the step
-def draw_prompts(ctx, cursor, count):
-    """`count` prompts (all ranks together) from an endless stream of seeded epoch shuffles, starting at `cursor`.
-    Returns this rank's share as (stream position, record): a pure function of the cursor, so resume is exact
-    and the seed of each prompt does not depend on the number of ranks."""
-    N, per = len(ctx.train), count // ctx.world
-    out = []
-    for pos in range(cursor + ctx.rank * per, cursor + (ctx.rank + 1) * per):
-        epoch, k = divmod(pos, N)
-        perm = _epoch_perm(N, ctx.cfg.seed + epoch)
-        out.append((pos, ctx.train[int(perm[k])]))
-    return out
-
-
-@functools.lru_cache(maxsize=2)  # the current epoch (and the next, while a batch straddles them)
-def _epoch_perm(N, seed):
-    return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
-
-
 # A sample is one response to one prompt, a dict that the stages below fill in as the step goes:
 #   prompt         the prompt record (data.encode_prompt), shared by the n samples of the prompt
 #   response_ids   the generated tokens (cut after EOS); finished: stopped by EOS rather than by the length cap
@@ -410,7 +390,7 @@ def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None):
 
 def collect_rollouts(ctx, step, metrics):
     """GRPO's batch: rollout_batch_size prompts x n samples. (dapo.py replaces this with dynamic sampling.)"""
-    drawn = draw_prompts(ctx, ctx.cursor, ctx.cfg.rollout_batch_size)
+    drawn = data.draw_prompts(ctx.train, ctx.cursor, ctx.cfg.rollout_batch_size, ctx.rank, ctx.world, ctx.cfg.seed)
     ctx.cursor += ctx.cfg.rollout_batch_size
     return generate_and_score(ctx, drawn, ctx.cfg.n, ctx.cfg.temperature)
 
@@ -550,19 +530,8 @@ def train_step(ctx, step, collect=collect_rollouts):
     ctx.engine_stale = True
     T["update"] = time.time() - t
     T["step"] = time.time() - t_step
-    # ---- metrics ----
-    metrics.update(rundir.sample_metrics(ctx, samples, "reward"))
-    n_tok = float(A.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
-    metrics.update({f"timing/{k}": v for k, v in T.items()})
-    metrics["throughput/tokens_per_s"] = n_tok / T["step"] / ctx.world  # per device, like EasyR1
-    metrics["throughput/tokens_per_s_total"] = n_tok / T["step"]
-    # MFU: model FLOPs of the step's real tokens (veRL's convention, flops.py) over the phase's seconds x peak
-    fwd = float(A.all_reduce_cpu(flops.forward_flops(ctx.model.hf.config, samples)))  # one pass, all ranks
-    peak = cfg.peak_tflops * 1e12 * ctx.world
-    metrics["perf/mfu_update"] = 3 * cfg.ppo_epochs * fwd / (T["update"] * peak)  # forward + backward per epoch
-    if "ref_logprob" in T:
-        metrics["perf/mfu_ref"] = fwd / (T["ref_logprob"] * peak)
-    metrics.update(rundir.memory_metrics(ctx))
+    # ---- metrics: rewards, lengths, seconds, throughput, MFU, memory ----
+    metrics.update(rundir.step_metrics(ctx, samples, T))
     metrics["step"] = step + 1
     return metrics, samples
 

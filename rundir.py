@@ -218,6 +218,25 @@ def memory_metrics(ctx):
     return out
 
 
+def step_metrics(ctx, samples, T):
+    """A training step's metrics beside the update's: rewards and lengths, seconds per phase (T), tokens per second,
+    MFU (model FLOPs of the step's real tokens, veRL's convention in flops.py, over the phase's seconds x peak) and
+    memory."""
+    import flops
+    cfg, out = ctx.cfg, sample_metrics(ctx, samples, "reward")
+    n_tok = float(A.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
+    out.update({f"timing/{k}": v for k, v in T.items()})
+    out["throughput/tokens_per_s"] = n_tok / T["step"] / ctx.world  # per device, like EasyR1
+    out["throughput/tokens_per_s_total"] = n_tok / T["step"]
+    fwd = float(A.all_reduce_cpu(flops.forward_flops(ctx.model.hf.config, samples)))  # one pass, all ranks
+    peak = cfg.peak_tflops * 1e12 * ctx.world
+    out["perf/mfu_update"] = 3 * cfg.ppo_epochs * fwd / (T["update"] * peak)  # forward + backward per epoch
+    if "ref_logprob" in T:
+        out["perf/mfu_ref"] = fwd / (T["ref_logprob"] * peak)
+    out.update(memory_metrics(ctx))
+    return out
+
+
 def sample_metrics(ctx, samples, prefix):
     """Rewards and their parts, prompt and response lengths, truncation rate: means over all ranks."""
     keys = sorted(samples[0]["scores"])
