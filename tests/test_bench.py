@@ -1,11 +1,9 @@
 """bench.py's workload is the one the speed bar names: one 512x512 image and about 100 text tokens per prompt."""
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
-import data  # noqa: E402
-import tiny_model  # noqa: E402
+import bench
+import data
+import tiny_model
 
 
 def test_geo_prompts_have_one_512px_image_and_about_100_text_tokens(tmp_path):
@@ -24,11 +22,10 @@ def test_geo_prompts_have_one_512px_image_and_about_100_text_tokens(tmp_path):
         assert image_tokens + 100 <= len(rec["prompt_ids"]) <= image_tokens + 150  # + the chat template
 
 
-def test_trainer_only_profile_run(tmp_path):
+def test_trainer_only_profile_run(tmp_path, launch):
     """`bench.py --trainer-only --profile` on the tiny model: random full-length responses instead of an engine, the
     phases timed, the last step's kernel table written."""
     import json
-    import subprocess
     path = tiny_model.build_tiny_model()
     proc = data.load_processor(path)
     parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 4, proc.tokenizer, size=112, text_tokens=20)
@@ -40,27 +37,22 @@ def test_trainer_only_profile_run(tmp_path):
         f"    min_pixels=56 * 56, max_pixels=112 * 112, max_steps=2, lr=1e-3, output_dir={str(out)!r})\n"
         "print('SUMMARY', bench.run(cfg, trainer_only=True, profile=True))\n"
         "dist.destroy_process_group()\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    p = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(bench.__file__), env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    launch.run([sys.executable, "-c", script], tmp_path / "bench.log")
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["response_length/mean"] == 8 and r["response_length/clip_ratio"] == 1.0
-        assert r["timing/update"] > 0 and r["timing/ref_logprob"] > 0 and r["actor/kl"] >= 0
+        assert r["timing/update"] > 0 and r["timing/ref_logprob"] > 0
     assert rows[1]["actor/kl"] > 0  # the update of step 1 moved the policy away from the reference
     assert all(0 < r["perf/pad_fraction"] < 1 and r["perf/mfu_update"] > 0 and r["perf/mfu_ref"] > 0 for r in rows)
     table = (out / "profile.txt").read_text()
     assert "aten::" in table and "Self CPU" in table
 
 
-def test_trainer_only_realistic_workload_padding_free(tmp_path):
+def test_trainer_only_realistic_workload_padding_free(tmp_path, launch):
     """--workload realistic: forced response lengths from the seeded distribution; padding-free training (the plain
     varlen path on the CPU) leaves no pad token in the update's micro-batches."""
     import json
-    import subprocess
     path = tiny_model.build_tiny_model()
     proc = data.load_processor(path)
     parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 4, proc.tokenizer, size=112, text_tokens=20)
@@ -73,11 +65,7 @@ def test_trainer_only_realistic_workload_padding_free(tmp_path):
         "    padding_free='on', vision_varlen='on', max_token_len_per_device=120)\n"
         "print('SUMMARY', bench.run(cfg, trainer_only=True, workload='realistic'))\n"
         "dist.destroy_process_group()\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    p = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(bench.__file__), env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    launch.run([sys.executable, "-c", script], tmp_path / "bench.log")
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
     want = [L for pos in range(4) for L in bench.response_lengths(1, pos, 4, 40)]  # the 4 prompts of 2 steps

@@ -2,15 +2,13 @@ import io
 import json
 import os
 import random
-import sys
 
 import pytest
 import torch
 from PIL import Image
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
-import tiny_model  # noqa: E402
+import data
+import tiny_model
 
 PX = dict(min_pixels=56 * 56, max_pixels=112 * 112)
 

@@ -116,17 +116,17 @@ def test_lora_checkpoint_merges_to_dense_and_adapter_folders(setup, tmp_path):
     assert json.load(open(os.path.join(folder, "adapter_config.json")))["r"] == LORA["r"]
 
 
-def test_lora_runs_one_and_two_processes_alike_and_resumes_exactly(tmp_path):
+def test_lora_runs_one_and_two_processes_alike_and_resumes_exactly(tmp_path, launch):
     (tmp_path / "r.py").write_text(DENSE_REWARD)
     # one mini-batch per step: its loss does not depend on how the batch is spread over ranks
     kw = ["--lora-rank", "4", "--global-batch-size", "4", "--save-freq", "1", "--reward-function",
           f"{tmp_path / 'r.py'}:dense"]
-    straight = run(["--max-steps", "3"] + kw, tmp_path / "a")
-    two = run(["--max-steps", "1"] + kw, tmp_path / "two", nproc=2)
+    straight = run(launch, ["--max-steps", "3"] + kw, tmp_path / "a")
+    two = run(launch, ["--max-steps", "1"] + kw, tmp_path / "two", nproc=2)
     for k in ("reward/mean", "actor/pg_loss", "actor/loss", "actor/grad_norm"):
         assert two[0][k] == pytest.approx(straight[0][k], rel=1e-4, abs=1e-6), k
-    run(["--max-steps", "2"] + kw, tmp_path / "b")
-    resumed = run(["--max-steps", "3"] + kw, tmp_path / "b")
+    run(launch, ["--max-steps", "2"] + kw, tmp_path / "b")
+    resumed = run(launch, ["--max-steps", "3"] + kw, tmp_path / "b")
     assert straight[-1]["actor/kl"] > 0 and straight[-1]["actor/grad_norm"] > 0  # the adapters moved
     for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl"):
         assert resumed[-1][k] == pytest.approx(straight[-1][k], rel=1e-5, abs=1e-7), k

@@ -36,11 +36,10 @@ def test_checkpoint_to_hf_folder(tmp_path):
     assert json.load(open(os.path.join(out, "config.json")))["architectures"]
 
 
-def test_docstring_usage_runs_as_written(tmp_path):
+def test_docstring_usage_runs_as_written(tmp_path, launch):
     """Each `python merge.py ...` line of merge.py's docstring, with its paths pointed at a real checkpoint; the
     default dtype is the compute dtype the checkpoint records (bfloat16 here, as a GPU run records it)."""
     import shlex
-    import subprocess
     import sys
     A.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path / "tiny"))
@@ -53,18 +52,14 @@ def test_docstring_usage_runs_as_written(tmp_path):
     trained = {k: v.clone() for k, v in A.iter_full_params(model)}
     lines = [shlex.split(x.strip()) for x in merge.__doc__.splitlines() if x.strip().startswith("python merge.py")]
     assert len(lines) == 2
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
     for i, argv in enumerate(lines):
         out = str(tmp_path / f"hf{i}")
         argv = [sys.executable, argv[1], ckpt, out] + argv[4:]
         if "--model-path" in argv:  # a hub name in the docstring; no hub here: the same tiny base model
             argv[argv.index("--model-path") + 1] = path
-        p = subprocess.run(argv, cwd=os.path.dirname(merge.__file__), env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        p = launch.run(argv, tmp_path / f"merge{i}.log")
         want = getattr(torch, argv[argv.index("--dtype") + 1]) if "--dtype" in argv else torch.bfloat16
-        assert f"in {str(want).removeprefix('torch.')}" in p.stdout
+        assert f"in {str(want).removeprefix('torch.')}" in p.out
         merged = A.load_hf_model(out, dtype="auto").state_dict()  # as saved
         for k in trained:
             assert merged[k].dtype == want, k

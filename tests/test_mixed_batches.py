@@ -30,14 +30,14 @@ def mixed_parquet(path, n_rows=16):
     return str(path)
 
 
-def test_mixed_image_and_text_rows_on_two_ranks(tmp_path):
+def test_mixed_image_and_text_rows_on_two_ranks(tmp_path, launch):
     data = mixed_parquet(tmp_path / "mixed.parquet")
     # 1 prompt x 4 samples per rank and micro-batch: within three steps some rank holds a text-only micro-batch
     # while the other holds an image (seen: the reference forward then failed at step 2 with a collective mismatch)
     kw = ["--train-files", data, "--max-steps", "3", "--global-batch-size", "4", "--micro-batch-size-per-device", "4",
           "--reward-function", "color"]
-    two = run(kw, tmp_path / "two", nproc=2)
-    one = run(kw, tmp_path / "one")
+    two = run(launch, kw, tmp_path / "two", nproc=2)
+    one = run(launch, kw, tmp_path / "one")
     assert [m["step"] for m in two] == [1, 2, 3]
     for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl"):
         assert two[0][k] == pytest.approx(one[0][k], rel=1e-4, abs=1e-6), k

@@ -1,19 +1,16 @@
 """The speed issue's pieces that are not attention: FLOPs for MFU, the realistic benchmark workload (forced
 response lengths), truncated importance sampling (rollout correction)."""
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
-import flops  # noqa: E402
-import fsdp_actor as A  # noqa: E402
-import grpo  # noqa: E402
-import rollout  # noqa: E402
-import tiny_model  # noqa: E402
+import bench
+import flops
+import fsdp_actor as A
+import grpo
+import rollout
+import tiny_model
 
 
 # ------------------------------------------------------------------------------------------------------- FLOPs

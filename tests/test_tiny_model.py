@@ -1,14 +1,12 @@
 import json
 import os
-import sys
 import time
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
-import tiny_model  # noqa: E402
+import data
+import tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,15 @@
 """vLLM rollout engine on a GPU (skipped elsewhere), with the tiny Qwen2.5-VL.
 
     pytest -m gpu tests/test_vllm_gpu.py -s               # one GPU: logprobs vs HF, weight sync, caches, sleep
-    torchrun --nproc_per_node 2 tests/test_vllm_gpu.py --tp 1   # data-parallel SPMD (2 independent engines)
-    torchrun --nproc_per_node 2 tests/test_vllm_gpu.py --tp 2   # tensor-parallel SPMD (prompts gathered)
+    PYTHONPATH=. torchrun --nproc_per_node 2 tests/test_vllm_gpu.py --tp 1  # data-parallel SPMD (2 independent engines)
+    PYTHONPATH=. torchrun --nproc_per_node 2 tests/test_vllm_gpu.py --tp 2  # tensor-parallel SPMD (prompts gathered)
 """
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import rollout  # noqa: E402
+import rollout
 
 pytestmark = pytest.mark.gpu
 T_SAMPLE = 0.7
