@@ -15,6 +15,8 @@
 #   f: session 4's final call: [GPU0] the 3B forced benchmark alone on its GPU (the issue-11 bar)  ||  [GPU1] the
 #      phases named in F_GPU1 (e.g. "v q"), cut at F_GPU1_TIMEOUT (270 s) so that they end before the benchmark's
 #      timed steps 2 and 3 (its engine start, step 1 and the compilation take ~5 min)
+#   l: [GPU0] the tests' launch fixture on the GPU box (~3 min): a grpo.py run with vLLM (test_grpo_gpu) and an engine
+#      check run as its own script (test_qwen3_gpu: the repo root reaches it through the fixture's PYTHONPATH)
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
 export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -119,4 +121,9 @@ t)  # speed probe of the trainer (issue 11): fused elementwise kernels on/off, e
   tprobe t_on_32k 0 --profile --torch-compile on
   tprobe t_on_64k 0 --torch-compile on --max-token-len-per-device 65536
   wait ;;
+l)  # tests/conftest.py's launch fixture with vLLM: one test of each GPU file whose subprocess it now starts
+  python -c "import tiny_model; tiny_model.build_tiny_model(arch='qwen3')"
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TESTS_TIMEOUT:-270} python -m pytest -m gpu -q -s \
+    tests/test_grpo_gpu.py::test_a_skipped_sync_is_caught tests/test_qwen3_gpu.py::test_vllm_text_qwen3_engine_and_sync \
+    > "$OUT/launch_gpu_tests.log" 2>&1; tail -3 "$OUT/launch_gpu_tests.log" ;;
 esac

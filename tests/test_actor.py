@@ -57,7 +57,7 @@ def test_logprobs_match_plain_hf_forward(setup):
     for max_tokens, chunk in ((10_000, 4096), (40, 3)):
         lps, ents = A.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
                                        max_tokens=max_tokens, max_samples=4, chunk_size=chunk)
-        for a, b, e in zip(lps, ref, ents):
+        for a, b, e in zip(lps, ref, ents, strict=True):
             assert a.shape == b.shape
             assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
             assert (e > 0).all() and (e <= torch.log(torch.tensor(512.0)) + 1e-4).all()
@@ -68,7 +68,7 @@ def test_logprobs_match_plain_hf_forward(setup):
                                     max_tokens=10_000, max_samples=8)
     finally:
         model.hf.config.model_type = "qwen2_5_vl"
-    for a, b in zip(lps, ref):
+    for a, b in zip(lps, ref, strict=True):
         assert torch.allclose(a.double(), b, atol=2e-5)
 
 
@@ -191,7 +191,7 @@ def test_qwen2_vl_logprobs_match_plain_hf_forward(tmp_path):
     model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
     lps, _ = A.compute_logprobs(model.eval(), samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
                                 max_tokens=10_000, max_samples=8)
-    for a, b in zip(lps, reference_logprobs(path, samples, proc.tokenizer.pad_token_id)):
+    for a, b in zip(lps, reference_logprobs(path, samples, proc.tokenizer.pad_token_id), strict=True):
         assert torch.allclose(a.double(), b, atol=2e-5)
 
 
@@ -208,7 +208,8 @@ def test_text_only_rows_in_a_vlm_match_plain_hf_forward(setup):
     vis = model.hf.model.visual
     vis.register_forward_hook(lambda *a: seen.append(1))
     lp, _ = model(**batch)
-    for a, b in zip(lp.split(resp_len.tolist()), reference_logprobs(path, samples, proc.tokenizer.pad_token_id)):
+    ref = reference_logprobs(path, samples, proc.tokenizer.pad_token_id)
+    for a, b in zip(lp.split(resp_len.tolist()), ref, strict=True):
         assert torch.allclose(a.double(), b, atol=2e-5)
     lp.sum().backward()
     assert seen == [1]

@@ -54,7 +54,7 @@ def test_reference_is_the_base_model_and_only_adapters_train(setup):
     with A.adapters_disabled(model):
         off = logprobs(model, samples, proc)
     on = logprobs(model, samples, proc)
-    for a, b, c in zip(off, base, on):
+    for a, b, c in zip(off, base, on, strict=True):
         assert torch.allclose(a.double(), b, atol=2e-5)  # adapters off == the base model, no second copy
         assert not torch.allclose(c.double(), b, atol=1e-3)  # and on, they do change the policy
     opt, _ = A.build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
@@ -76,7 +76,7 @@ def test_merged_weights_reproduce_the_actor(setup, modules_to_save):
     with torch.no_grad():
         for n, p in dense.hf.named_parameters():
             p.copy_(torch.distributed.tensor.distribute_tensor(merged[n], p.device_mesh, p.placements))
-    for a, b in zip(logprobs(model, samples, proc), logprobs(dense.eval(), samples, proc)):
+    for a, b in zip(logprobs(model, samples, proc), logprobs(dense.eval(), samples, proc), strict=True):
         assert torch.allclose(a, b, atol=1e-5)
     changed = dict(A.iter_full_params(model, lora_only=True))  # later syncs: the LoRA-wrapped layers only
     assert changed and set(changed) < set(merged)
@@ -104,7 +104,7 @@ def test_lora_checkpoint_merges_to_dense_and_adapter_folders(setup, tmp_path):
     assert not any("lora" in k for k in hf.state_dict())
     torch.save(hf.state_dict(), tmp_path / "sd.pt")
     check = A.build_actor(dense, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
-    for a, b in zip(want, logprobs(check.eval(), samples, proc)):
+    for a, b in zip(want, logprobs(check.eval(), samples, proc), strict=True):
         assert torch.allclose(a, b, atol=1e-5)  # merged logits equal the actor's (fp32)
     folder = merge.merge(ckpt, str(tmp_path / "adapter"), dtype="float32", adapter_only=True)
     from peft import PeftModel

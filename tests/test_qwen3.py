@@ -66,7 +66,7 @@ def test_qwen3_vl_logprobs_match_plain_hf_forward(qwen3_vl, monkeypatch):
     for max_tokens in (10_000, 60):  # one micro-batch (5 prompts, 5 distinct images), then several
         lps, _ = A.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, CPU, 1.0, max_tokens=max_tokens,
                                     max_samples=16)
-        for a, b in zip(lps, ref):
+        for a, b in zip(lps, ref, strict=True):
             assert a.shape == b.shape
             assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
     assert seen[0] == 5  # the first (single) micro-batch: each distinct image once, not once per sample
@@ -80,7 +80,8 @@ def test_qwen3_vl_text_only_micro_batch(qwen3_vl):
     model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False)
     batch, resp_len = A.collate(text, proc.tokenizer.pad_token_id, CPU)
     lp, _ = model(**batch)
-    for a, b in zip(lp.split(resp_len.tolist()), reference_logprobs(path, text, proc.tokenizer.pad_token_id)):
+    ref = reference_logprobs(path, text, proc.tokenizer.pad_token_id)
+    for a, b in zip(lp.split(resp_len.tolist()), ref, strict=True):
         assert torch.allclose(a.double(), b, atol=2e-5)
     lp.sum().backward()
     grads = {n: q.grad for n, q in model.named_parameters() if ".deepstack_merger_list." in n}
@@ -100,7 +101,7 @@ def test_qwen3_vl_hf_engine_generates_what_the_trainer_scores(qwen3_vl):
     assert all(len(s["response_ids"]) > 0 for s in gen)
     lps, _ = A.compute_logprobs(model, gen, proc.tokenizer.pad_token_id, CPU, T, max_tokens=10_000, max_samples=8)
     eng_lp = [torch.tensor(o["logprobs"]) for g in out for o in g]
-    for a, b in zip(lps, eng_lp):
+    for a, b in zip(lps, eng_lp, strict=True):
         assert torch.allclose(a, b, atol=1e-4), (a, b)
     g = eng.generate(prompts[1:], n=2, temperature=0, top_p=1.0, max_tokens=8, seeds=[0])[0]
     assert g[0] == g[1] and len(g[0]["response_ids"]) > 0
@@ -139,7 +140,7 @@ def test_qwen3_text_model_end_to_end_pieces(tmp_path):
     units = [type(m).__name__ for m in model.hf.modules() if type(m).__name__.startswith("FSDP")]
     assert units.count("FSDPQwen3DecoderLayer") == 2, units  # each decoder layer its own FSDP unit
     lps, _ = A.compute_logprobs(model, samples, tok.pad_token_id, CPU, 1.0, max_tokens=10_000, max_samples=8)
-    for a, b, o in zip(lps, reference_text_logprobs(path, samples), [o for g in out for o in g]):
+    for a, b, o in zip(lps, reference_text_logprobs(path, samples), [o for g in out for o in g], strict=True):
         assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
         assert torch.allclose(a, torch.tensor(o["logprobs"]), atol=1e-4)  # what the engine reported sampling
     # a trained checkpoint of the text demo merges into its own base model (the tiny Qwen3, not the default VLM)

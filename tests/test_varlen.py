@@ -133,7 +133,7 @@ def test_packed_logprobs_and_gradients_equal_padded_and_hf(arch, tmp_path):
         lp_pad, g_pad = _grads(path, subset, pad, False, torch.float64)
         lp_pack, g_pack = _grads(path, subset, pad, True, torch.float64)
         ref = reference_logprobs(path, subset, pad) if arch != "qwen2" else _text_reference(path, subset)
-        for a, b, c in zip(lp_pack, lp_pad, ref):
+        for a, b, c in zip(lp_pack, lp_pad, ref, strict=True):
             assert torch.allclose(a, b, atol=1e-10), (a, b)
             assert torch.allclose(a, c.to(a.dtype), atol=2e-5), (a, c)  # the plain HF forward (fp32) as well
         assert g_pad.keys() == g_pack.keys() and len(g_pad) > 10
@@ -247,7 +247,7 @@ def test_compiled_elementwise_kernels_equal_the_plain_modules(tmp_path, monkeypa
     compiled = [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
     assert any(n.endswith("mlp") for n in compiled) and any(n.endswith("norm") for n in compiled), compiled
     assert model.chunk_logprobs is not A._chunk_logprobs and hasattr(mod.apply_rotary_pos_emb, "_torchdynamo_orig_callable")
-    for a, b in zip(lp0, lp1):
+    for a, b in zip(lp0, lp1, strict=True):
         assert torch.allclose(a, b, atol=1e-10), (a, b)
     assert g0.keys() == g1.keys()
     for n in g0:  # transformers' RMSNorm rounds to fp32 inside even in float64: fused, it rounds elsewhere

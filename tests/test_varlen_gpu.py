@@ -82,7 +82,7 @@ def test_padding_free_auto_on_cuda_matches_padded():
         model = A.build_actor(path, dev, torch.float32, torch.bfloat16, padding_free=mode, vision_varlen=mode)
         assert model.packed == (mode == "auto")
         lps, _ = A.compute_logprobs(model, samples, pad, dev, 1.0, 10_000, 64)
-        err = torch.cat([(a.double() - b).abs() for a, b in zip(lps, ref)])
+        err = torch.cat([(a.double() - b).abs() for a, b in zip(lps, ref, strict=True)])
         batch, _ = A.collate(samples, pad, dev, model)
         lp, _ = model(**batch)
         (lp * torch.linspace(-1, 1, len(lp), device=dev)).sum().backward()

@@ -81,7 +81,7 @@ def test_prompt_expansion_matches_hf_processor(setup):
     eng, recs = setup["eng"], setup["prompts"]
     from vllm import SamplingParams
     outs = eng.llm.generate([eng._vllm_prompt(r) for r in recs], SamplingParams(max_tokens=1), use_tqdm=False)
-    for o, r in zip(outs, recs):
+    for o, r in zip(outs, recs, strict=True):
         assert list(o.prompt_token_ids) == r["prompt_ids"]
 
 
@@ -89,7 +89,7 @@ def test_logprobs_match_hf_recompute(setup):
     eng, ref, recs = setup["eng"], setup["ref"], setup["prompts"]
     out = eng.generate(recs, n=4, temperature=T_SAMPLE, top_p=1.0, max_tokens=32, seeds=[1, 2, 3, 4])
     diffs, raw_diffs = [], []
-    for rec, group in zip(recs, out):
+    for rec, group in zip(recs, out, strict=True):
         for o in group:
             ids = o["response_ids"]
             assert len(o["logprobs"]) == len(ids) > 0
