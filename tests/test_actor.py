@@ -1,5 +1,4 @@
 """The FSDP2 actor: log-probs equal a plain HF forward pass; micro-batching does not change loss or gradients."""
-import os
 
 import pytest
 import torch
