@@ -1,4 +1,4 @@
-"""Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour and comparison tasks.
+"""Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour and largest-digit tasks.
 
 Rows follow EasyR1: a `problem` text (with optional `<image>` placeholders), an `answer` and an
 `images` list. encode_prompt turns one row into the prompt record of the shared spec:
@@ -17,6 +17,7 @@ import re
 import sys
 import tempfile
 import time
+import zlib
 
 import torch
 from PIL import Image, ImageDraw, UnidentifiedImageError
@@ -34,7 +35,7 @@ COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220),
 SHAPES = ("circle", "square", "triangle")
 COLOR_QUESTION = "<image>What is the main color of the picture?"
 DEMO_FORMAT_PROMPT = "{{ content }} Answer with one word."
-COMPARE_QUESTION = "Which is larger, {a} or {b}?"
+MAX_QUESTION = "What is the largest of {digits}?"
 NUMBER_FORMAT_PROMPT = "{{ content }} Answer with a number."
 
 
@@ -477,7 +478,7 @@ def load_datasets(cfg, model_path, text_demo=False, say=print):
     import torch.distributed as dist
     train_files, val_files, fmt = cfg.train_files, cfg.val_files, cfg.format_prompt
     if not train_files:
-        make = demo_compare_data if text_demo else demo_data
+        make = demo_max_data if text_demo else demo_data
         if dist.get_rank() == 0:
             make()
         dist.barrier()
@@ -559,25 +560,37 @@ def demo_data(data_dir=None, n_train=2000, n_val=200):
 
 
 
-COMPARE_PAIRS = [(a, b) for a in range(10) for b in range(a + 1, 10)]  # the 45 pairs of different digits
+def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:
+    """One question of the text demo's task and its answer: the largest of k different digits, k drawn from lengths.
+    The answer is drawn first, uniformly over the largest digits k different digits allow (k - 1 to 9), so no
+    constant answer pays much (at most 1/6 for k = 5: "9"); the other digits are smaller and the order is shuffled,
+    so no position holds the answer more often than the others."""
+    k = rng.choice(lengths)
+    top = rng.randint(k - 1, 9)
+    digits = rng.sample(range(top), k - 1) + [top]
+    rng.shuffle(digits)
+    return MAX_QUESTION.format(digits=", ".join(map(str, digits))), str(top)
 
 
-def make_compare_dataset(out_path: str, pairs, n_rows: int, seed: int) -> str:
-    """Text-only rows (problem, answer; no images column) of the text demo's task, drawn from `pairs` (either order).
-    The answer is uniform over the larger digits the pairs allow, so no constant answer pays (a tiny policy would
-    otherwise settle on always saying 9). Written atomically."""
+def is_val_question(question: str) -> bool:
+    """Which side of the split a question is on: a tenth of all questions (by a hash of the text) belong to
+    validation and are never drawn for training. A hash rather than "whatever validation happened to draw": both
+    sides keep the task's answer distribution (excluding validation's draws would thin out the small answers,
+    whose few lists validation's 200 rows nearly exhaust)."""
+    return zlib.crc32(question.encode()) % 10 == 0
+
+
+def make_max_dataset(out_path: str, n_rows: int, seed: int, split="train", lengths=(3, 4, 5)) -> str:
+    """Text-only rows (problem, answer; no images column) of the text demo's task, drawn from `split`'s side of the
+    question space only (is_val_question). Written atomically."""
     import datasets
     rng = random.Random(seed)
-    by_max = {}
-    for a, b in pairs:
-        by_max.setdefault(max(a, b), []).append((a, b))
     rows = {"problem": [], "answer": []}
-    for _ in range(n_rows):
-        a, b = rng.choice(by_max[rng.choice(sorted(by_max))])
-        if rng.random() < 0.5:
-            a, b = b, a
-        rows["problem"].append(COMPARE_QUESTION.format(a=a, b=b))
-        rows["answer"].append(str(max(a, b)))
+    while len(rows["problem"]) < n_rows:
+        question, answer = max_question(rng, lengths)
+        if is_val_question(question) == (split == "val"):
+            rows["problem"].append(question)
+            rows["answer"].append(answer)
     out_path = os.path.abspath(os.path.expanduser(out_path))
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
@@ -591,17 +604,21 @@ def make_compare_dataset(out_path: str, pairs, n_rows: int, seed: int) -> str:
     return out_path
 
 
-def demo_compare_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the text demo's task, "Which is larger, a or b?" for two different digits; created
-    once. Validation draws fresh rows (another seed) from the same 90 questions: it measures the learned comparison
-    on every question, not generalisation to unseen pairs (the tiny policy learns a table: holding 9 of the 45 pairs
-    out of training, it answered 57% of them right while it answered the trained ones all right)."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/compare-v1")
+def demo_max_data(data_dir=None, n_train=4000, n_val=200):
+    """(train_path, val_path) of the text demo's task, "What is the largest of 3, 8, 1, 5?" (3 to 5 different
+    digits: 36,000 ordered lists); created once. Validation and training come from disjoint tenths and nine tenths
+    of the question space (is_val_question), and every call checks it: validation measures the learned maximum on
+    lists the policy never trained on."""
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/max-v1")
     train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
-    if not os.path.isfile(train):
-        make_compare_dataset(train, COMPARE_PAIRS, n_train, seed=0)
     if not os.path.isfile(val):
-        make_compare_dataset(val, COMPARE_PAIRS, n_val, seed=1)
+        make_max_dataset(val, n_val, seed=1, split="val")
+    if not os.path.isfile(train):
+        make_max_dataset(train, n_train, seed=0, split="train")
+    seen = set(load_rows(val)["problem"]) & set(load_rows(train)["problem"])  # the cached files too, every time
+    if seen:
+        raise UserError(f"{len(seen)} validation questions occur in {train} (e.g. {min(seen)!r}): validation would "
+                        f"not be unseen; delete {data_dir} to have it made again")
     return train, val
 
 

@@ -32,7 +32,7 @@ class Config:
     # --- model and data (empty model_path / train_files = the built-in demo) ---
     model_path: str = ""  # HF hub name or local folder; "" builds the tiny demo VLM in code
     # the tiny model built when model_path is "" (and its task when train_files is ""): qwen2_5_vl and qwen3_vl
-    # answer the colour task, the text-only qwen3 the comparison task (with TEXT_DEMO's settings)
+    # answer the colour task, the text-only qwen3 the largest-digit task (with TEXT_DEMO's settings)
     demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3"] = "qwen2_5_vl"
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)
@@ -294,7 +294,7 @@ def setup(cfg: Config):
     import rewards
     import rollout
     easyr1_config.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    text_demo = not cfg.model_path and not cfg.train_files and cfg.demo_model == "qwen3"  # the comparison task
+    text_demo = not cfg.model_path and not cfg.train_files and cfg.demo_model == "qwen3"  # the largest-digit task
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
     rank, world, device = A.init_distributed()
     ckpt, state = rundir.find_resume(cfg)  # refuses a changed config before anything loads

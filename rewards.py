@@ -156,7 +156,7 @@ INTEGER = re.compile(r"-?\d+")
 
 
 def number_reward(items: list[dict]) -> list[dict]:
-    """The text demo's sum task: name exactly one integer, the right one ("8", "It is 8."; not "8 or 9")."""
+    """The text demo's task: name exactly one integer, the right one ("8", "It is 8."; not "8 or 9")."""
     out = []
     for item in items:
         response, gt = _fields(item)

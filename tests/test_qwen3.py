@@ -128,7 +128,7 @@ def test_qwen3_text_model_end_to_end_pieces(tmp_path):
     path = tiny_model.build_tiny_model(str(tmp_path / "q3"), arch="qwen3")
     tok = data.load_processor(path)
     assert not hasattr(tok, "image_processor")  # a tokenizer: no vision inputs anywhere
-    train, _ = data.demo_compare_data(str(tmp_path / "cmp"), n_train=6, n_val=2)
+    train, _ = data.demo_max_data(str(tmp_path / "max"), n_train=6, n_val=2)
     assert data.load_rows(train).column_names == ["problem", "answer"]  # no images column
     ds = data.PromptDataset(train, tok, format_prompt=data.NUMBER_FORMAT_PROMPT)
     eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
@@ -192,19 +192,33 @@ def test_demo_model_selects_model_task_and_reward(tmp_path, demo, model_cls, rew
         assert cli(grpo.Config, grpo.DEMO, args=args + ["--rollout-n", "8"], text_demo=grpo.TEXT_DEMO).n == 8
 
 
-def test_compare_task_rows(tmp_path):
-    """The text demo's rows: the answer is the larger digit, both orders of all 45 pairs occur, no answer dominates
-    (a constant answer must not pay), and validation rows are other draws than the training rows."""
+def test_max_task_rows(tmp_path):
+    """The text demo's rows: the answer is the largest of 3 to 5 different digits, no answer dominates (a constant
+    answer must not pay), no list position holds the answer more often than the others (copying one must not pay),
+    the questions are too many to learn as a table, and no validation question occurs in training."""
+    import collections
     import re
-    train, val = data.demo_compare_data(str(tmp_path), n_train=1000, n_val=100)
+    train, val = data.demo_max_data(str(tmp_path), n_train=3000, n_val=300)
     rows = {p: list(data.load_rows(p)) for p in (train, val)}
+    where, lengths = collections.Counter(), collections.Counter()
     for path, rs in rows.items():
         for row in rs:
-            a, b = map(int, re.fullmatch(r"Which is larger, (\d) or (\d)\?", row["problem"]).groups())
-            assert a != b and row["answer"] == str(max(a, b))
-    questions = {r["problem"] for r in rows[train]}
-    assert len(questions) == 90  # every pair, both orders
-    answers = [r["answer"] for r in rows[train]]
-    assert sorted(set(answers)) == [str(d) for d in range(1, 10)]
-    assert max(answers.count(str(d)) for d in range(1, 10)) < 0.15 * len(answers)  # uniform: 1/9 each
-    assert [r["problem"] for r in rows[val]] != [r["problem"] for r in rows[train]][:100]
+            digits = [int(d) for d in re.fullmatch(r"What is the largest of (\d(?:, \d)+)\?", row["problem"])
+                      .group(1).split(", ")]
+            assert len(set(digits)) == len(digits) and row["answer"] == str(max(digits))
+            where[(len(digits), digits.index(max(digits)))] += 1
+            lengths[len(digits)] += 1
+    assert sorted(lengths) == [3, 4, 5]
+    for (k, i), count in where.items():  # the largest digit's position is uniform over the list's k places
+        assert abs(count / lengths[k] - 1 / k) < 0.06, (k, i, count / lengths[k])
+    answers = collections.Counter(r["answer"] for r in rows[train])
+    assert sorted(answers) == [str(d) for d in range(2, 10)]
+    assert max(answers.values()) < 0.17 * len(rows[train])  # "9", the most frequent: (1/8 + 1/7 + 1/6) / 3 = 0.145
+    train_q, val_q = {r["problem"] for r in rows[train]}, {r["problem"] for r in rows[val]}
+    assert len(train_q) > 0.6 * len(rows[train])  # mostly distinct questions: no table to learn
+    assert not train_q & val_q  # validation is unseen
+    assert all(data.is_val_question(q) for q in val_q) and not any(data.is_val_question(q) for q in train_q)
+    # checked whenever the files are used, cached ones too: a training file holding validation questions is refused
+    data.make_max_dataset(train, 50, seed=1, split="val")  # validation's own questions
+    with pytest.raises(data.UserError, match="validation questions occur in"):
+        data.demo_max_data(str(tmp_path), n_train=3000, n_val=300)

@@ -36,8 +36,9 @@ def vl_prompts(path):
 def text_prompts(path):
     import data
     tok = data.load_processor(path)
-    return [data.encode_prompt({"problem": data.COMPARE_QUESTION.format(a=a, b=b), "answer": str(max(a, b))}, tok,
-                               format_prompt=data.NUMBER_FORMAT_PROMPT) for a, b in ((3, 4), (9, 8), (0, 5), (6, 2))]
+    lists = ((3, 4, 1), (9, 8, 0, 2), (0, 5, 7, 1, 3), (6, 2, 4))  # the text demo's task: the largest digit
+    return [data.encode_prompt({"problem": data.MAX_QUESTION.format(digits=", ".join(map(str, d))),
+                                "answer": str(max(d))}, tok, format_prompt=data.NUMBER_FORMAT_PROMPT) for d in lists]
 
 
 def mean_logprob_diff(eng, ref, recs, temperature=0.7):
