@@ -7,6 +7,7 @@
     python bench.py --trainer-only --profile --max-steps 2           # no engine: log-probs + update, kernel table
     python bench.py --workload realistic --padding-free off         # real response lengths, padded training
     python bench.py --prepare-only                                   # just build the random model and the data
+    python bench.py --preset qwen2_5_vl_7b --lora-rank 64 --gpu-memory-cap-gb 40   # as if on a 40 GB card
 
 Random weights with the real dimensions (tiny_model.build_random_model: no download) and geo3k-like prompts: one
 512x512 figure and about 100 text tokens. Two workloads, each the same work on every run:
@@ -134,7 +135,8 @@ def report(paths):
 
 PHASES = ["timing/gen", "timing/old_logprob", "timing/ref_logprob", "timing/update", "timing/sync", "timing/step",
           "throughput/tokens_per_s", "perf/pad_fraction", "perf/mfu_ref", "perf/mfu_update",
-          "memory/gpu_peak_allocated_gb", "memory/host_peak_rss_gb"]
+          "memory/gpu_peak_allocated_gb", "memory/trainer_peak_gen_gb", "memory/trainer_peak_ref_gb",
+          "memory/trainer_peak_update_gb", "memory/engine_pool_gb", "memory/engine_awake_gb", "memory/host_peak_rss_gb"]
 
 
 def synthetic_collect(ctx, step, metrics, realistic=False):
@@ -201,6 +203,21 @@ def run(cfg, trainer_only=False, profile=False, workload="forced"):
     return summary
 
 
+def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
+    """Run as if the GPU had only `cap_gb` (a smaller card): torch's caching allocator refuses to grow past it
+    (set_per_process_memory_fraction; vLLM's sleep-mode pool is a torch MemPool, so its blocks count too), and
+    vLLM's gpu_memory_utilization, a share of the *whole* card, becomes `engine_share` of the cap (its weights and
+    KV cache), unless --gpu-memory-utilization already asks for less."""
+    import torch
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # (before init_distributed: this rank's GPU)
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb / total))
+    util = min(cfg.gpu_memory_utilization, engine_share * cap_gb / total)
+    print(f"[bench] GPU memory capped to {cap_gb:.0f} of {total:.0f} GiB; vLLM gpu_memory_utilization {util:.3f} "
+          f"({util * total:.1f} GiB)", flush=True)
+    return replace(cfg, gpu_memory_utilization=util)
+
+
 def main():
     argv = sys.argv[1:]
     if argv[:1] == ["report"]:
@@ -208,7 +225,7 @@ def main():
         return
     flags = {f: f in argv for f in ("--trainer-only", "--profile", "--prepare-only")}
     argv = [a for a in argv if a not in flags]
-    opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced"}  # bench.py's own options
+    opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced", "--gpu-memory-cap-gb": ""}  # bench.py's own
     for flag in opts:
         if flag in argv:
             i = argv.index(flag)
@@ -234,6 +251,8 @@ def main():
         return
     import tyro
     cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
+    if opts["--gpu-memory-cap-gb"]:
+        cfg = cap_gpu_memory(cfg, float(opts["--gpu-memory-cap-gb"]))
     summary = run(replace(cfg, resume="never"), flags["--trainer-only"], flags["--profile"], workload)
     if rank == 0:
         summary.update(preset=preset, workload=workload, padding_free=cfg.padding_free)

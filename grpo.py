@@ -7,7 +7,6 @@ One step:  sync -> sample -> score -> advantage -> (old / ref log-probs) -> clip
 The algorithm lives in the middle section (advantages, KL estimators, policy losses, loss aggregation); the rest
 is plumbing. dapo.py imports this file and swaps in dynamic sampling and overlong shaping.
 """
-import contextlib
 import functools
 import json
 import math
@@ -27,6 +26,7 @@ import tyro
 import data
 import flops
 import fsdp_actor as A
+import memory
 from data import UserError
 import rundir
 
@@ -100,6 +100,10 @@ class Config:
     rollout_correction_cap: float = 2.0  # weights above it are truncated to it (veRL's rollout_is_threshold)
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
+    precision: Literal["amp", "bf16"] = "amp"  # amp: fp32 master weights, compute in --dtype; bf16: weights, gradients and AdamW state in bf16 (half the bytes; README: Memory modes)
+    bf16_rounding: Literal["stochastic", "kahan", "nearest"] = "stochastic"  # how --precision bf16 stores updates below half a bf16 ulp (nearest loses them)
+    offload_params: bool = False  # policy weights, gradients and AdamW state on the host (FSDP2's CPUOffloadPolicy; the step runs there), and the reference model between its uses
+    offload_optimizer: bool = False  # AdamW state on the host between optimizer steps (in for the step, out after it)
     freeze_vision_tower: bool = False  # train the language model only (the vision tower keeps its weights)
     lora_rank: int = 0  # LoRA (peft) rank; 0 = full fine-tuning. With LoRA only adapters train: the vision tower is frozen unless targeted
     lora_alpha: int = 64  # LoRA scale = alpha / rank (EasyR1's default)
@@ -275,6 +279,8 @@ def check_config(cfg: Config, world: int):
     if rb % gb or gb % world:  # then world divides rollout_batch_size too
         raise UserError(f"--global-batch-size {gb} must divide --rollout-batch-size {rb} and be a multiple of the "
                         f"number of ranks ({world})")
+    if cfg.precision == "bf16" and cfg.dtype == "fp32":
+        raise UserError("--precision bf16 computes in bf16: drop --dtype fp32 (or use --precision amp)")
     data.check_model_path(cfg.model_path)
     data.check_source(cfg.train_files, "--train-files")
     data.check_source(cfg.val_files, "--val-files")
@@ -337,23 +343,26 @@ def setup(cfg: Config):
         log0(ctx, f"[resume] {ckpt} is step {state['step']} of --max-steps {cfg.max_steps}: the run is already "
                   "complete, nothing to do (raise --max-steps to train on, or start a new run in another --output-dir)")
         return ctx
-    # --- policy (fp32 master weights), reference (frozen, compute dtype), rollout engine (its own weights) ---
-    use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+    # --- policy (fp32 master weights, or bf16), reference (frozen, compute dtype), rollout engine (its own weights) ---
+    pure_bf16 = cfg.precision == "bf16"
+    use_bf16 = pure_bf16 or cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     ctx.lora = dict(r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
                     exclude_modules=cfg.lora_exclude_modules, modules_to_save=cfg.lora_modules_to_save
                     ) if cfg.lora_rank > 0 else None
-    ctx.model = A.build_actor(ctx.model_path, device, torch.float32, ctx.compute_dtype,
-                              cfg.gradient_checkpointing, cfg.attn_implementation,
+    ctx.model = A.build_actor(ctx.model_path, device, torch.bfloat16 if pure_bf16 else torch.float32,
+                              ctx.compute_dtype, cfg.gradient_checkpointing, cfg.attn_implementation,
                               freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora,
-                              padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen)
+                              padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen, offload=cfg.offload_params)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = A.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
                                 attn_implementation=cfg.attn_implementation, trainable=False,
                                 padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen)
+        if cfg.offload_params and device.type == "cuda":  # on the host until its pass (memory.resident)
+            ctx.ref.to("cpu")
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
-                                           device)
+                                           device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None, seed=cfg.seed)
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
                                        dtype=ctx.compute_dtype, cfg=cfg)
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
@@ -510,7 +519,8 @@ def update_policy(ctx, samples):
                     diff = ((logp.detach() - roll).abs() * mask)
                     add("rollout/logprob_diff_mean", diff.sum(), mask.sum())
                     add_max("rollout/logprob_diff_max", diff.max())
-            grad_norm = A.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm)  # the same on every rank
+            grad_norm = A.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm,  # the same on every rank
+                                         offload_state=cfg.offload_optimizer and not cfg.offload_params)
             add("actor/grad_norm", grad_norm)
             add("actor/lr", ctx.sched.get_last_lr()[0])
             skipped += not math.isfinite(grad_norm)
@@ -544,6 +554,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     cfg, T, metrics = ctx.cfg, {}, {}
     ctx.step = step
     t_step = time.time()
+    peaks = {"start": memory.phase_peak_gb()}  # (the last step's validation and checkpoint: not this step's)
     # ---- 0. sync: the engine gets the weights of the last update (streamed, one tensor at a time) ----
     T["sync"] = sync_engine(ctx)
     # ---- 1. sample (generate n responses per prompt) and 2. score ----
@@ -554,6 +565,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     ctx.rollout.sleep()
     metrics["memory/free_engine_awake_gb"], metrics["memory/free_engine_asleep_gb"] = free_awake, cuda_free_gb()
     T["gen"] = time.time() - t
+    peaks["gen"] = memory.phase_peak_gb(ctx.rollout)
     # ---- 3. advantages: normalise within each group of n ----
     rewards = torch.tensor([s["reward"] for s in samples]).view(-1, cfg.n)  # [G, n]
     lengths = torch.tensor([len(s["response_ids"]) for s in samples]).view(-1, cfg.n)  # [G, n]
@@ -572,16 +584,19 @@ def train_step(ctx, step, collect=collect_rollouts):
         T["old_logprob"] = time.time() - t
     if cfg.kl_coef > 0:
         t = time.time()
-        with A.adapters_disabled(ctx.model) if ctx.lora else contextlib.nullcontext():
+        with A.adapters_disabled(ctx.model) if ctx.lora else memory.resident(ctx.ref, ctx.device, cfg.offload_params):
             ref, _ = A.compute_logprobs(ctx.ref or ctx.model, samples, **mb_kw)
         for s, r in zip(samples, ref):
             s["ref_logp"] = r
         T["ref_logprob"] = time.time() - t
+    if "old_logprob" in T or "ref_logprob" in T:
+        peaks["ref"] = memory.phase_peak_gb(ctx.rollout)  # old and reference log-probs
     # ---- 5. update the policy (the engine is now one update behind: synced before its next generation) ----
     t = time.time()
     metrics.update(update_policy(ctx, samples))
     ctx.engine_stale = True
     T["update"] = time.time() - t
+    peaks["update"] = memory.phase_peak_gb(ctx.rollout)
     T["step"] = time.time() - t_step
     # ---- metrics ----
     metrics.update(sample_metrics(ctx, samples, "reward"))
@@ -595,7 +610,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     metrics["perf/mfu_update"] = 3 * cfg.ppo_epochs * fwd / (T["update"] * peak)  # forward + backward per epoch
     if "ref_logprob" in T:
         metrics["perf/mfu_ref"] = fwd / (T["ref_logprob"] * peak)
-    metrics.update(memory_metrics(ctx))
+    metrics.update(memory.metrics(ctx.rollout, peaks, metrics))
     metrics["step"] = step + 1
     return metrics, samples
 
@@ -616,18 +631,6 @@ def sync_engine(ctx):
 
 def cuda_free_gb():
     return torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 0.0
-
-
-def memory_metrics(ctx):
-    """Peaks since the last call (GPU allocated by torch, GPU reserved by torch's caching allocator; vLLM's pool
-    is separate) and the process's peak resident host memory."""
-    import resource
-    out = {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if torch.cuda.is_available():
-        out["memory/gpu_peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        out["memory/gpu_reserved_gb"] = torch.cuda.memory_reserved() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-    return out
 
 
 def sample_metrics(ctx, samples, prefix):
