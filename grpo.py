@@ -101,7 +101,7 @@ class Config:
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
     precision: Literal["amp", "bf16"] = "amp"  # amp: fp32 master weights, compute in --dtype; bf16: weights, gradients and AdamW state in bf16 (half the bytes; README: Memory modes)
-    bf16_rounding: Literal["stochastic", "kahan", "nearest"] = "stochastic"  # how --precision bf16 stores updates below half a bf16 ulp (nearest loses them)
+    bf16_rounding: Literal["kahan", "stochastic", "nearest"] = "kahan"  # how --precision bf16 keeps updates below half a bf16 ulp (nearest loses them; README: Memory modes)
     offload_params: bool = False  # policy weights, gradients and AdamW state on the host (FSDP2's CPUOffloadPolicy; the step runs there), and the reference model between its uses
     offload_optimizer: bool = False  # AdamW state on the host between optimizer steps (in for the step, out after it)
     freeze_vision_tower: bool = False  # train the language model only (the vision tower keeps its weights)
