@@ -99,20 +99,20 @@ m)  # memory modes, the README's hardware table: 8 prompts x 8 samples x 1024 fo
   M7="--preset qwen2_5_vl_7b --max-steps ${BENCH_STEPS:-2} --rollout-batch-size 8 --global-batch-size 8"
   timeout ${BENCH_TIMEOUT:-270} torchrun --standalone --nproc_per_node 2 bench.py $M7 --gpu-memory-utilization 0.3 \
     --output-dir /tmp/m7amp ${BENCH_ARGS:-} > "$OUT/m7b_amp_x2.log" 2>&1
-  cp /tmp/m7amp/metrics.jsonl "$OUT/m7b_amp_x2_metrics.jsonl"; tail -c 400 "$OUT/m7b_amp_x2.log"
+  cp /tmp/m7amp/metrics.jsonl "$OUT/m7b_amp_x2_metrics.jsonl"; cp /tmp/m7amp/bench_summary.json "$OUT/m7b_amp_x2_summary.json"; tail -c 400 "$OUT/m7b_amp_x2.log"
   (CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-270} python bench.py $M7 --lora-rank 64 --precision bf16 \
      --gpu-memory-cap-gb 40 --max-token-len-per-device 8192 --output-dir /tmp/m7lora40 > "$OUT/m7b_lora_bf16_cap40.log" 2>&1
-   cp /tmp/m7lora40/metrics.jsonl "$OUT/m7b_lora_bf16_cap40_metrics.jsonl") &
+   cp /tmp/m7lora40/metrics.jsonl "$OUT/m7b_lora_bf16_cap40_metrics.jsonl"; cp /tmp/m7lora40/bench_summary.json "$OUT/m7b_lora_bf16_cap40_summary.json") &
   CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-270} python bench.py $M7 --lora-rank 64 --gpu-memory-cap-gb 80 \
     --output-dir /tmp/m7lora80 > "$OUT/m7b_lora_amp_cap80.log" 2>&1
-  cp /tmp/m7lora80/metrics.jsonl "$OUT/m7b_lora_amp_cap80_metrics.jsonl"
+  cp /tmp/m7lora80/metrics.jsonl "$OUT/m7b_lora_amp_cap80_metrics.jsonl"; cp /tmp/m7lora80/bench_summary.json "$OUT/m7b_lora_amp_cap80_summary.json"
   wait; tail -c 400 "$OUT"/m7b_lora_*.log ;;
 m3)  # 3B pure bf16 [GPU0] || 3B AMP with the policy offloaded to the host [GPU1]; then tests/test_memory_gpu.py
   M3="--preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} --rollout-batch-size 16 --global-batch-size 16"
   (CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-300} python bench.py $M3 --precision bf16 --output-dir /tmp/m3bf16 \
-     > "$OUT/m3b_bf16.log" 2>&1; cp /tmp/m3bf16/metrics.jsonl "$OUT/m3b_bf16_metrics.jsonl") &
+     > "$OUT/m3b_bf16.log" 2>&1; cp /tmp/m3bf16/metrics.jsonl "$OUT/m3b_bf16_metrics.jsonl"; cp /tmp/m3bf16/bench_summary.json "$OUT/m3b_bf16_summary.json") &
   CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-300} python bench.py $M3 --offload-params --output-dir /tmp/m3off \
-    > "$OUT/m3b_offload.log" 2>&1; cp /tmp/m3off/metrics.jsonl "$OUT/m3b_offload_metrics.jsonl"
+    > "$OUT/m3b_offload.log" 2>&1; cp /tmp/m3off/metrics.jsonl "$OUT/m3b_offload_metrics.jsonl"; cp /tmp/m3off/bench_summary.json "$OUT/m3b_offload_summary.json"
   wait; tail -c 400 "$OUT"/m3b_*.log
   CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-200} python -m pytest -m gpu -q -rs tests/test_memory_gpu.py \
     > "$OUT/memory_gpu_tests.log" 2>&1; tail -3 "$OUT/memory_gpu_tests.log" ;;
