@@ -204,17 +204,21 @@ def run(cfg, trainer_only=False, profile=False, workload="forced"):
 
 
 def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
-    """Run as if the GPU had only `cap_gb` (a smaller card): torch's caching allocator refuses to grow past it
-    (set_per_process_memory_fraction; vLLM's sleep-mode pool is a torch MemPool, so its blocks count too), and
-    vLLM's gpu_memory_utilization, a share of the *whole* card, becomes `engine_share` of the cap (its weights and
-    KV cache), unless --gpu-memory-utilization already asks for less."""
+    """Run as if the GPU had only `cap_gb` (a smaller card): the rest of it is taken by a ballast tensor held for
+    the whole run (memory.occupy: left out of the memory/* keys), and vLLM's gpu_memory_utilization, a share of the
+    *whole* card, becomes `engine_share` of the cap (its weights and KV cache), unless --gpu-memory-utilization
+    already asks for less. Not torch.cuda.set_per_process_memory_fraction: that limit counts reserved segments, and
+    vLLM's sleep-mode pool stays reserved while asleep (only its physical pages are released), so the trainer could
+    never reuse what the sleeping engine gave back, as it can on a real card of that size."""
     import torch
+
+    import memory
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # (before init_distributed: this rank's GPU)
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb / total))
+    free, total = (x / 2**30 for x in torch.cuda.mem_get_info())
+    memory.occupy(max(0.0, total - cap_gb))
     util = min(cfg.gpu_memory_utilization, engine_share * cap_gb / total)
-    print(f"[bench] GPU memory capped to {cap_gb:.0f} of {total:.0f} GiB; vLLM gpu_memory_utilization {util:.3f} "
-          f"({util * total:.1f} GiB)", flush=True)
+    print(f"[bench] GPU memory capped to {cap_gb:.0f} of {total:.0f} GiB ({free:.0f} were free); vLLM "
+          f"gpu_memory_utilization {util:.3f} ({util * total:.1f} GiB)", flush=True)
     return replace(cfg, gpu_memory_utilization=util)
 
 

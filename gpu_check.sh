@@ -97,13 +97,13 @@ m)  # memory modes, the README's hardware table: 8 prompts x 8 samples x 1024 fo
   # (the first pays the warm-up; the memory keys are per step). Expected: ~4 min (7B x2) + ~4 min (LoRA pair).
   python bench.py --preset qwen2_5_vl_7b --prepare-only > "$OUT/prep7b.log" 2>&1; tail -1 "$OUT/prep7b.log"
   M7="--preset qwen2_5_vl_7b --max-steps ${BENCH_STEPS:-2} --rollout-batch-size 8 --global-batch-size 8"
-  timeout ${BENCH_TIMEOUT:-270} torchrun --standalone --nproc_per_node 2 bench.py $M7 --gpu-memory-utilization 0.3 \
+  timeout ${BENCH_TIMEOUT:-240} torchrun --standalone --nproc_per_node 2 bench.py $M7 --gpu-memory-utilization 0.3 \
     --output-dir /tmp/m7amp ${BENCH_ARGS:-} > "$OUT/m7b_amp_x2.log" 2>&1
   cp /tmp/m7amp/metrics.jsonl "$OUT/m7b_amp_x2_metrics.jsonl"; cp /tmp/m7amp/bench_summary.json "$OUT/m7b_amp_x2_summary.json"; tail -c 400 "$OUT/m7b_amp_x2.log"
-  (CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-270} python bench.py $M7 --lora-rank 64 --precision bf16 \
+  (CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-240} python bench.py $M7 --lora-rank 64 --precision bf16 \
      --gpu-memory-cap-gb 40 --max-token-len-per-device 8192 --output-dir /tmp/m7lora40 > "$OUT/m7b_lora_bf16_cap40.log" 2>&1
    cp /tmp/m7lora40/metrics.jsonl "$OUT/m7b_lora_bf16_cap40_metrics.jsonl"; cp /tmp/m7lora40/bench_summary.json "$OUT/m7b_lora_bf16_cap40_summary.json") &
-  CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-270} python bench.py $M7 --lora-rank 64 --gpu-memory-cap-gb 80 \
+  CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-240} python bench.py $M7 --lora-rank 64 --gpu-memory-cap-gb 80 \
     --output-dir /tmp/m7lora80 > "$OUT/m7b_lora_amp_cap80.log" 2>&1
   cp /tmp/m7lora80/metrics.jsonl "$OUT/m7b_lora_amp_cap80_metrics.jsonl"; cp /tmp/m7lora80/bench_summary.json "$OUT/m7b_lora_amp_cap80_summary.json"
   wait; tail -c 400 "$OUT"/m7b_lora_*.log ;;

@@ -24,7 +24,7 @@ RESUMABLE_CHANGES = {
     "config", "log_samples", "logger", "project_name", "experiment_name",
     "micro_batch_size_per_device", "max_token_len_per_device", "logprob_chunk_size", "gradient_checkpointing",
     "attn_implementation", "gpu_memory_utilization", "max_num_batched_tokens", "enforce_eager", "sleep_level",
-    "tensor_parallel_size"}
+    "tensor_parallel_size", "offload_params", "offload_optimizer"}
 
 
 def _read_json(path):
