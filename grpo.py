@@ -353,7 +353,8 @@ def setup(cfg: Config):
     ctx.model = A.build_actor(ctx.model_path, device, torch.bfloat16 if pure_bf16 else torch.float32,
                               ctx.compute_dtype, cfg.gradient_checkpointing, cfg.attn_implementation,
                               freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora,
-                              padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen, offload=cfg.offload_params)
+                              padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
+                              offload=cfg.offload_params)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = A.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
@@ -362,7 +363,8 @@ def setup(cfg: Config):
         if cfg.offload_params and device.type == "cuda":  # on the host until its pass (memory.resident)
             ctx.ref.to("cpu")
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
-                                           device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None, seed=cfg.seed)
+                                           device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
+                                           seed=cfg.seed)
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
                                        dtype=ctx.compute_dtype, cfg=cfg)
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike

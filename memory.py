@@ -29,6 +29,7 @@ FSDP2: parameters, gradients and state are DTensors sharded alike; the step work
 """
 import contextlib
 import hashlib
+import os
 
 import torch
 
@@ -197,3 +198,50 @@ def metrics(engine, peaks, step_metrics):
     out["memory/gpu_peak_allocated_gb"] = max(phases.values()) + pool
     out["memory/gpu_reserved_gb"] = torch.cuda.memory_reserved() / 2**30
     return out
+
+
+# ----------------------------------------------------------------------------------------------- comparison
+def _flat_checkpoint(path):
+    """(model tensors, optimizer state) of a checkpoint folder, read on one process (a temporary torch.save)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as d:
+        dcp_to_torch_save(path, os.path.join(d, "ck.pt"))
+        ck = torch.load(os.path.join(d, "ck.pt"), weights_only=False)
+    return ck["model"], ck["optim"]["state"]
+
+
+def compare_runs(init, amp, others):
+    """How far pure-bf16 runs moved compared with an AMP run of the same steps: init the HF state dict the runs
+    started from (fp32), amp and others checkpoint folders. Each bf16 run is measured from its own start (init
+    rounded to bf16): `carried` = <its movement, AMP's> / |AMP's|^2 (1: all of AMP's step arrived), `rel_err` =
+    |its movement - AMP's| / |AMP's|, and with Kahan the same for weights + compensation (what the weights hold)."""
+    ref, _ = _flat_checkpoint(amp)
+    keys = sorted(ref)
+    cat = lambda d, f=lambda t: t.float(): torch.cat([f(d[k]).flatten() for k in keys])  # noqa: E731
+    w0 = {"hf." + k: v for k, v in init.items()}
+    d_amp = cat(ref) - cat(w0)
+    rows = [f"AMP moved |w - w0| = {float(d_amp.norm()):.5f}"]
+    for path in others:
+        model, state = _flat_checkpoint(path)
+        d = cat(model) - cat(w0, lambda t: t.bfloat16().float())
+        row = (f"{path}: carried {float(d @ d_amp / (d_amp @ d_amp)):.3f}, "
+               f"rel_err {float((d - d_amp).norm() / d_amp.norm()):.3f}, weights moved {float((d != 0).float().mean()):.3f}")
+        if all(k in state and "comp" in state[k] for k in keys):
+            dc = d + torch.cat([state[k]["comp"].float().flatten() for k in keys])
+            row += (f"; weights + compensation: carried {float(dc @ d_amp / (d_amp @ d_amp)):.3f}, "
+                    f"rel_err {float((dc - d_amp).norm() / d_amp.norm()):.3f}")
+        rows.append(row)
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python memory.py compare AMP_CKPT BF16_CKPT... (the demo's runs: the tiny model's init)
+    import sys
+
+    import fsdp_actor
+    import tiny_model
+    if sys.argv[1:2] != ["compare"] or len(sys.argv) < 4:
+        sys.exit("usage: python memory.py compare AMP_CHECKPOINT BF16_CHECKPOINT... (runs of the demo model)")
+    start = fsdp_actor.load_hf_model(tiny_model.build_tiny_model()).state_dict()
+    print(compare_runs(start, sys.argv[2], sys.argv[3:]))
