@@ -510,7 +510,7 @@ def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device, bf16_r
     on_gpu = memory.local(params[0]).device.type == "cuda"  # offloaded weights step on the host
     if bf16_rounding:
         opt = memory.BF16AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, rounding=bf16_rounding,
-                                  seed=seed)
+                               seed=seed)
     else:
         opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=on_gpu or None)
     # linear warmup from lr/warmup to lr, then constant (EasyR1's default schedule)

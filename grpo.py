@@ -586,8 +586,11 @@ def train_step(ctx, step, collect=collect_rollouts):
         T["old_logprob"] = time.time() - t
     if cfg.kl_coef > 0:
         t = time.time()
-        with A.adapters_disabled(ctx.model) if ctx.lora else memory.resident(ctx.ref, ctx.device, cfg.offload_params):
-            ref, _ = A.compute_logprobs(ctx.ref or ctx.model, samples, **mb_kw)
+        # LoRA: the policy with its adapters off; else the reference model (on the GPU for this pass if offloaded)
+        ref_model = A.adapters_disabled(ctx.model) if ctx.lora else memory.resident(ctx.ref, ctx.device,
+                                                                                     cfg.offload_params)
+        with ref_model as m:
+            ref, _ = A.compute_logprobs(m, samples, **mb_kw)
         for s, r in zip(samples, ref):
             s["ref_logp"] = r
         T["ref_logprob"] = time.time() - t
