@@ -9,9 +9,10 @@
 #      both Qwen3 demos' log-prob agreement)
 #   q8: 2 GPUs under torchrun: the Qwen3-VL-8B-shaped benchmark (8.77B parameters: fp32 weights, gradients and AdamW
 #      state are 140 GB, more than one H200 holds; FSDP over 2 GPUs halves it)
-#   m: memory modes (2 GPUs, ~8 min): [both] Qwen2.5-VL-7B full AMP under torchrun x2; then, in parallel, 7B LoRA
-#      on one GPU capped to 40 GB (pure bf16) [GPU0] and to 80 GB (AMP) [GPU1]
-#   m3: (optional, ~5 min) 3B pure bf16 [GPU0] || 3B AMP with --offload-params [GPU1]; then the memory GPU tests
+#   m: memory modes (2 GPUs, ~9 min; PARTS=x2 or PARTS=lora for one half): [both] Qwen2.5-VL-7B full AMP under
+#      torchrun x2; then, in parallel, 7B LoRA on one GPU capped to 40 GB (pure bf16) [GPU0] and to 80 GB (AMP) [GPU1]
+#   m3: (~6 min) 3B: AMP, then pure bf16 [GPU0] || --offload-params, then --offload-optimizer [GPU1]
+#   mt: (~5 min) tests/test_memory_gpu.py
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
 export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -93,27 +94,45 @@ q8)  # the Qwen3-VL-8B-shaped benchmark on 2 GPUs (one engine per GPU)
   timeout ${BENCH_TIMEOUT:-530} torchrun --standalone --nproc_per_node 2 bench.py --preset qwen3_vl_8b \
     --max-steps ${BENCH_STEPS:-3} --gpu-memory-utilization 0.3 --output-dir /tmp/bench8b ${BENCH_ARGS:-} > "$OUT/bench8b.log" 2>&1
   cp /tmp/bench8b/metrics.jsonl "$OUT/bench8b_metrics.jsonl"; tail -2 "$OUT/bench8b.log" ;;
-m)  # memory modes, the README's hardware table: 8 prompts x 8 samples x 1024 forced tokens per step, 2 steps
-  # (the first pays the warm-up; the memory keys are per step). Expected: ~4 min (7B x2) + ~4 min (LoRA pair).
+m)  # memory modes, the README's hardware table: 8 prompts x 8 samples x 1024 forced tokens per step, 2 steps (the
+    # first pays the warm-up; bench keeps the second). PARTS="x2 lora" (default) runs both parts in one call: ~1 min
+    # to build the random 7B, ~4 min for x2, ~4 min for the LoRA pair; near the device's 10-minute limit, give each
+    # part its own call (PARTS=x2, then PARTS=lora: the 7B is rebuilt on a fresh machine).
   python bench.py --preset qwen2_5_vl_7b --prepare-only > "$OUT/prep7b.log" 2>&1; tail -1 "$OUT/prep7b.log"
   M7="--preset qwen2_5_vl_7b --max-steps ${BENCH_STEPS:-2} --rollout-batch-size 8 --global-batch-size 8"
-  timeout ${BENCH_TIMEOUT:-240} torchrun --standalone --nproc_per_node 2 bench.py $M7 --gpu-memory-utilization 0.3 \
-    --output-dir /tmp/m7amp ${BENCH_ARGS:-} > "$OUT/m7b_amp_x2.log" 2>&1
-  cp /tmp/m7amp/metrics.jsonl "$OUT/m7b_amp_x2_metrics.jsonl"; cp /tmp/m7amp/bench_summary.json "$OUT/m7b_amp_x2_summary.json"; tail -c 400 "$OUT/m7b_amp_x2.log"
-  (CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-240} python bench.py $M7 --lora-rank 64 --precision bf16 \
-     --gpu-memory-cap-gb 40 --max-token-len-per-device 8192 --output-dir /tmp/m7lora40 > "$OUT/m7b_lora_bf16_cap40.log" 2>&1
-   cp /tmp/m7lora40/metrics.jsonl "$OUT/m7b_lora_bf16_cap40_metrics.jsonl"; cp /tmp/m7lora40/bench_summary.json "$OUT/m7b_lora_bf16_cap40_summary.json") &
-  CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-240} python bench.py $M7 --lora-rank 64 --gpu-memory-cap-gb 80 \
-    --output-dir /tmp/m7lora80 > "$OUT/m7b_lora_amp_cap80.log" 2>&1
-  cp /tmp/m7lora80/metrics.jsonl "$OUT/m7b_lora_amp_cap80_metrics.jsonl"; cp /tmp/m7lora80/bench_summary.json "$OUT/m7b_lora_amp_cap80_summary.json"
-  wait; tail -c 400 "$OUT"/m7b_lora_*.log ;;
-m3)  # 3B pure bf16 [GPU0] || 3B AMP with the policy offloaded to the host [GPU1]; then tests/test_memory_gpu.py
+  if [[ " ${PARTS:-x2 lora} " == *" x2 "* ]]; then  # [both GPUs] full AMP, FSDP over 2, one engine per GPU
+    timeout ${BENCH_TIMEOUT:-270} torchrun --standalone --nproc_per_node 2 bench.py $M7 --gpu-memory-utilization 0.3 \
+      --output-dir /tmp/m7amp ${BENCH_ARGS:-} > "$OUT/m7b_amp_x2.log" 2>&1
+    cp /tmp/m7amp/metrics.jsonl "$OUT/m7b_amp_x2_metrics.jsonl"; cp /tmp/m7amp/bench_summary.json "$OUT/m7b_amp_x2_summary.json"
+    tail -c 400 "$OUT/m7b_amp_x2.log"
+  fi
+  if [[ " ${PARTS:-x2 lora} " == *" lora "* ]]; then  # [GPU0] LoRA, pure bf16, 40 GB  ||  [GPU1] LoRA, AMP, 80 GB
+    (CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-270} python bench.py $M7 --lora-rank 64 --precision bf16 \
+       --gpu-memory-cap-gb 40 --max-token-len-per-device 8192 --output-dir /tmp/m7lora40 > "$OUT/m7b_lora_bf16_cap40.log" 2>&1
+     cp /tmp/m7lora40/metrics.jsonl "$OUT/m7b_lora_bf16_cap40_metrics.jsonl"; cp /tmp/m7lora40/bench_summary.json "$OUT/m7b_lora_bf16_cap40_summary.json") &
+    CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-270} python bench.py $M7 --lora-rank 64 --gpu-memory-cap-gb 80 \
+      --output-dir /tmp/m7lora80 > "$OUT/m7b_lora_amp_cap80.log" 2>&1
+    cp /tmp/m7lora80/metrics.jsonl "$OUT/m7b_lora_amp_cap80_metrics.jsonl"; cp /tmp/m7lora80/bench_summary.json "$OUT/m7b_lora_amp_cap80_summary.json"
+    wait; tail -c 400 "$OUT"/m7b_lora_*.log
+  fi
+  python bench.py table "$OUT"/m7b_*_summary.json > "$OUT/memory_table.md" 2>&1; tail -8 "$OUT/memory_table.md" ;;
+m3)  # 3B, 16 prompts x 8 samples x 1024 forced tokens, 3 steps: [GPU0] AMP, then pure bf16  ||  [GPU1] AMP with
+    # --offload-params, then with --offload-optimizer (seconds per step and memory with and without). ~6 min.
   M3="--preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} --rollout-batch-size 16 --global-batch-size 16"
-  (CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-300} python bench.py $M3 --precision bf16 --output-dir /tmp/m3bf16 \
-     > "$OUT/m3b_bf16.log" 2>&1; cp /tmp/m3bf16/metrics.jsonl "$OUT/m3b_bf16_metrics.jsonl"; cp /tmp/m3bf16/bench_summary.json "$OUT/m3b_bf16_summary.json") &
-  CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-300} python bench.py $M3 --offload-params --output-dir /tmp/m3off \
-    > "$OUT/m3b_offload.log" 2>&1; cp /tmp/m3off/metrics.jsonl "$OUT/m3b_offload_metrics.jsonl"; cp /tmp/m3off/bench_summary.json "$OUT/m3b_offload_summary.json"
-  wait; tail -c 400 "$OUT"/m3b_*.log
-  CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-200} python -m pytest -m gpu -q -rs tests/test_memory_gpu.py \
+  python bench.py --preset qwen2_5_vl_3b --prepare-only > "$OUT/prep3b.log" 2>&1
+  (for run in "amp:" "bf16:--precision bf16"; do name=${run%%:*}
+     CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-170} python bench.py $M3 ${run#*:} --output-dir /tmp/m3$name \
+       > "$OUT/m3b_$name.log" 2>&1
+     cp /tmp/m3$name/metrics.jsonl "$OUT/m3b_${name}_metrics.jsonl"; cp /tmp/m3$name/bench_summary.json "$OUT/m3b_${name}_summary.json"
+   done) &
+  for run in "offload:--offload-params" "offopt:--offload-optimizer"; do name=${run%%:*}
+    CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-170} python bench.py $M3 ${run#*:} --output-dir /tmp/m3$name \
+      > "$OUT/m3b_$name.log" 2>&1
+    cp /tmp/m3$name/metrics.jsonl "$OUT/m3b_${name}_metrics.jsonl"; cp /tmp/m3$name/bench_summary.json "$OUT/m3b_${name}_summary.json"
+  done
+  wait; tail -c 300 "$OUT"/m3b_*.log
+  python bench.py table "$OUT"/m3b_*_summary.json > "$OUT/memory_table_3b.md" 2>&1; tail -6 "$OUT/memory_table_3b.md" ;;
+mt)  # tests/test_memory_gpu.py on one GPU (the memory keys, pure bf16 and both offloads with the engine): ~5 min
+  CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-420} python -m pytest -m gpu -q -rs tests/test_memory_gpu.py \
     > "$OUT/memory_gpu_tests.log" 2>&1; tail -3 "$OUT/memory_gpu_tests.log" ;;
 esac
