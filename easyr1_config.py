@@ -77,7 +77,19 @@ def _output_dir(v, y):  # EasyR1's rule when no path is given: checkpoints/<proj
 
 SAME = "same option"
 NO_EFFECT = "speed or memory only; nothing here to set"
-OFFLOAD = "no CPU offload: FSDP2 keeps the shards (fp32 master weights, bf16 compute: --dtype) on the GPUs"
+FSDP = "FSDP2, fully sharded over all ranks; compute in --dtype (bf16 on GPUs), gradients reduced in fp32"
+
+
+def _torch_dtype(v, y):  # EasyR1's actor storage dtype: null = fp32 master weights
+    if v in (None, "fp32", "float32"):
+        return {}
+    if v in ("bf16", "bfloat16"):
+        return {"precision": "bf16"}
+    raise ValueError("choose null, fp32 or bf16")
+
+
+def _flag(option):
+    return lambda v, y: {option: True} if v else {}
 # EasyR1 key: (our option, conversion (value, whole flat config) -> {option: value} or None, note).
 # Later entries win: algorithm.disable_kl comes after algorithm.kl_coef.
 TABLE = {
@@ -162,15 +174,22 @@ TABLE = {
     "worker.actor.optim.weight_decay": ("weight_decay", None, None),
     "worker.actor.optim.betas": (None, _only([0.9, 0.999], why="AdamW's betas are (0.9, 0.999) here"),
                                  "must be [0.9, 0.999]"),
-    "worker.actor.optim.strategy": (None, None, "AdamW with fp32 states (adamw_bf16 runs as adamw)"),
+    "worker.actor.optim.strategy": (None, None, "AdamW (adamw_bf16 runs as adamw; --precision bf16 keeps weights and state in bf16)"),
     "worker.actor.optim.lr_warmup_ratio": ("lr_warmup_steps", _warmup_ratio, "x trainer.max_steps (0: no warm-up)"),
     "worker.actor.optim.lr_warmup_steps": ("lr_warmup_steps", lambda v, y: {"lr_warmup_steps": v} if v else {}, None),
     "worker.actor.optim.min_lr_ratio": (None, _only(None, why="the learning rate is constant after warm-up"),
                                         "must be null"),
     "worker.actor.optim.lr_scheduler_type": (None, _only("constant", why="the learning rate is constant after warm-up"),
                                              "must be constant"),
-    "worker.actor.fsdp.*": (None, None, OFFLOAD),
-    "worker.actor.offload.*": (None, None, OFFLOAD),
+    "worker.actor.fsdp.torch_dtype": ("precision", _torch_dtype, "null / fp32 -> amp (fp32 master weights); bf16 -> "
+                                      "bf16 (weights, gradients, AdamW state in bf16)"),
+    "worker.actor.fsdp.enable_cpu_offload": ("offload_params", _flag("offload_params"),
+                                             "FSDP2's CPUOffloadPolicy: weights, gradients, AdamW state on the host"),
+    "worker.actor.fsdp.*": (None, None, FSDP),
+    "worker.actor.offload.offload_params": ("offload_params", _flag("offload_params"),
+                                            "FSDP2 offloads weights, gradients and AdamW state together"),
+    "worker.actor.offload.offload_optimizer": ("offload_optimizer", _flag("offload_optimizer"),
+                                               "AdamW state on the host between optimizer steps"),
     "worker.critic.*": (None, None, "no critic (GAE is not implemented)"),
     "worker.rollout.name": ("rollout_engine", None, "vllm (or hf: transformers' generate)"),
     "worker.rollout.n": ("n", None, SAME),
@@ -194,7 +213,8 @@ TABLE = {
     "worker.rollout.val_override_config.top_p": ("val_top_p", None, None),
     "worker.rollout.val_override_config.n": (None, _only(1, why="validation scores one answer per prompt"),
                                              "must be 1"),
-    "worker.ref.*": (None, None, "the reference model: FSDP2-sharded in the compute dtype, never offloaded"),
+    "worker.ref.*": (None, None, "the reference model: FSDP2-sharded in the compute dtype; on the host between its "
+                                 "passes with --offload-params"),
     "worker.reward.reward_function": ("reward_function", _reward, "file.py:fn, built-ins math | r1v | dapo"),
     "worker.reward.reward_function_kwargs": (None, _only({}, None, why="not supported"), "must be empty"),
     "worker.reward.skip_special_tokens": (None, _only(True, why="responses are always decoded without special tokens"),
@@ -345,6 +365,8 @@ def check(cfg, world):
     if rb % gb or gb % world:  # then world divides rollout_batch_size too
         raise UserError(f"--global-batch-size {gb} must divide --rollout-batch-size {rb} and be a multiple of the "
                         f"number of ranks ({world})")
+    if cfg.precision == "bf16" and cfg.dtype == "fp32":
+        raise UserError("--precision bf16 computes in bf16: drop --dtype fp32 (or use --precision amp)")
     data.check_model_path(cfg.model_path)
     data.check_source(cfg.train_files, "--train-files")
     data.check_source(cfg.val_files, "--val-files")

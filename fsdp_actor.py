@@ -218,16 +218,18 @@ def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
 
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
                 trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto",
-                torch_compile="off"):
+                torch_compile="off", offload=False):
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
     r, alpha, target_modules, exclude_modules, modules_to_save (see add_lora). padding_free / vision_varlen:
     "auto" (on where a fast variable-length kernel runs: CUDA, bf16/fp16), "on" (also on CPU, through the plain
     reference path: for tests) or "off" (transformers' own attention). torch_compile: fused elementwise kernels
-    (varlen.compile_elementwise), "auto" = on for CUDA in bf16/fp16."""
+    (varlen.compile_elementwise), "auto" = on for CUDA in bf16/fp16. offload: FSDP2's CPUOffloadPolicy, which
+    keeps the sharded weights, their gradients and hence the optimizer state and step on the host (FSDP2 offers
+    the three only together); each unit's shard is copied in just before its all-gather."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
     hf.config.use_cache = False
     use_varlen = varlen.use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free,
@@ -247,6 +249,8 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
                 p.requires_grad_(False)
     if lora:
         add_lora(hf, **lora)
+        if dtype == torch.bfloat16:  # pure bf16: peft keeps the adapters in fp32 next to a bf16 base
+            hf.to(dtype)
     model = LogProbModel(hf)
     model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
     if torch_compile == "on" or (torch_compile == "auto" and device.type == "cuda"
@@ -254,13 +258,20 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
         model.chunk_logprobs, _ = varlen.compile_elementwise(hf, _chunk_logprobs)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kw = dict(mesh=mesh, mp_policy=mp,
+              offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy())
     blocks = set(getattr(hf, "_no_split_modules", None) or [])
     for m in hf.modules():
         if type(m).__name__ in blocks:
-            fully_shard(m, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    if device.type == "cuda":
+            fully_shard(m, **kw)
+    fully_shard(model, **kw)
+    if device.type == "cuda" and not offload:
         model.to(device)
+    elif device.type == "cuda":  # the weights stay on the host; buffers (rotary frequencies) go to the GPU
+        for m in model.modules():
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = b.to(device)
     model.train(trainable)
     return model
 
@@ -496,24 +507,37 @@ def compute_logprobs(model, samples, pad_id, device, temperature, max_tokens, ma
 
 
 # ----------------------------------------------------------------------------------------------- optimizer
-def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device):
+def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device, bf16_rounding=None, seed=0):
+    """AdamW over the trainable parameters (fp32 master weights), or, with `bf16_rounding`, memory.py's AdamW
+    for pure-bf16 weights and state."""
+    import memory
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
-                            fused=device.type == "cuda" or None)
+    on_gpu = memory.local(params[0]).device.type == "cuda"  # offloaded weights step on the host
+    if bf16_rounding:
+        opt = memory.BF16AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, rounding=bf16_rounding,
+                               seed=seed)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=on_gpu or None)
     # linear warmup from lr/warmup to lr, then constant (EasyR1's default schedule)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
     return opt, sched
 
 
-def optimizer_step(model, opt, sched, max_grad_norm):
+def optimizer_step(model, opt, sched, max_grad_norm, offload_state=False):
     """Clip, step, and skip the step when the gradient norm is not finite (a NaN/inf batch must not poison the
-    weights). Returns the pre-clip grad norm (float)."""
+    weights). offload_state: the optimizer state lives on the host between steps (--offload-optimizer): in for
+    the step, out after it. Returns the pre-clip grad norm (float)."""
+    import memory
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     norm = float(norm)
     if math.isfinite(norm):
+        if offload_state:
+            memory.move_optimizer_state(opt, memory.local(params[0]).device)
         opt.step()
+        if offload_state:
+            memory.move_optimizer_state(opt, torch.device("cpu"))
     opt.zero_grad(set_to_none=True)
     with warnings.catch_warnings():  # a skipped first step makes torch warn about the order; the step is counted
         warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")

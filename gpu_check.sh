@@ -17,6 +17,10 @@
 #      timed steps 2 and 3 (its engine start, step 1 and the compilation take ~5 min)
 #   l: [GPU0] the tests' launch fixture on the GPU box (~3 min): a grpo.py run with vLLM (test_grpo_gpu) and an engine
 #      check run as its own script (test_qwen3_gpu: the repo root reaches it through the fixture's PYTHONPATH)
+#   m: memory modes (2 GPUs, ~9 min; PARTS=x2 or PARTS=lora for one half): [both] Qwen2.5-VL-7B full AMP under
+#      torchrun x2; then, in parallel, 7B LoRA on one GPU capped to 40 GB (pure bf16) [GPU0] and to 80 GB (AMP) [GPU1]
+#   m3: (~6 min) 3B: AMP, then pure bf16 [GPU0] || --offload-params, then --offload-optimizer [GPU1]
+#   mt: (~5 min) tests/test_memory_gpu.py
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
 export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -126,4 +130,45 @@ l)  # tests/conftest.py's launch fixture with vLLM: one test of each GPU file wh
   CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TESTS_TIMEOUT:-270} python -m pytest -m gpu -q -s \
     tests/test_grpo_gpu.py::test_a_skipped_sync_is_caught tests/test_qwen3_gpu.py::test_vllm_text_qwen3_engine_and_sync \
     > "$OUT/launch_gpu_tests.log" 2>&1; tail -3 "$OUT/launch_gpu_tests.log" ;;
+m)  # memory modes, the README's hardware table: 8 prompts x 8 samples x 1024 forced tokens per step, 2 steps (the
+    # first pays the warm-up; bench keeps the second). PARTS="x2 lora" (default) runs both parts in one call: ~1 min
+    # to build the random 7B, ~4 min for x2, ~4 min for the LoRA pair; near the device's 10-minute limit, give each
+    # part its own call (PARTS=x2, then PARTS=lora: the 7B is rebuilt on a fresh machine).
+  python bench.py --preset qwen2_5_vl_7b --prepare-only > "$OUT/prep7b.log" 2>&1; tail -1 "$OUT/prep7b.log"
+  M7="--preset qwen2_5_vl_7b --max-steps ${BENCH_STEPS:-2} --rollout-batch-size 8 --global-batch-size 8"
+  if [[ " ${PARTS:-x2 lora} " == *" x2 "* ]]; then  # [both GPUs] full AMP, FSDP over 2, one engine per GPU
+    timeout ${BENCH_TIMEOUT:-270} torchrun --standalone --nproc_per_node 2 bench.py $M7 --gpu-memory-utilization 0.3 \
+      --output-dir /tmp/m7amp ${BENCH_ARGS:-} > "$OUT/m7b_amp_x2.log" 2>&1
+    cp /tmp/m7amp/metrics.jsonl "$OUT/m7b_amp_x2_metrics.jsonl"; cp /tmp/m7amp/bench_summary.json "$OUT/m7b_amp_x2_summary.json"
+    tail -c 400 "$OUT/m7b_amp_x2.log"
+  fi
+  if [[ " ${PARTS:-x2 lora} " == *" lora "* ]]; then  # [GPU0] LoRA, pure bf16, 40 GB  ||  [GPU1] LoRA, AMP, 80 GB
+    (CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-270} python bench.py $M7 --lora-rank 64 --precision bf16 \
+       --gpu-memory-cap-gb 40 --max-token-len-per-device 8192 --output-dir /tmp/m7lora40 > "$OUT/m7b_lora_bf16_cap40.log" 2>&1
+     cp /tmp/m7lora40/metrics.jsonl "$OUT/m7b_lora_bf16_cap40_metrics.jsonl"; cp /tmp/m7lora40/bench_summary.json "$OUT/m7b_lora_bf16_cap40_summary.json") &
+    CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-270} python bench.py $M7 --lora-rank 64 --gpu-memory-cap-gb 80 \
+      --output-dir /tmp/m7lora80 > "$OUT/m7b_lora_amp_cap80.log" 2>&1
+    cp /tmp/m7lora80/metrics.jsonl "$OUT/m7b_lora_amp_cap80_metrics.jsonl"; cp /tmp/m7lora80/bench_summary.json "$OUT/m7b_lora_amp_cap80_summary.json"
+    wait; tail -c 400 "$OUT"/m7b_lora_*.log
+  fi
+  python bench.py table "$OUT"/m7b_*_summary.json > "$OUT/memory_table.md" 2>&1; tail -8 "$OUT/memory_table.md" ;;
+m3)  # 3B, 16 prompts x 8 samples x 1024 forced tokens, 3 steps: [GPU0] AMP, then pure bf16  ||  [GPU1] AMP with
+    # --offload-params, then with --offload-optimizer (seconds per step and memory with and without). ~6 min.
+  M3="--preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} --rollout-batch-size 16 --global-batch-size 16"
+  python bench.py --preset qwen2_5_vl_3b --prepare-only > "$OUT/prep3b.log" 2>&1
+  (for run in "amp:" "bf16:--precision bf16"; do name=${run%%:*}
+     CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-170} python bench.py $M3 ${run#*:} --output-dir /tmp/m3$name \
+       > "$OUT/m3b_$name.log" 2>&1
+     cp /tmp/m3$name/metrics.jsonl "$OUT/m3b_${name}_metrics.jsonl"; cp /tmp/m3$name/bench_summary.json "$OUT/m3b_${name}_summary.json"
+   done) &
+  for run in "offload:--offload-params" "offopt:--offload-optimizer"; do name=${run%%:*}
+    CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-170} python bench.py $M3 ${run#*:} --output-dir /tmp/m3$name \
+      > "$OUT/m3b_$name.log" 2>&1
+    cp /tmp/m3$name/metrics.jsonl "$OUT/m3b_${name}_metrics.jsonl"; cp /tmp/m3$name/bench_summary.json "$OUT/m3b_${name}_summary.json"
+  done
+  wait; tail -c 300 "$OUT"/m3b_*.log
+  python bench.py table "$OUT"/m3b_*_summary.json > "$OUT/memory_table_3b.md" 2>&1; tail -6 "$OUT/memory_table_3b.md" ;;
+mt)  # tests/test_memory_gpu.py on one GPU (the memory keys, pure bf16 and both offloads with the engine): ~5 min
+  CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-420} python -m pytest -m gpu -q -rs tests/test_memory_gpu.py \
+    > "$OUT/memory_gpu_tests.log" 2>&1; tail -3 "$OUT/memory_gpu_tests.log" ;;
 esac

@@ -7,7 +7,6 @@ One step:  sync -> sample -> score -> advantage -> (old / ref log-probs) -> clip
 The algorithm lives in the middle section (advantages, KL estimators, policy losses, loss aggregation); the rest
 is plumbing. dapo.py imports this file and swaps in dynamic sampling and overlong shaping.
 """
-import contextlib
 import math
 import os
 import random
@@ -22,6 +21,7 @@ import tyro
 import data
 import easyr1_config
 import fsdp_actor as A
+import memory
 from data import UserError
 import rundir
 
@@ -95,6 +95,10 @@ class Config:
     rollout_correction_cap: float = 2.0  # weights above it are truncated to it (veRL's rollout_is_threshold)
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
+    precision: Literal["amp", "bf16"] = "amp"  # amp: fp32 master weights, compute in --dtype; bf16: weights, gradients and AdamW state in bf16 (half the bytes; README: Memory modes)
+    bf16_rounding: Literal["kahan", "stochastic", "nearest"] = "kahan"  # how --precision bf16 keeps updates below half a bf16 ulp (nearest loses them; README: Memory modes)
+    offload_params: bool = False  # policy weights, gradients and AdamW state on the host (FSDP2's CPUOffloadPolicy; the step runs there), and the reference model between its uses
+    offload_optimizer: bool = False  # AdamW state on the host between optimizer steps (in for the step, out after it)
     freeze_vision_tower: bool = False  # train the language model only (the vision tower keeps its weights)
     lora_rank: int = 0  # LoRA (peft) rank; 0 = full fine-tuning. With LoRA only adapters train: the vision tower is frozen unless targeted
     lora_alpha: int = 64  # LoRA scale = alpha / rank (EasyR1's default)
@@ -321,25 +325,29 @@ def setup(cfg: Config):
         ctx.say(f"[resume] {ckpt} is step {state['step']} of --max-steps {cfg.max_steps}: the run is already "
                   "complete, nothing to do (raise --max-steps to train on, or start a new run in another --output-dir)")
         return ctx
-    # --- policy (fp32 master weights), reference (frozen, compute dtype), rollout engine (its own weights) ---
-    use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+    # --- policy (fp32 master weights, or bf16), reference (frozen, compute dtype), rollout engine (its own weights) ---
+    pure_bf16 = cfg.precision == "bf16"
+    use_bf16 = pure_bf16 or cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     ctx.lora = dict(r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
                     exclude_modules=cfg.lora_exclude_modules, modules_to_save=cfg.lora_modules_to_save
                     ) if cfg.lora_rank > 0 else None
-    ctx.model = A.build_actor(ctx.model_path, device, torch.float32, ctx.compute_dtype,
-                              cfg.gradient_checkpointing, cfg.attn_implementation,
+    ctx.model = A.build_actor(ctx.model_path, device, torch.bfloat16 if pure_bf16 else torch.float32,
+                              ctx.compute_dtype, cfg.gradient_checkpointing, cfg.attn_implementation,
                               freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora,
                               padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
-                              torch_compile=cfg.torch_compile)
+                              torch_compile=cfg.torch_compile, offload=cfg.offload_params)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = A.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
                                 attn_implementation=cfg.attn_implementation, trainable=False,
                                 padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
                                 torch_compile=cfg.torch_compile)
+        if cfg.offload_params and device.type == "cuda":  # on the host until its pass (memory.resident)
+            ctx.ref.to("cpu")
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
-                                           device)
+                                           device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
+                                           seed=cfg.seed)
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
                                        dtype=ctx.compute_dtype, cfg=cfg)
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
@@ -429,7 +437,8 @@ def update_policy(ctx, samples, step):
                 (loss * ctx.world).backward()
                 ent_p, _ = A.pad_responses(ent, resp_len)
                 log.add("actor/entropy", (ent_p * mask).sum(), mask.sum())
-            grad_norm = A.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm)  # the same on every rank
+            grad_norm = A.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm,  # the same on every rank
+                                         offload_state=cfg.offload_optimizer and not cfg.offload_params)
             log.add("actor/grad_norm", grad_norm)
             log.add("actor/lr", ctx.sched.get_last_lr()[0])
             skipped += not math.isfinite(grad_norm)
@@ -490,6 +499,7 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
 def train_step(ctx, step, collect=collect_rollouts):
     cfg, T, metrics = ctx.cfg, {}, {}
     t_step = time.time()
+    peaks = {"start": memory.phase_peak_gb()}  # (the last step's validation and checkpoint: not this step's)
     # ---- 0. sync: the engine gets the weights of the last update (streamed, one tensor at a time) ----
     T["sync"] = sync_engine(ctx)
     # ---- 1. sample (generate n responses per prompt) and 2. score ----
@@ -500,6 +510,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     ctx.rollout.sleep()
     metrics["memory/free_engine_awake_gb"], metrics["memory/free_engine_asleep_gb"] = free_awake, rundir.cuda_free_gb()
     T["gen"] = time.time() - t
+    peaks["gen"] = memory.phase_peak_gb(ctx.rollout)
     # ---- 3. advantages: normalise within each group of n ----
     groups = by_prompt(samples, cfg.n)
     rewards = torch.tensor([[s["reward"] for s in g] for g in groups])  # [G, n]
@@ -519,19 +530,25 @@ def train_step(ctx, step, collect=collect_rollouts):
         T["old_logprob"] = time.time() - t
     if cfg.kl_coef > 0:
         t = time.time()
-        with A.adapters_disabled(ctx.model) if ctx.lora else contextlib.nullcontext():
-            ref, _ = A.compute_logprobs(ctx.ref or ctx.model, samples, **mb_kw)
+        # LoRA: the policy with its adapters off; else the reference model (on the GPU for this pass if offloaded)
+        ref_model = A.adapters_disabled(ctx.model) if ctx.lora else memory.resident(ctx.ref, ctx.device,
+                                                                                     cfg.offload_params)
+        with ref_model as m:
+            ref, _ = A.compute_logprobs(m, samples, **mb_kw)
         for s, r in zip(samples, ref):
             s["ref_logp"] = r
         T["ref_logprob"] = time.time() - t
+    if "old_logprob" in T or "ref_logprob" in T:
+        peaks["ref"] = memory.phase_peak_gb(ctx.rollout)  # old and reference log-probs
     # ---- 5. update the policy (the engine is now one update behind: synced before its next generation) ----
     t = time.time()
     metrics.update(update_policy(ctx, samples, step))
     ctx.engine_stale = True
     T["update"] = time.time() - t
+    peaks["update"] = memory.phase_peak_gb(ctx.rollout)
     T["step"] = time.time() - t_step
     # ---- metrics: rewards, lengths, seconds, throughput, MFU, memory ----
-    metrics.update(rundir.step_metrics(ctx, samples, T))
+    metrics.update(rundir.step_metrics(ctx, samples, T, peaks, metrics))
     metrics["step"] = step + 1
     return metrics, samples
 

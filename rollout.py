@@ -174,6 +174,9 @@ class HFRollout:
     def sleep(self):  # the HF engine keeps its weights; nothing to release
         pass
 
+    def pool_bytes(self):  # the HF engine's weights are ordinary allocations: the trainer's peaks include them
+        return 0
+
     def wake(self, tags=None):
         pass
 
@@ -374,6 +377,15 @@ class VLLMRollout:
         self._reset_caches()
 
     # ---- memory
+    def pool_bytes(self):
+        """Bytes of vLLM's sleep-mode pool (CuMemAllocator: the weights and KV cache, whether mapped now or not;
+        torch's allocator counts them as allocated either way). 0 without sleep mode: then the engine allocates
+        from torch's default pool and cannot be told apart from the trainer."""
+        if not self.sleep_mode:
+            return 0
+        from vllm.device_allocator.cumem import CuMemAllocator
+        return CuMemAllocator.get_instance().get_current_usage()
+
     def sleep(self):
         """Release the GPU memory for training. The encoder cache is dropped every step (stale after the next
         sync anyway); the prefix cache goes with the KV cache."""

@@ -27,7 +27,7 @@ RESUMABLE_CHANGES = {
     "config", "log_samples", "logger", "project_name", "experiment_name",
     "micro_batch_size_per_device", "max_token_len_per_device", "logprob_chunk_size", "gradient_checkpointing",
     "attn_implementation", "gpu_memory_utilization", "max_num_batched_tokens", "enforce_eager", "sleep_level",
-    "tensor_parallel_size", "torch_compile"}
+    "tensor_parallel_size", "torch_compile", "offload_params", "offload_optimizer"}
 
 
 def _read_json(path):
@@ -206,23 +206,12 @@ def cuda_free_gb():
     return torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 0.0
 
 
-def memory_metrics(ctx):
-    """Peaks since the last call (GPU allocated by torch, GPU reserved by torch's caching allocator; vLLM's pool
-    is separate) and the process's peak resident host memory."""
-    import resource
-    out = {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if torch.cuda.is_available():
-        out["memory/gpu_peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        out["memory/gpu_reserved_gb"] = torch.cuda.memory_reserved() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-    return out
-
-
-def step_metrics(ctx, samples, T):
+def step_metrics(ctx, samples, T, peaks, so_far):
     """A training step's metrics beside the update's: rewards and lengths, seconds per phase (T), tokens per second,
     MFU (model FLOPs of the step's real tokens, veRL's convention in flops.py, over the phase's seconds x peak) and
-    memory."""
+    memory (memory.metrics: peaks per phase, the engine's share; so_far: the step's metrics until now)."""
     import flops
+    import memory
     cfg, out = ctx.cfg, sample_metrics(ctx, samples, "reward")
     n_tok = float(A.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
     out.update({f"timing/{k}": v for k, v in T.items()})
@@ -233,7 +222,7 @@ def step_metrics(ctx, samples, T):
     out["perf/mfu_update"] = 3 * cfg.ppo_epochs * fwd / (T["update"] * peak)  # forward + backward per epoch
     if "ref_logprob" in T:
         out["perf/mfu_ref"] = fwd / (T["ref_logprob"] * peak)
-    out.update(memory_metrics(ctx))
+    out.update(memory.metrics(ctx.rollout, peaks, {**so_far, **out}))
     return out
 
 

@@ -73,3 +73,36 @@ def test_trainer_only_realistic_workload_padding_free(tmp_path, launch):
         assert r["response_length/mean"] == sum(lens) / 8 and r["response_length/max"] == max(lens)
         assert r["response_length/clip_ratio"] == sum(L == 40 for L in lens) / 8
         assert r["perf/pad_fraction"] == 0 and r["perf/mfu_update"] > 0
+
+
+def test_memory_model_bytes_per_parameter():
+    """Without activations and gathered units, the model is bytes per parameter over the ranks: AMP 4 + 4 + 8,
+    bf16 2 + 2 + 4 (+ 2 Kahan), the reference 2, LoRA's base its weights only; offload leaves the GPU empty."""
+    dims = dict(params=1e9, hidden=0, inter=0, layers=0, vocab=0, kv_frac=0, layer_params=0, root_params=0)
+    g = bench.GIB
+
+    def upd(**kw):
+        return bench.memory_model(dims, mb_tokens=0, chunk=0, **kw)["update"] * g / 1e9
+
+    assert upd() == 16 + 2 and upd(kl_coef=0) == 16
+    assert upd(world=4, kl_coef=0) == 4
+    assert upd(precision="bf16", kahan=False, kl_coef=0) == 8 and upd(precision="bf16", kl_coef=0) == 10
+    assert upd(offload_params=True) == 0
+    assert bench.memory_model(dims, mb_tokens=0, chunk=0)["gen"] * g / 1e9 == 12 + 2  # no gradients then
+    assert upd(lora_rank=8) == 4  # layers=0: no adapters, the fp32 base alone, no reference model
+
+
+def test_table_marks_measured_cells_with_the_models_error(tmp_path):
+    import json
+    from dataclasses import asdict
+    import grpo
+    cfg = asdict(grpo.Config(rollout_batch_size=8, n=8, lora_rank=64))
+    s = {"preset": "qwen2_5_vl_7b", "world": 1, "date": "2026-12-01", "command": "bench.py --lora-rank 64",
+         "config": cfg, "memory/trainer_peak_update_gb": 40.0, "memory/engine_pool_gb": 20.0, "timing/step": 9.0}
+    (tmp_path / "x_summary.json").write_text(json.dumps(s))
+    (tmp_path / "x_metrics.jsonl").write_text("")
+    out = bench.table([str(tmp_path / "x_metrics.jsonl")])
+    row = [r for r in out.splitlines() if r.startswith("| x |")][0]
+    want = bench.run_model(s)["update"]
+    assert f"40.0, {want:.1f}, {100 * (want - 40) / 40:+.0f}%" in row and "2026-12-01" in row
+    assert "| qwen2_5_vl_7b (8.29B) | AMP |" in out

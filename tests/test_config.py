@@ -17,7 +17,10 @@ EXAMPLE = os.path.join(ROOT, "tests", "easyr1_config.yaml")
 # where the defaults differ from EasyR1's example on purpose (README, Options): files, model and reward are the
 # user's; one GPU must work out of the box (TP 1); validation is greedy; logs go where this project puts them
 DELIBERATE = {"train_files", "val_files", "model_path", "format_prompt", "reward_function", "tensor_parallel_size",
-              "val_temperature", "val_top_p", "logger", "project_name", "experiment_name", "output_dir"}
+              "val_temperature", "val_top_p", "logger", "project_name", "experiment_name", "output_dir",
+              # EasyR1's example offloads the actor to the host; off here by default: an H200 holds a 7B policy
+              # sharded over 2+ GPUs, and host offload costs seconds per step (README: Memory modes)
+              "offload_params", "offload_optimizer"}
 
 
 def leaves(d, prefix=""):
