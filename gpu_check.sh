@@ -143,7 +143,7 @@ m)  # memory modes, the README's hardware table: 8 prompts x 8 samples x 1024 fo
     tail -c 400 "$OUT/m7b_amp_x2.log"
   fi
   if [[ " ${PARTS:-x2 lora} " == *" lora "* ]]; then  # [GPU0] LoRA, pure bf16, 40 GB  ||  [GPU1] LoRA, AMP, 80 GB
-    (CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-270} python bench.py $M7 --lora-rank 64 --precision bf16 \
+    (CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${BENCH_TIMEOUT:-270} python bench.py $M7 --lora-rank 64 --precision bf16 \
        --gpu-memory-cap-gb 40 --max-token-len-per-device 8192 --output-dir /tmp/m7lora40 > "$OUT/m7b_lora_bf16_cap40.log" 2>&1
      cp /tmp/m7lora40/metrics.jsonl "$OUT/m7b_lora_bf16_cap40_metrics.jsonl"; cp /tmp/m7lora40/bench_summary.json "$OUT/m7b_lora_bf16_cap40_summary.json") &
     CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-270} python bench.py $M7 --lora-rank 64 --gpu-memory-cap-gb 80 \
@@ -157,7 +157,7 @@ m3)  # 3B, 16 prompts x 8 samples x 1024 forced tokens, 3 steps: [GPU0] AMP, the
   M3="--preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} --rollout-batch-size 16 --global-batch-size 16"
   python bench.py --preset qwen2_5_vl_3b --prepare-only > "$OUT/prep3b.log" 2>&1
   (for run in "amp:" "bf16:--precision bf16"; do name=${run%%:*}
-     CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-170} python bench.py $M3 ${run#*:} --output-dir /tmp/m3$name \
+     CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${BENCH_TIMEOUT:-170} python bench.py $M3 ${run#*:} --output-dir /tmp/m3$name \
        > "$OUT/m3b_$name.log" 2>&1
      cp /tmp/m3$name/metrics.jsonl "$OUT/m3b_${name}_metrics.jsonl"; cp /tmp/m3$name/bench_summary.json "$OUT/m3b_${name}_summary.json"
    done) &
@@ -169,6 +169,6 @@ m3)  # 3B, 16 prompts x 8 samples x 1024 forced tokens, 3 steps: [GPU0] AMP, the
   wait; tail -c 300 "$OUT"/m3b_*.log
   python bench.py table "$OUT"/m3b_*_summary.json > "$OUT/memory_table_3b.md" 2>&1; tail -6 "$OUT/memory_table_3b.md" ;;
 mt)  # tests/test_memory_gpu.py on one GPU (the memory keys, pure bf16 and both offloads with the engine): ~5 min
-  CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-420} python -m pytest -m gpu -q -rs tests/test_memory_gpu.py \
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TESTS_TIMEOUT:-420} python -m pytest -m gpu -q -rs tests/test_memory_gpu.py \
     > "$OUT/memory_gpu_tests.log" 2>&1; tail -3 "$OUT/memory_gpu_tests.log" ;;
 esac
