@@ -352,7 +352,7 @@ def setup(cfg: Config):
                                        dtype=ctx.compute_dtype, cfg=cfg)
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
     if ckpt:
-        state = A.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
+        state = rundir.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
         ctx.start_step, ctx.cursor = state["step"], state["cursor"]  # the engine is synced before step 1 anyway
         ctx.say(f"resumed from {ckpt} at step {ctx.start_step}")
     return ctx

@@ -1,5 +1,6 @@
-"""rundir.py -- the output folder of a run: resume or refuse, logs cut back to the resumed step, the best
-checkpoint, experiment trackers, reward.png.
+"""rundir.py -- the output folder of a run and what goes into it: checkpoints (sharded, atomic), resume or refuse,
+logs cut back to the resumed step, the best checkpoint, the metrics of a step, metrics.jsonl, samples.jsonl,
+experiment trackers, the console line, reward.png.
 
     output_dir/config.json          the config of the run (written when it starts fresh)
     output_dir/metrics.jsonl        one row per step (and a step-0 validation row); samples.jsonl: a few generations
@@ -56,13 +57,13 @@ def find_resume(cfg):
     ckpts = os.path.join(cfg.output_dir, "checkpoints")
     logs = [f for f in ("config.json", "metrics.jsonl") if os.path.isfile(os.path.join(cfg.output_dir, f))]
     if cfg.resume == "never":
-        held = A.latest_checkpoint(ckpts) or (logs and os.path.join(cfg.output_dir, logs[0]))
+        held = latest_checkpoint(ckpts) or (logs and os.path.join(cfg.output_dir, logs[0]))
         if held:
             raise UserError(
                 f"--resume never: {cfg.output_dir} already holds a run ({held}); choose a new --output-dir (or "
                 "delete that folder), or continue it with --resume auto")
         return None, None
-    ckpt = A.latest_checkpoint(ckpts) if cfg.resume == "auto" else cfg.resume.rstrip("/")
+    ckpt = latest_checkpoint(ckpts) if cfg.resume == "auto" else cfg.resume.rstrip("/")
     state = _read_json(os.path.join(ckpt, "trainer_state.json")) if ckpt else None
     if ckpt and state is None:
         raise UserError(
@@ -96,7 +97,7 @@ def prepare(cfg, start_step, ckpt, say=print):
         if dropped := truncate_jsonl(os.path.join(cfg.output_dir, name), start_step):
             say(f"[resume] {name}: dropped {dropped} row(s) after step {start_step} (those steps run again)")
     root = os.path.join(cfg.output_dir, "checkpoints")
-    for s in A._saved_steps(root):
+    for s in _saved_steps(root):
         if s > start_step:
             old = os.path.join(root, f"step_{s}")
             shutil.rmtree(old + ".abandoned", ignore_errors=True)
@@ -110,7 +111,7 @@ def prepare(cfg, start_step, ckpt, say=print):
 def find_best(output_dir):
     """(step, val/mean) of the best saved checkpoint by validation reward (the earliest of equals), or None."""
     root, best = os.path.join(output_dir, "checkpoints"), None
-    for s in A._saved_steps(root):
+    for s in _saved_steps(root):
         v = (_read_json(os.path.join(root, f"step_{s}", "trainer_state.json")) or {}).get("val/mean")
         if v is not None and (best is None or v > best[1]):
             best = (s, v)
@@ -123,7 +124,7 @@ def save(ctx, step, metrics, say=print):
     cfg, val, best = ctx.cfg, metrics.get("val/mean"), ctx.best
     if val is not None and (best is None or val > best[1]):
         ctx.best = (step, val)
-    A.save_checkpoint(os.path.join(cfg.output_dir, "checkpoints", f"step_{step}"), ctx.model, ctx.opt, ctx.sched,
+    save_checkpoint(os.path.join(cfg.output_dir, "checkpoints", f"step_{step}"), ctx.model, ctx.opt, ctx.sched,
                       {"step": step, "cursor": ctx.cursor, "config": asdict(cfg), "val/mean": val,
                        "compute_dtype": str(ctx.compute_dtype).removeprefix("torch.")},
                       keep=cfg.save_limit, protect=ctx.best and ctx.best[0])
@@ -181,6 +182,69 @@ def plot_rewards(cfg):
               labels=[os.path.basename(os.path.abspath(cfg.output_dir))],
               title="reward (train: sampled; val: validation set)", chance=None if cfg.train_files else 0.25)
     return True
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
+    """Sharded model + optimizer via torch.distributed.checkpoint (every rank writes its shard: on several nodes
+    the folder must be on a shared file system). Written to `<path>.tmp` and renamed when complete, so a crash
+    mid-save never leaves a checkpoint that looks whole; then only the newest `keep` are kept (0 = all), and step
+    `protect` (the best so far) besides."""
+    import json
+    import shutil
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    tmp = path + ".tmp"
+    if dist.get_rank() == 0 and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    dist.barrier(group=A._cpu_group())
+    msd, osd = get_state_dict(model, opt, options=_state_dict_options(model))
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    if dist.get_rank() == 0:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({**extra, "scheduler": sched.state_dict()}, f)
+        if os.path.exists(path):  # a re-run of the same step
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        root = os.path.dirname(path)
+        while keep and len(steps := [s for s in _saved_steps(root) if s != protect]) > keep:  # after the new one
+            shutil.rmtree(os.path.join(root, f"step_{steps[0]}"))
+    dist.barrier(group=A._cpu_group())
+
+
+def load_checkpoint(path, model, opt, sched):
+    import json
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    options = _state_dict_options(model)
+    msd, osd = get_state_dict(model, opt, options=options)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        extra = json.load(f)
+    sched.load_state_dict(extra.pop("scheduler"))
+    return extra
+
+
+def _state_dict_options(model):
+    """A LoRA checkpoint holds the adapters and their optimizer state only (megabytes): the frozen base weights
+    are the model_path's. Full training saves every weight."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    lora = bool(A.lora_layers(model))
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
+def _saved_steps(save_dir):
+    """Steps of the complete checkpoints in save_dir, oldest first (a `.tmp` folder is an unfinished save)."""
+    if not os.path.isdir(save_dir):
+        return []
+    return sorted(int(d[5:]) for d in os.listdir(save_dir) if d.startswith("step_") and d[5:].isdigit())
+
+
+def latest_checkpoint(save_dir):
+    steps = _saved_steps(save_dir)
+    return os.path.join(save_dir, f"step_{steps[-1]}") if steps else None
 
 
 # ----------------------------------------------------------------------------------------------- logging

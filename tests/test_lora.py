@@ -9,6 +9,7 @@ import torch
 
 import data
 import fsdp_actor as A
+import rundir
 import merge
 import tiny_model
 from test_actor import reference_logprobs
@@ -94,7 +95,7 @@ def test_lora_checkpoint_merges_to_dense_and_adapter_folders(setup, tmp_path):
     os.makedirs(os.path.dirname(ckpt))
     cfg = {"model_path": path, "lora_rank": LORA["r"], "lora_alpha": LORA["alpha"],
            "lora_target_modules": LORA["target_modules"], "lora_exclude_modules": LORA["exclude_modules"]}
-    A.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": cfg})
+    rundir.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": cfg})
     size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
     full = sum(p.numel() for p in model.parameters()) * 4
     assert size < full / 4  # adapters (and their optimizer state) only, not the base weights

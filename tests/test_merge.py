@@ -5,6 +5,7 @@ import os
 import torch
 
 import fsdp_actor as A
+import rundir
 import merge
 import tiny_model
 
@@ -22,7 +23,7 @@ def test_checkpoint_to_hf_folder(tmp_path):
     trained = {k: v.clone() for k, v in A.iter_full_params(model)}
     ckpt = str(tmp_path / "ckpt" / "step_1")
     os.makedirs(os.path.dirname(ckpt))
-    A.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
+    rundir.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
     out = merge.merge(ckpt, str(tmp_path / "hf"), dtype="float32")
     assert not os.path.exists(out + ".tmp")
     merged = A.load_hf_model(out).state_dict()
@@ -47,7 +48,7 @@ def test_docstring_usage_runs_as_written(tmp_path, launch):
     opt, sched = A.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
     ckpt = str(tmp_path / "ckpt" / "step_1")
     os.makedirs(os.path.dirname(ckpt))
-    A.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path},
+    rundir.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path},
                                                 "compute_dtype": "bfloat16"})
     trained = {k: v.clone() for k, v in A.iter_full_params(model)}
     lines = [shlex.split(x.strip()) for x in merge.__doc__.splitlines() if x.strip().startswith("python merge.py")]

@@ -8,6 +8,7 @@ import torch
 
 import data
 import fsdp_actor as A
+import rundir
 import rollout
 import tiny_model
 from test_actor import reference_logprobs
@@ -152,13 +153,13 @@ def test_qwen3_text_model_end_to_end_pieces(tmp_path):
     trained = dict(A.iter_full_params(model))
     ckpt = str(tmp_path / "ckpt" / "step_1")
     os.makedirs(os.path.dirname(ckpt))
-    A.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
+    rundir.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
     merged = A.load_hf_model(merge.merge(ckpt, str(tmp_path / "hf"), dtype="float32"))
     assert type(merged).__name__ == "Qwen3ForCausalLM"
     assert all(torch.equal(v, trained[k]) for k, v in merged.state_dict().items())
     assert os.path.basename(merge.base_model_path(ckpt)) == "q3"
     demo = {"step": 1, "cursor": 0, "config": {"model_path": "", "demo_model": "qwen3"}}
-    A.save_checkpoint(ckpt, model, opt, sched, demo)
+    rundir.save_checkpoint(ckpt, model, opt, sched, demo)
     assert merge.base_model_path(ckpt) == tiny_model.build_tiny_model(arch="qwen3")
 
 
