@@ -1,9 +1,10 @@
 """Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour and comparison tasks.
 
-Rows follow EasyR1: a `problem` text (with optional `<image>` placeholders), an `answer` and an
-`images` list. encode_prompt turns one row into the prompt record of the shared spec:
-prompt_ids (image pads expanded, what the actor sees), raw_prompt_ids (one pad per image, what
-vLLM expands itself), resized PIL images, processor outputs (mm_inputs), answer, prompt_text.
+Rows follow EasyR1: a `problem` text (with optional `<image>` / `<video>` placeholders), an `answer`, an
+`images` list and a `videos` list (each video a file path or a list of frames). encode_prompt turns one row into the
+prompt record of the shared spec: prompt_ids (image and video pads expanded, what the actor sees), raw_prompt_ids
+(one pad per image or video, what vLLM expands itself), resized PIL images, sampled and resized video frames with
+their frame rates, processor outputs (mm_inputs), answer, prompt_text.
 """
 import collections
 import contextlib
@@ -21,7 +22,7 @@ import time
 import torch
 from PIL import Image, ImageDraw, UnidentifiedImageError
 
-IMAGE_PLACEHOLDER = "<image>"
+IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "<image>", "<video>"
 # Text-only keys of the processor output: per-token tensors that are rebuilt by whoever builds
 # the full (prompt + response) sequence, so they do not belong in the per-prompt mm_inputs.
 TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
@@ -79,6 +80,7 @@ def one_line_errors():
 
 NO_PROMPT, NO_ANSWER, BAD_IMAGE, PLACEHOLDERS, TOO_LONG = (
     "no prompt", "no answer", "bad image", "placeholders != images", "prompt too long")
+BAD_VIDEO, VIDEO_PLACEHOLDERS = "bad video", "placeholders != videos"
 
 
 # ----------------------------------------------------------------------------- loading
@@ -116,14 +118,20 @@ def load_rows(source: str, split: str = "train"):
 
 def _undecoded_images(rows):
     import datasets
+    def undecoded(feature):  # Image, List(Image) (images) or List(List(Image)) (videos as frames) -> decode=False
+        if isinstance(feature, datasets.Image):
+            return datasets.Image(decode=False)
+        inner = getattr(feature, "feature", None)  # a List holds its element's feature in .feature
+        new = undecoded(inner) if inner is not None else None
+        return datasets.List(new) if new is not None else None
+
     for key, feature in rows.features.items():
-        inner = getattr(feature, "feature", None)  # List(Image()) holds the Image feature in .feature
-        if isinstance(feature, datasets.Image) or isinstance(inner, datasets.Image):
-            new = datasets.Image(decode=False)
+        new = undecoded(feature)
+        if new is not None:
             was_on = not datasets.utils.are_progress_bars_disabled()
             datasets.disable_progress_bars()  # no "Casting the dataset" bar for what is a metadata change
             try:
-                rows = rows.cast_column(key, new if inner is None else datasets.List(new))
+                rows = rows.cast_column(key, new)
             finally:
                 if was_on:
                     datasets.enable_progress_bars()
@@ -282,30 +290,173 @@ def _template(format_prompt: str):
         raise UserError(f"--format-prompt: not a jinja template ({e.message}, line {e.lineno})") from e
 
 
-def _user_content(text: str, n_images: int):
-    """Split on <image> into chat content items; EasyR1 prepends images when there is none."""
-    n_ph = text.count(IMAGE_PLACEHOLDER)
-    if n_images == 0:
-        if n_ph:
-            raise BadRow(PLACEHOLDERS, f"{n_ph} '<image>' placeholder(s) but no images")
+def _user_content(text: str, n_images: int, n_videos: int = 0):
+    """Split on <image> and <video> into chat content items. Each kind's placeholders must match its items in number;
+    with none in the text the items go first (EasyR1 prepends images; videos are treated the same way)."""
+    counts = {}
+    for ph, n, kind, what in ((IMAGE_PLACEHOLDER, n_images, PLACEHOLDERS, "images"),
+                              (VIDEO_PLACEHOLDER, n_videos, VIDEO_PLACEHOLDERS, "videos")):
+        n_ph = text.count(ph)
+        if n_ph and n_ph != n:
+            raise BadRow(kind, f"{n_ph} '{ph}' placeholder(s) but {n or 'no'} {what}")
+        counts[ph] = n_ph
+    if not n_images and not n_videos:
         return text
-    if n_ph == 0:
-        return [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
-    if n_ph != n_images:
-        raise BadRow(PLACEHOLDERS, f"{n_ph} '<image>' placeholder(s) but {n_images} images")
-    content = []
-    for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
-        if i:
-            content.append({"type": "image"})
-        if piece:
+    content = ([{"type": "image"}] * n_images * (counts[IMAGE_PLACEHOLDER] == 0)
+               + [{"type": "video"}] * n_videos * (counts[VIDEO_PLACEHOLDER] == 0))
+    for piece in re.split(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})", text):
+        if piece in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
+            content.append({"type": "image" if piece == IMAGE_PLACEHOLDER else "video"})
+        elif piece:
             content.append({"type": "text", "text": piece})
     return content
 
 
+# ----------------------------------------------------------------------------- videos
+# A video reaches the model as frames sampled here (a file at --video-fps frames per second, at most --max-frames;
+# a list of frames as it is, taken to be --video-fps apart), resized here to the size the Qwen-VL video processor
+# would pick (sides multiples of patch x merge, pixels within the video bounds) and padded to an even count by
+# repeating the last frame. Both engines and the trainer then get these exact frames: the processors' own resize
+# leaves them as they are and nothing samples them again, so vLLM's video tokens and positions are the trainer's.
+MIN_FRAMES = 4  # qwen-vl-utils' FPS_MIN_FRAMES: a short file still gives 4 frames when it has them
+
+
+def load_video(item, image_dir=None, fps=2.0, max_frames=768):
+    """A video file path or a list of frames (any image form) -> (frames as RGB PIL images, frames per second)."""
+    if isinstance(item, dict) and item.get("path") and not item.get("bytes"):
+        item = item["path"]
+    if isinstance(item, (str, os.PathLike)):
+        return _decode_video_file(os.fspath(item), image_dir, fps, max_frames)
+    if not isinstance(item, (list, tuple)) or isinstance(item, (bytes, bytearray)):
+        raise UserError(f"a video is a file path or a list of frames, got {type(item).__name__}")
+    if not item:
+        raise UserError("a video with no frames")
+    frames = [to_pil(f, image_dir) for f in item]
+    if len(frames) > max_frames:  # keep max_frames of them, evenly spread: they are then further apart in time
+        keep = [round(i * (len(frames) - 1) / (max_frames - 1)) if max_frames > 1 else 0 for i in range(max_frames)]
+        fps = fps * len(keep) / len(frames)
+        frames = [frames[i] for i in keep]
+    return frames, float(fps)
+
+
+def _decode_video_file(path, image_dir, fps, max_frames):
+    """PyAV (optional: only video files need it). Frame choice as qwen-vl-utils: `fps` frames per second of the
+    file, at least MIN_FRAMES and at most max_frames, an even count, evenly spread; the frame rate of what is kept."""
+    if image_dir is not None and not os.path.isabs(path):
+        path = os.path.join(image_dir, path)
+    if not os.path.isfile(path):
+        raise UserError(f"video file not found: {path!r}")
+    try:
+        import av
+    except ImportError as e:
+        raise UserError(f"video file {path!r}: decoding video files needs PyAV (pip install av); a list of frames "
+                        "needs nothing") from e
+    try:
+        with av.open(path) as container:
+            stream = container.streams.video[0]
+            native = float(stream.average_rate or 0)
+            frames = [f.to_image().convert("RGB") for f in container.decode(stream)]
+    except Exception as e:  # PyAV raises its own error types (InvalidDataError, ...)
+        raise UserError(f"could not decode video file {path!r} ({first_line(e)})") from e
+    total = len(frames)
+    if total == 0:
+        raise UserError(f"video file {path!r} has no frames")
+    native = native or fps  # a stream without a rate: take its frames as sampled already
+    n = round(total / native * fps)
+    n = max(min(n, max_frames, total), min(MIN_FRAMES, max_frames, total))
+    n = max(n - n % 2, 1) if n > 1 else 1
+    keep = [round(i * (total - 1) / (n - 1)) if n > 1 else 0 for i in range(n)]
+    return [frames[i] for i in keep], n / total * native
+
+
+def _vision_params(proc):
+    """(patch, temporal patch, merge, mean, std) of the processor's video side (its image side where it has none)."""
+    vp = getattr(proc, "video_processor", None) or proc.image_processor
+    return (vp.patch_size, vp.temporal_patch_size, vp.merge_size, list(vp.image_mean), list(vp.image_std))
+
+
+def smart_resize(h, w, factor, min_pixels, max_pixels):
+    """transformers' Qwen2-VL smart_resize: sides multiples of `factor`, pixels within the bounds, aspect kept."""
+    if max(h, w) / min(h, w) > 200:
+        raise UserError(f"frame of {w}x{h}: aspect ratio over 200")
+    hb, wb = round(h / factor) * factor, round(w / factor) * factor
+    if hb * wb > max_pixels:
+        beta = math.sqrt(h * w / max_pixels)
+        hb, wb = max(factor, math.floor(h / beta / factor) * factor), max(factor, math.floor(w / beta / factor) * factor)
+    elif hb * wb < min_pixels:
+        beta = math.sqrt(min_pixels / (h * w))
+        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
+    return hb, wb
+
+
+def prepare_video(frames, proc, min_pixels, max_pixels):
+    """PIL frames -> uint8 array [T, H, W, 3]: every frame at the processor's size for the first one, T padded to a
+    multiple of the temporal patch with the last frame."""
+    import numpy as np
+    patch, tps, merge, _, _ = _vision_params(proc)
+    h, w = smart_resize(frames[0].height, frames[0].width, patch * merge, min_pixels, max_pixels)
+    frames = [f if f.size == (w, h) else f.resize((w, h), Image.BICUBIC) for f in frames]
+    frames += [frames[-1]] * (-len(frames) % tps)
+    return np.stack([np.asarray(f, dtype=np.uint8) for f in frames])  # [T, H, W, 3]
+
+
+def video_inputs(videos, fps, proc):
+    """The processor's video outputs for prepared videos ([T, H, W, 3] uint8 each): pixel_values_videos
+    [P, C * t * p * p] in the Qwen-VL patch order, video_grid_thw [V, 3], and for Qwen2.5-VL second_per_grid_ts [V]
+    (the seconds one temporal patch spans, which its M-RoPE time axis counts in)."""
+    patch, tps, merge, mean, std = _vision_params(proc)
+    pixels, grids = [], []
+    for v in videos:
+        x = torch.from_numpy(v).permute(0, 3, 1, 2).float() / 255.0  # [T, C, H, W]
+        x = (x - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+        T, C, H, W = x.shape
+        gt, gh, gw = T // tps, H // patch, W // patch
+        x = x.view(gt, tps, C, gh // merge, merge, patch, gw // merge, merge, patch)
+        x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (t, h-block, w-block, h-in, w-in, C, t-in, p, p), as transformers
+        pixels.append(x.reshape(gt * gh * gw, C * tps * patch * patch))
+        grids.append([gt, gh, gw])
+    out = {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids)}
+    if _arch(proc) == "qwen2_5_vl":
+        out["second_per_grid_ts"] = torch.tensor([tps / f for f in fps])
+    return out
+
+
+def _arch(proc):
+    name = type(proc).__name__
+    return "qwen3_vl" if name.startswith("Qwen3VL") else "qwen2_5_vl" if name.startswith("Qwen2_5_VL") else "qwen2_vl"
+
+
+def expand_video_pads(ids, grids, fps, proc):
+    """Each video's one <|video_pad|> in `ids` -> its tokens. Qwen2(.5)-VL: one pad per merged patch. Qwen3-VL: per
+    temporal patch "<t seconds>" (its mid time), vision start, the pads, vision end (Qwen3VLProcessor's and vLLM's
+    text; the timestamps tokenised one by one, as vLLM does)."""
+    tok = getattr(proc, "tokenizer", proc)
+    pad = tok.convert_tokens_to_ids("<|video_pad|>")
+    _, tps, merge, _, _ = _vision_params(proc)
+    out, k = [], 0
+    for t in ids:
+        if t != pad:
+            out.append(t)
+            continue
+        (gt, gh, gw), f = [int(x) for x in grids[k]], fps[k]
+        per_frame = gh * gw // merge ** 2
+        if _arch(proc) == "qwen3_vl":
+            start, end = (tok.convert_tokens_to_ids(x) for x in ("<|vision_start|>", "<|vision_end|>"))
+            for g in range(gt):
+                mid = (g * tps + g * tps + tps - 1) / 2 / f  # the mean of its first and last frame's times
+                out += tok.encode(f"<{mid:.1f} seconds>", add_special_tokens=False) + [start] + [pad] * per_frame + [end]
+        else:
+            out += [pad] * (gt * per_frame)
+        k += 1
+    return out
+
+
 def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", image_key="images",
-                  image_dir=None, format_prompt: str | None = None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
-    """Everything a row must pass, then (chat text with one pad per image, resized images, answer, prompt text).
-    A bad row raises BadRow; a mistake that no row can pass (a text model given images) a plain UserError."""
+                  image_dir=None, format_prompt: str | None = None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+                  video_key="videos", video_fps=2.0, max_frames=768, video_min_pixels=None, video_max_pixels=None):
+    """Everything a row must pass, then (chat text with one pad per image and video, resized images, prepared videos
+    [T, H, W, 3], their frame rates, answer, prompt text). A bad row raises BadRow; a mistake that no row can pass
+    (a text model given images) a plain UserError."""
     prompt, answer = row.get(prompt_key), row.get(answer_key)
     if prompt is None or not str(prompt).strip():
         raise BadRow(NO_PROMPT, f"{prompt_key!r} is {prompt!r}")
@@ -314,47 +465,67 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
     text = str(prompt)
     if format_prompt:
         text = _template(format_prompt).render(content=text)
-    raw_images = row.get(image_key) or []
-    if raw_images and not hasattr(proc, "image_processor"):
-        raise UserError(f"rows have images ({image_key!r}) but the model has a tokenizer, no image processor "
-                        "(a text LLM?): use a VL model, or data without images")
-    images = []
+    raw_images, raw_videos = row.get(image_key) or [], row.get(video_key) or []
+    for raw, key in ((raw_images, image_key), (raw_videos, video_key)):
+        if raw and not hasattr(proc, "image_processor"):
+            raise UserError(f"rows have {key} ({key!r}) but the model has a tokenizer, no image processor "
+                            f"(a text LLM?): use a VL model, or data without {key}")
+    images, videos, fps = [], [], []
     for k, im in enumerate(raw_images):
         try:
             images.append(resize_image(to_pil(im, image_dir), min_pixels, max_pixels))
         except UserError as e:
             raise BadRow(BAD_IMAGE, f"image {k}: {e}") from e
-    messages = [{"role": "user", "content": _user_content(text, len(images))}]
+    for k, v in enumerate(raw_videos):
+        try:
+            frames, f = load_video(v, image_dir, video_fps, max_frames)
+            videos.append(prepare_video(frames, proc, video_min_pixels or min_pixels, video_max_pixels or max_pixels))
+            fps.append(f)
+        except UserError as e:
+            raise BadRow(BAD_VIDEO, f"video {k}: {e}") from e
+    messages = [{"role": "user", "content": _user_content(text, len(images), len(videos))}]
     # No system message: the chat template inserts its default system prompt.
     templated = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return templated, images, str(answer), text
+    return templated, images, videos, fps, str(answer), text
 
 
-def encode_prompt(row: dict, processor_or_tokenizer, prompt_key="problem", answer_key="answer",
-                  image_key="images", image_dir=None, format_prompt: str | None = None,
-                  min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS) -> dict:
-    """One dataset row -> prompt record (see the spec). The processor runs once per prompt."""
+def encode_prompt(row: dict, processor_or_tokenizer, **encode_kwargs) -> dict:
+    """One dataset row -> prompt record (see the spec). The processor runs once per prompt. encode_kwargs: the keys,
+    image_dir, format_prompt and pixel/video options of _prompt_parts."""
     proc = processor_or_tokenizer
     tok = getattr(proc, "tokenizer", proc)  # a processor wraps a tokenizer; a tokenizer is one
-    templated, images, answer, text = _prompt_parts(row, proc, prompt_key, answer_key, image_key, image_dir,
-                                                    format_prompt, min_pixels, max_pixels)
+    templated, images, videos, fps, answer, text = _prompt_parts(row, proc, **encode_kwargs)
     raw_prompt_ids = tok.encode(templated, add_special_tokens=False)
-    if images:
+    prompt_ids, mm_inputs = list(raw_prompt_ids), {}
+    if images and not videos:
         enc = proc(text=[templated], images=images, return_tensors="pt", add_special_tokens=False)
         prompt_ids = enc["input_ids"][0].tolist()
         mm_inputs = {k: v for k, v in enc.items()  # pixel_values [P, D], image_grid_thw [I, 3]
                      if k not in TOKEN_KEYS and isinstance(v, torch.Tensor)}
-    else:
-        prompt_ids, mm_inputs = list(raw_prompt_ids), {}
-    return {"prompt_ids": prompt_ids, "raw_prompt_ids": raw_prompt_ids, "images": images,
-            "mm_inputs": mm_inputs, "answer": answer, "prompt_text": text}
+    elif images:  # the processor refuses video pads without its videos: the image processor, and the pads by hand
+        mm_inputs = dict(proc.image_processor(images=images, return_tensors="pt"))
+        merge = proc.image_processor.merge_size
+        sizes = iter((mm_inputs["image_grid_thw"].prod(-1) // merge ** 2).tolist())  # tokens per image
+        pad = tok.convert_tokens_to_ids("<|image_pad|>")
+        prompt_ids = [x for t in prompt_ids for x in ([pad] * next(sizes) if t == pad else [t])]
+    if videos:  # pixel_values_videos [P', D], video_grid_thw [V, 3] (+ second_per_grid_ts [V])
+        mm_inputs.update(video_inputs(videos, fps, proc))
+        prompt_ids = expand_video_pads(prompt_ids, mm_inputs["video_grid_thw"].tolist(), fps, proc)
+    return {"prompt_ids": prompt_ids, "raw_prompt_ids": raw_prompt_ids, "images": images, "videos": videos,
+            "video_fps": fps, "mm_inputs": mm_inputs, "answer": answer, "prompt_text": text}
 
 
 def prompt_length(row: dict, proc, **encode_kwargs) -> int:
     """len(encode_prompt(row)["prompt_ids"]) at a third of the cost: each image's one pad becomes the number of
-    tokens the image processor gives an image of its size, without processing its pixels."""
-    templated, images, _, _ = _prompt_parts(row, proc, **encode_kwargs)
+    tokens the image processor gives an image of its size, without processing its pixels (videos: from their
+    frame counts and sizes)."""
+    templated, images, videos, fps, _, _ = _prompt_parts(row, proc, **encode_kwargs)
     n = len(getattr(proc, "tokenizer", proc).encode(templated, add_special_tokens=False))
+    if videos:
+        patch, tps, _, _, _ = _vision_params(proc)
+        grids = [[len(v) // tps, v.shape[1] // patch, v.shape[2] // patch] for v in videos]
+        pad = getattr(proc, "tokenizer", proc).convert_tokens_to_ids("<|video_pad|>")
+        n += len(expand_video_pads([pad] * len(videos), grids, fps, proc)) - len(videos)
     try:
         ip = proc.image_processor if images else None
         return n + sum(ip.get_number_of_image_patches(im.height, im.width, {}) // ip.merge_size**2 - 1
