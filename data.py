@@ -312,151 +312,13 @@ def _user_content(text: str, n_images: int, n_videos: int = 0):
     return content
 
 
-# ----------------------------------------------------------------------------- videos
-# A video reaches the model as frames sampled here (a file at --video-fps frames per second, at most --max-frames;
-# a list of frames as it is, taken to be --video-fps apart), resized here to the size the Qwen-VL video processor
-# would pick (sides multiples of patch x merge, pixels within the video bounds) and padded to an even count by
-# repeating the last frame. Both engines and the trainer then get these exact frames: the processors' own resize
-# leaves them as they are and nothing samples them again, so vLLM's video tokens and positions are the trainer's.
-MIN_FRAMES = 4  # qwen-vl-utils' FPS_MIN_FRAMES: a short file still gives 4 frames when it has them
-
-
-def load_video(item, image_dir=None, fps=2.0, max_frames=768):
-    """A video file path or a list of frames (any image form) -> (frames as RGB PIL images, frames per second)."""
-    if isinstance(item, dict) and item.get("path") and not item.get("bytes"):
-        item = item["path"]
-    if isinstance(item, (str, os.PathLike)):
-        return _decode_video_file(os.fspath(item), image_dir, fps, max_frames)
-    if not isinstance(item, (list, tuple)) or isinstance(item, (bytes, bytearray)):
-        raise UserError(f"a video is a file path or a list of frames, got {type(item).__name__}")
-    if not item:
-        raise UserError("a video with no frames")
-    frames = [to_pil(f, image_dir) for f in item]
-    if len(frames) > max_frames:  # keep max_frames of them, evenly spread: they are then further apart in time
-        keep = [round(i * (len(frames) - 1) / (max_frames - 1)) if max_frames > 1 else 0 for i in range(max_frames)]
-        fps = fps * len(keep) / len(frames)
-        frames = [frames[i] for i in keep]
-    return frames, float(fps)
-
-
-def _decode_video_file(path, image_dir, fps, max_frames):
-    """PyAV (optional: only video files need it). Frame choice as qwen-vl-utils: `fps` frames per second of the
-    file, at least MIN_FRAMES and at most max_frames, an even count, evenly spread; the frame rate of what is kept."""
-    if image_dir is not None and not os.path.isabs(path):
-        path = os.path.join(image_dir, path)
-    if not os.path.isfile(path):
-        raise UserError(f"video file not found: {path!r}")
-    try:
-        import av
-    except ImportError as e:
-        raise UserError(f"video file {path!r}: decoding video files needs PyAV (pip install av); a list of frames "
-                        "needs nothing") from e
-    try:
-        with av.open(path) as container:
-            stream = container.streams.video[0]
-            native = float(stream.average_rate or 0)
-            frames = [f.to_image().convert("RGB") for f in container.decode(stream)]
-    except Exception as e:  # PyAV raises its own error types (InvalidDataError, ...)
-        raise UserError(f"could not decode video file {path!r} ({first_line(e)})") from e
-    total = len(frames)
-    if total == 0:
-        raise UserError(f"video file {path!r} has no frames")
-    native = native or fps  # a stream without a rate: take its frames as sampled already
-    n = round(total / native * fps)
-    n = max(min(n, max_frames, total), min(MIN_FRAMES, max_frames, total))
-    n = max(n - n % 2, 1) if n > 1 else 1
-    keep = [round(i * (total - 1) / (n - 1)) if n > 1 else 0 for i in range(n)]
-    return [frames[i] for i in keep], n / total * native
-
-
-def _vision_params(proc):
-    """(patch, temporal patch, merge, mean, std) of the processor's video side (its image side where it has none)."""
-    vp = getattr(proc, "video_processor", None) or proc.image_processor
-    return (vp.patch_size, vp.temporal_patch_size, vp.merge_size, list(vp.image_mean), list(vp.image_std))
-
-
-def smart_resize(h, w, factor, min_pixels, max_pixels):
-    """transformers' Qwen2-VL smart_resize: sides multiples of `factor`, pixels within the bounds, aspect kept."""
-    if max(h, w) / min(h, w) > 200:
-        raise UserError(f"frame of {w}x{h}: aspect ratio over 200")
-    hb, wb = round(h / factor) * factor, round(w / factor) * factor
-    if hb * wb > max_pixels:
-        beta = math.sqrt(h * w / max_pixels)
-        hb, wb = max(factor, math.floor(h / beta / factor) * factor), max(factor, math.floor(w / beta / factor) * factor)
-    elif hb * wb < min_pixels:
-        beta = math.sqrt(min_pixels / (h * w))
-        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
-    return hb, wb
-
-
-def prepare_video(frames, proc, min_pixels, max_pixels):
-    """PIL frames -> uint8 array [T, H, W, 3]: every frame at the processor's size for the first one, T padded to a
-    multiple of the temporal patch with the last frame."""
-    import numpy as np
-    patch, tps, merge, _, _ = _vision_params(proc)
-    h, w = smart_resize(frames[0].height, frames[0].width, patch * merge, min_pixels, max_pixels)
-    frames = [f if f.size == (w, h) else f.resize((w, h), Image.BICUBIC) for f in frames]
-    frames += [frames[-1]] * (-len(frames) % tps)
-    return np.stack([np.asarray(f, dtype=np.uint8) for f in frames])  # [T, H, W, 3]
-
-
-def video_inputs(videos, fps, proc):
-    """The processor's video outputs for prepared videos ([T, H, W, 3] uint8 each): pixel_values_videos
-    [P, C * t * p * p] in the Qwen-VL patch order, video_grid_thw [V, 3], and for Qwen2.5-VL second_per_grid_ts [V]
-    (the seconds one temporal patch spans, which its M-RoPE time axis counts in)."""
-    patch, tps, merge, mean, std = _vision_params(proc)
-    pixels, grids = [], []
-    for v in videos:
-        x = torch.from_numpy(v).permute(0, 3, 1, 2).float() / 255.0  # [T, C, H, W]
-        x = (x - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
-        T, C, H, W = x.shape
-        gt, gh, gw = T // tps, H // patch, W // patch
-        x = x.view(gt, tps, C, gh // merge, merge, patch, gw // merge, merge, patch)
-        x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (t, h-block, w-block, h-in, w-in, C, t-in, p, p), as transformers
-        pixels.append(x.reshape(gt * gh * gw, C * tps * patch * patch))
-        grids.append([gt, gh, gw])
-    out = {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids)}
-    if _arch(proc) == "qwen2_5_vl":
-        out["second_per_grid_ts"] = torch.tensor([tps / f for f in fps])
-    return out
-
-
-def _arch(proc):
-    name = type(proc).__name__
-    return "qwen3_vl" if name.startswith("Qwen3VL") else "qwen2_5_vl" if name.startswith("Qwen2_5_VL") else "qwen2_vl"
-
-
-def expand_video_pads(ids, grids, fps, proc):
-    """Each video's one <|video_pad|> in `ids` -> its tokens. Qwen2(.5)-VL: one pad per merged patch. Qwen3-VL: per
-    temporal patch "<t seconds>" (its mid time), vision start, the pads, vision end (Qwen3VLProcessor's and vLLM's
-    text; the timestamps tokenised one by one, as vLLM does)."""
-    tok = getattr(proc, "tokenizer", proc)
-    pad = tok.convert_tokens_to_ids("<|video_pad|>")
-    _, tps, merge, _, _ = _vision_params(proc)
-    out, k = [], 0
-    for t in ids:
-        if t != pad:
-            out.append(t)
-            continue
-        (gt, gh, gw), f = [int(x) for x in grids[k]], fps[k]
-        per_frame = gh * gw // merge ** 2
-        if _arch(proc) == "qwen3_vl":
-            start, end = (tok.convert_tokens_to_ids(x) for x in ("<|vision_start|>", "<|vision_end|>"))
-            for g in range(gt):
-                mid = (g * tps + g * tps + tps - 1) / 2 / f  # the mean of its first and last frame's times
-                out += tok.encode(f"<{mid:.1f} seconds>", add_special_tokens=False) + [start] + [pad] * per_frame + [end]
-        else:
-            out += [pad] * (gt * per_frame)
-        k += 1
-    return out
-
-
 def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", image_key="images",
                   image_dir=None, format_prompt: str | None = None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
                   video_key="videos", video_fps=2.0, max_frames=768, video_min_pixels=None, video_max_pixels=None):
     """Everything a row must pass, then (chat text with one pad per image and video, resized images, prepared videos
     [T, H, W, 3], their frame rates, answer, prompt text). A bad row raises BadRow; a mistake that no row can pass
     (a text model given images) a plain UserError."""
+    import video  # (it imports this module)
     prompt, answer = row.get(prompt_key), row.get(answer_key)
     if prompt is None or not str(prompt).strip():
         raise BadRow(NO_PROMPT, f"{prompt_key!r} is {prompt!r}")
@@ -478,8 +340,9 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
             raise BadRow(BAD_IMAGE, f"image {k}: {e}") from e
     for k, v in enumerate(raw_videos):
         try:
-            frames, f = load_video(v, image_dir, video_fps, max_frames)
-            videos.append(prepare_video(frames, proc, video_min_pixels or min_pixels, video_max_pixels or max_pixels))
+            frames, f = video.load_video(v, image_dir, video_fps, max_frames)
+            videos.append(video.prepare_video(frames, proc, video_min_pixels or min_pixels,
+                                             video_max_pixels or max_pixels))
             fps.append(f)
         except UserError as e:
             raise BadRow(BAD_VIDEO, f"video {k}: {e}") from e
@@ -492,6 +355,7 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
 def encode_prompt(row: dict, processor_or_tokenizer, **encode_kwargs) -> dict:
     """One dataset row -> prompt record (see the spec). The processor runs once per prompt. encode_kwargs: the keys,
     image_dir, format_prompt and pixel/video options of _prompt_parts."""
+    import video  # (it imports this module)
     proc = processor_or_tokenizer
     tok = getattr(proc, "tokenizer", proc)  # a processor wraps a tokenizer; a tokenizer is one
     templated, images, videos, fps, answer, text = _prompt_parts(row, proc, **encode_kwargs)
@@ -509,8 +373,8 @@ def encode_prompt(row: dict, processor_or_tokenizer, **encode_kwargs) -> dict:
         pad = tok.convert_tokens_to_ids("<|image_pad|>")
         prompt_ids = [x for t in prompt_ids for x in ([pad] * next(sizes) if t == pad else [t])]
     if videos:  # pixel_values_videos [P', D], video_grid_thw [V, 3] (+ second_per_grid_ts [V])
-        mm_inputs.update(video_inputs(videos, fps, proc))
-        prompt_ids = expand_video_pads(prompt_ids, mm_inputs["video_grid_thw"].tolist(), fps, proc)
+        mm_inputs.update(video.video_inputs(videos, fps, proc))
+        prompt_ids = video.expand_video_pads(prompt_ids, mm_inputs["video_grid_thw"].tolist(), fps, proc)
     return {"prompt_ids": prompt_ids, "raw_prompt_ids": raw_prompt_ids, "images": images, "videos": videos,
             "video_fps": fps, "mm_inputs": mm_inputs, "answer": answer, "prompt_text": text}
 
@@ -519,13 +383,14 @@ def prompt_length(row: dict, proc, **encode_kwargs) -> int:
     """len(encode_prompt(row)["prompt_ids"]) at a third of the cost: each image's one pad becomes the number of
     tokens the image processor gives an image of its size, without processing its pixels (videos: from their
     frame counts and sizes)."""
+    import video  # (it imports this module)
     templated, images, videos, fps, _, _ = _prompt_parts(row, proc, **encode_kwargs)
     n = len(getattr(proc, "tokenizer", proc).encode(templated, add_special_tokens=False))
     if videos:
-        patch, tps, _, _, _ = _vision_params(proc)
+        patch, tps, _, _, _ = video.vision_params(proc)
         grids = [[len(v) // tps, v.shape[1] // patch, v.shape[2] // patch] for v in videos]
         pad = getattr(proc, "tokenizer", proc).convert_tokens_to_ids("<|video_pad|>")
-        n += len(expand_video_pads([pad] * len(videos), grids, fps, proc)) - len(videos)
+        n += len(video.expand_video_pads([pad] * len(videos), grids, fps, proc)) - len(videos)
     try:
         ip = proc.image_processor if images else None
         return n + sum(ip.get_number_of_image_patches(im.height, im.width, {}) // ip.merge_size**2 - 1
@@ -732,13 +597,15 @@ def demo_compare_data(data_dir=None, n_train=2000, n_val=200):
 
 # ----------------------------------------------------------------------------- python data.py check
 DATA_OPTIONS = ("model_path", "train_files", "val_files", "prompt_key", "answer_key", "image_key", "image_dir",
-                "format_prompt", "min_pixels", "max_pixels", "max_prompt_length", "filter_overlong_prompts")
+                "format_prompt", "min_pixels", "max_pixels", "max_prompt_length", "filter_overlong_prompts",
+                "video_key", "video_fps", "max_frames", "video_min_pixels", "video_max_pixels", "demo_task")
 
 
 def check_main(argv) -> int:
     """`python data.py check [grpo.py's data options]`: reads every row of --train-files and --val-files (the demo's
     colour task when empty) and prints each bad one with its row number in the source and the reason, then the
     counts. Returns 2 when a row is bad, 0 otherwise; --model-path's tokenizer counts the prompt tokens."""
+    import video  # (it imports this module)
     import dataclasses
     from typing import Annotated
 
@@ -765,11 +632,13 @@ def check_main(argv) -> int:
     model_path = cfg.model_path or tiny_model.build_tiny_model()
     sources, fmt = [("--train-files", cfg.train_files), ("--val-files", cfg.val_files)], cfg.format_prompt
     if not cfg.train_files:
-        sources = list(zip(("--train-files", "--val-files"), demo_data()))
+        sources = list(zip(("--train-files", "--val-files"), video.demo_video_data() if cfg.demo_task == "video" else
+                           demo_data()))
         fmt = DEMO_FORMAT_PROMPT if fmt is None else fmt
     proc = load_processor(model_path, cfg.min_pixels, cfg.max_pixels)
     kw = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, image_key=cfg.image_key,
-              image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+              image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+              **video.video_options(cfg))
     any_bad = False
     for option, source in sources:
         if not source:

@@ -39,12 +39,18 @@ class Config:
     # the tiny model built when model_path is "" (and its task when train_files is ""): qwen2_5_vl and qwen3_vl
     # answer the colour task, the text-only qwen3 the comparison task (with TEXT_DEMO's settings)
     demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3"] = "qwen2_5_vl"
+    demo_task: Literal["color", "video"] = "color"  # the VL demos' task: a picture's colour, or the colour a clip ends on
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)
     prompt_key: str = "problem"  # column with the question text (<image> marks where each image goes)
     answer_key: str = "answer"  # column with the ground truth the reward function compares against
     image_key: str = "images"  # column with the list of images (bytes, paths or PIL images)
-    image_dir: str | None = None  # folder that relative image paths in the data start from
+    image_dir: str | None = None  # folder that relative image (and video) paths in the data start from
+    video_key: str = "videos"  # column with the list of videos (each a video file path or a list of frames)
+    video_fps: float = 2.0  # frames per second taken from a video file; a list of frames is taken to be this far apart
+    max_frames: int = 768  # frames per video at most (evenly spread over it when it has more)
+    video_min_pixels: int | None = None  # pixels per video frame at least; None = min_pixels (as EasyR1)
+    video_max_pixels: int | None = None  # pixels per video frame at most; None = max_pixels (as EasyR1)
     format_prompt: str | None = None  # jinja template (string or .jinja file) around {{ content }}
     reward_function: str = "math"  # math | r1v | color | dapo | path/to/file.py:fn (an EasyR1 reward file)
     reward_function_kwargs: str = ""  # JSON object of keyword arguments for the reward function, as EasyR1's
@@ -68,6 +74,7 @@ class Config:
     enforce_eager: bool = False  # vLLM without CUDA graphs (slower, starts faster)
     sleep_level: int = 1  # 1: engine weights wait in CPU memory while training; 2: dropped, re-sent before generating
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
+    limit_videos: int = 0  # videos per prompt the engine accepts; 0 = the most any training or validation row has
     # --- batch arithmetic (EasyR1's names: batch sizes count prompts, micro-batches count samples) ---
     rollout_batch_size: int = 512  # prompts per step, over all ranks
     global_batch_size: int = 128  # prompts per optimizer step; rollout_batch_size / global_batch_size updates per step
@@ -290,6 +297,7 @@ def setup(cfg: Config):
     import data
     import rewards
     import rollout
+    import video
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     text_demo = not cfg.model_path and not cfg.train_files and cfg.demo_model == "qwen3"  # the comparison task
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
@@ -309,7 +317,8 @@ def setup(cfg: Config):
     train_files, val_files = cfg.train_files, cfg.val_files
     fmt = cfg.format_prompt
     if not train_files:
-        make = data.demo_compare_data if text_demo else data.demo_data
+        make = (data.demo_compare_data if text_demo else video.demo_video_data if cfg.demo_task == "video" else
+                data.demo_data)
         if rank == 0:
             make()
         dist.barrier()
@@ -321,6 +330,7 @@ def setup(cfg: Config):
     data_kw = dict(processor_or_tokenizer=ctx.processor, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                    image_key=cfg.image_key, image_dir=cfg.image_dir, format_prompt=fmt,
                    min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_prompt_length=cfg.max_prompt_length,
+                   **video.video_options(cfg),
                    filter_overlong=cfg.filter_overlong_prompts, skip_bad_rows=cfg.skip_bad_rows)
     # every row is checked here, before the model loads; the same on every rank, so all raise together
     ctx.train = data.PromptDataset(train_files, option="--train-files", **data_kw)
@@ -354,8 +364,9 @@ def setup(cfg: Config):
                                 padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen)
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
                                            device)
+    videos = cfg.limit_videos or max(video.most_videos(d) for d in (ctx.train, ctx.val) if d is not None)
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
-                                       dtype=ctx.compute_dtype, cfg=cfg)
+                                       dtype=ctx.compute_dtype, cfg=cfg, limit_videos=videos)
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
     if ckpt:
         state = A.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
