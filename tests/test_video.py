@@ -38,6 +38,11 @@ def video_rows():
     ]
 
 
+def video_prompts(proc):
+    """video_rows() encoded, the second at 0.5 frames per second (its time positions differ from the default 2)."""
+    return [data.encode_prompt(r, proc, video_fps=f, **PX) for r, f in zip(video_rows(), (2.0, 0.5, 2.0))]
+
+
 def samples_of(prompts, n=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [dict(prompt=p, response_ids=torch.randint(3, 300, (1 + (3 * i + k) % 5,), generator=g).tolist())
@@ -153,7 +158,7 @@ def test_video_file_rows(arch, tmp_path, monkeypatch):
 def test_hf_engine_generates_from_video_and_agrees_with_the_trainer(arch):
     import rollout
     name, path, proc = arch
-    prompts = [data.encode_prompt(r, proc, **PX) for r in video_rows()]
+    prompts = video_prompts(proc)
     eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
     out = eng.generate(prompts, n=3, temperature=1.0, top_p=1.0, max_tokens=6, seeds=[1, 2, 3])
     samples = [dict(prompt=p, response_ids=o["response_ids"], logprobs=o["logprobs"]) for p, g in zip(prompts, out)
@@ -173,7 +178,7 @@ def test_hf_engine_generates_from_video_and_agrees_with_the_trainer(arch):
 def test_trainer_logprobs_match_a_plain_hf_forward(arch):
     from test_actor import reference_logprobs
     _, path, proc = arch
-    samples = samples_of([data.encode_prompt(r, proc, **PX) for r in video_rows()])
+    samples = samples_of(video_prompts(proc))
     ref = reference_logprobs(path, samples, proc.tokenizer.pad_token_id)
     model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False).eval()
     for max_tokens in (10_000, 60):  # everything in one micro-batch, and one prompt per micro-batch
@@ -188,7 +193,7 @@ def test_padding_free_equals_padded_for_video_rows(arch):
     name, path, proc = arch
     if name != "qwen2_5_vl":
         pytest.skip("padding-free packing is for Qwen2-VL / Qwen2.5-VL and text LLMs")
-    samples = samples_of([data.encode_prompt(r, proc, **PX) for r in video_rows()])
+    samples = samples_of(video_prompts(proc))
     lp_pad, g_pad = _grads(path, samples, proc.tokenizer.pad_token_id, False, torch.float64)
     lp_pack, g_pack = _grads(path, samples, proc.tokenizer.pad_token_id, True, torch.float64)
     for a, b in zip(lp_pad, lp_pack):
