@@ -49,8 +49,10 @@ class Config:
     video_key: str = "videos"  # column with the list of videos (each a video file path or a list of frames)
     video_fps: float = 2.0  # frames per second taken from a video file; a list of frames is taken to be this far apart
     max_frames: int = 768  # frames per video at most (evenly spread over it when it has more)
-    video_min_pixels: int | None = None  # pixels per video frame at least; None = min_pixels (as EasyR1)
-    video_max_pixels: int | None = None  # pixels per video frame at most; None = max_pixels (as EasyR1)
+    # pixels per video frame at least / at most (Qwen3-VL: per clip, frames x pixels, as its video processor counts);
+    # None = min_pixels / max_pixels (as EasyR1). With vLLM they must lie within min_pixels..max_pixels
+    video_min_pixels: int | None = None
+    video_max_pixels: int | None = None
     format_prompt: str | None = None  # jinja template (string or .jinja file) around {{ content }}
     reward_function: str = "math"  # math | r1v | color | dapo | path/to/file.py:fn (an EasyR1 reward file)
     reward_function_kwargs: str = ""  # JSON object of keyword arguments for the reward function, as EasyR1's

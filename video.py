@@ -81,28 +81,34 @@ def vision_params(proc):
     return (vp.patch_size, vp.temporal_patch_size, vp.merge_size, list(vp.image_mean), list(vp.image_std))
 
 
-def smart_resize(h, w, factor, min_pixels, max_pixels):
-    """transformers' Qwen2-VL smart_resize: sides multiples of `factor`, pixels within the bounds, aspect kept."""
+def smart_resize(h, w, factor, min_pixels, max_pixels, frames=1):
+    """transformers' smart_resize of the Qwen-VL video processors: sides multiples of `factor`, aspect kept, and
+    frames x height x width within the bounds: Qwen2(.5)-VL's bound one frame (frames=1), Qwen3-VL's the whole clip
+    (frames: its count, already a multiple of the temporal patch), as Qwen3VLVideoProcessor counts them."""
+    if frames > 1 and (h < factor or w < factor):  # (Qwen3-VL's first scales a frame smaller than a patch up)
+        scale = max(factor / h, factor / w)
+        h, w = int(h * scale), int(w * scale)
     if max(h, w) / min(h, w) > 200:
         raise UserError(f"frame of {w}x{h}: aspect ratio over 200")
     hb, wb = round(h / factor) * factor, round(w / factor) * factor
-    if hb * wb > max_pixels:
-        beta = math.sqrt(h * w / max_pixels)
+    if frames * hb * wb > max_pixels:
+        beta = math.sqrt(frames * h * w / max_pixels)
         hb, wb = max(factor, math.floor(h / beta / factor) * factor), max(factor, math.floor(w / beta / factor) * factor)
-    elif hb * wb < min_pixels:
-        beta = math.sqrt(min_pixels / (h * w))
+    elif frames * hb * wb < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * h * w))
         hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
     return hb, wb
 
 
 def prepare_video(frames, proc, min_pixels, max_pixels):
-    """PIL frames -> uint8 array [T, H, W, 3]: every frame at the processor's size for the first one, T padded to a
-    multiple of the temporal patch with the last frame."""
+    """PIL frames -> uint8 array [T, H, W, 3]: T padded to a multiple of the temporal patch with the last frame, every
+    frame at the size the processor picks for the first one (Qwen3-VL: for the clip; see smart_resize)."""
     import numpy as np
     patch, tps, merge, _, _ = vision_params(proc)
-    h, w = smart_resize(frames[0].height, frames[0].width, patch * merge, min_pixels, max_pixels)
+    frames = frames + [frames[-1]] * (-len(frames) % tps)
+    clip = len(frames) if _arch(proc) == "qwen3_vl" else 1
+    h, w = smart_resize(frames[0].height, frames[0].width, patch * merge, min_pixels, max_pixels, clip)
     frames = [f if f.size == (w, h) else f.resize((w, h), Image.BICUBIC) for f in frames]
-    frames += [frames[-1]] * (-len(frames) % tps)
     return np.stack([np.asarray(f, dtype=np.uint8) for f in frames])  # [T, H, W, 3]
 
 

@@ -101,7 +101,8 @@ def test_frames_and_time_reach_the_model(arch):
     for t, colour in ((0, "red"), (1, "blue")):
         rgb = px[t * per_t].view(3, -1)[:, 0] * std + mean  # channel values of one pixel, back in [0, 1]
         assert torch.allclose(rgb * 255, torch.tensor(data.COLORS[colour], dtype=torch.float), atol=1.0)
-    assert fast["mm_inputs"]["video_grid_thw"].tolist() == [[2, 4, 4]]
+    # Qwen2.5-VL bounds a frame (56x56, 14-pixel patches), Qwen3-VL the clip (4 frames x 32x32, 16-pixel patches)
+    assert fast["mm_inputs"]["video_grid_thw"].tolist() == [[2, 4, 4] if name == "qwen2_5_vl" else [2, 2, 2]]
     hf = A.load_hf_model(path).eval()
     pos = {f: A._rope_index(hf, r["prompt_ids"], r["mm_inputs"]) for f, r in ((2.0, fast), (0.5, slow))}
     if name == "qwen2_5_vl":  # the time axis counts tokens_per_second (2) x the seconds of a frame pair
