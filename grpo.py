@@ -39,7 +39,7 @@ class Config:
     # the tiny model built when model_path is "" (and its task when train_files is ""): qwen2_5_vl and qwen3_vl
     # answer the colour task, the text-only qwen3 the comparison task (with TEXT_DEMO's settings)
     demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3"] = "qwen2_5_vl"
-    demo_task: Literal["color", "video"] = "color"  # the VL demos' task: a picture's colour, or the colour a clip ends on
+    demo_task: Literal["color", "video"] = "color"  # the VL demos' task: a picture's colour, or a clip's last colour
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)
     prompt_key: str = "problem"  # column with the question text (<image> marks where each image goes)

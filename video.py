@@ -93,7 +93,8 @@ def smart_resize(h, w, factor, min_pixels, max_pixels, frames=1):
     hb, wb = round(h / factor) * factor, round(w / factor) * factor
     if frames * hb * wb > max_pixels:
         beta = math.sqrt(frames * h * w / max_pixels)
-        hb, wb = max(factor, math.floor(h / beta / factor) * factor), max(factor, math.floor(w / beta / factor) * factor)
+        hb = max(factor, math.floor(h / beta / factor) * factor)
+        wb = max(factor, math.floor(w / beta / factor) * factor)
     elif frames * hb * wb < min_pixels:
         beta = math.sqrt(min_pixels / (frames * h * w))
         hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
@@ -171,7 +172,8 @@ def expand_video_pads(ids, grids, fps, proc):
             start, end = (tok.convert_tokens_to_ids(x) for x in ("<|vision_start|>", "<|vision_end|>"))
             for g in range(gt):
                 mid = (g * tps + g * tps + tps - 1) / 2 / f  # the mean of its first and last frame's times
-                out += tok.encode(f"<{mid:.1f} seconds>", add_special_tokens=False) + [start] + [pad] * per_frame + [end]
+                out += tok.encode(f"<{mid:.1f} seconds>", add_special_tokens=False)
+                out += [start] + [pad] * per_frame + [end]
         else:
             out += [pad] * (gt * per_frame)
         k += 1

@@ -33,7 +33,8 @@ def video_prompts(path):
     rows = [{"problem": "<video>Which colour does the video end with?", "answer": "blue",
              "videos": [clip("red", "blue", 4)]},
             {"problem": "<image> then <video>: which?", "answer": "red",
-             "images": [Image.new("RGB", (70, 84), data.COLORS["green"])], "videos": [clip("white", "red", 6, (90, 60))]},
+             "images": [Image.new("RGB", (70, 84), data.COLORS["green"])],
+             "videos": [clip("white", "red", 6, (90, 60))]},
             {"problem": "<video> and <video>: which ends blue?", "answer": "a",
              "videos": [clip("red", "blue", 4), clip("blue", "green", 3)]}]
     recs = [data.encode_prompt(r, proc, **PX) for r in rows[:2]]
@@ -63,12 +64,14 @@ def check_processor(path, proc, recs, video):
         err = (out["pixel_values_videos"] - r["mm_inputs"]["pixel_values_videos"]).abs().max().item()
         assert err < 1e-4, err
         if "second_per_grid_ts" in r["mm_inputs"]:
-            assert torch.allclose(torch.as_tensor(out["second_per_grid_ts"]).float(), r["mm_inputs"]["second_per_grid_ts"])
+            got = torch.as_tensor(out["second_per_grid_ts"]).float()
+            assert torch.allclose(got, r["mm_inputs"]["second_per_grid_ts"])
     print(f"[processor] transformers' processor gives our frames' pixels, grids and tokens for {len(recs)} prompts")
 
 
 def mean_logprob_diff(eng, ref, recs, temperature=0.7):
-    out = eng.generate(recs, n=4, temperature=temperature, top_p=1.0, max_tokens=24, seeds=list(range(1, len(recs) + 1)))
+    out = eng.generate(recs, n=4, temperature=temperature, top_p=1.0, max_tokens=24,
+                       seeds=list(range(1, len(recs) + 1)))
     diffs = []
     for rec, group in zip(recs, out):
         for o in group:
