@@ -1,6 +1,6 @@
 """Video inputs end to end on the CPU: the data contract (videos column, <video> placeholders, frames or files), the
 processor outputs the model needs (frames, second_per_grid_ts, Qwen3-VL's timestamps), the HF engine, the trainer's
-log-probs against a plain HF forward (padded and padding-free), for the tiny Qwen2.5-VL and Qwen3-VL."""
+log-probs against a plain HF forward (padded and padding-free), for the tiny Qwen2.5-VL, Qwen3-VL and Qwen2-VL."""
 import io
 import os
 
@@ -21,7 +21,7 @@ def clip(first, last, n=4, size=(64, 60)):
     return [Image.new("RGB", size, data.COLORS[first if i < n // 2 else last]) for i in range(n)]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen2_vl"])
 def arch(request, tmp_path_factory):
     A.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp(request.param) / "m"), arch=request.param)
@@ -102,7 +102,7 @@ def test_frames_and_time_reach_the_model(arch):
         rgb = px[t * per_t].view(3, -1)[:, 0] * std + mean  # channel values of one pixel, back in [0, 1]
         assert torch.allclose(rgb * 255, torch.tensor(data.COLORS[colour], dtype=torch.float), atol=1.0)
     # Qwen2.5-VL bounds a frame (56x56, 14-pixel patches), Qwen3-VL the clip (4 frames x 32x32, 16-pixel patches)
-    assert fast["mm_inputs"]["video_grid_thw"].tolist() == [[2, 4, 4] if name == "qwen2_5_vl" else [2, 2, 2]]
+    assert fast["mm_inputs"]["video_grid_thw"].tolist() == [[2, 2, 2] if name == "qwen3_vl" else [2, 4, 4]]
     hf = A.load_hf_model(path).eval()
     pos = {f: A._rope_index(hf, r["prompt_ids"], r["mm_inputs"]) for f, r in ((2.0, fast), (0.5, slow))}
     if name == "qwen2_5_vl":  # the time axis counts tokens_per_second (2) x the seconds of a frame pair
@@ -113,6 +113,11 @@ def test_frames_and_time_reach_the_model(arch):
         t_fast, t_slow = pos[2.0][0][vid], pos[0.5][0][vid]
         assert (t_fast[per_t // 4:] - t_fast[0]).unique().tolist() == [2]  # second pair: 1 s x 2 later
         assert (t_slow[per_t // 4:] - t_slow[0]).unique().tolist() == [8]  # 4 s x 2 later
+    elif name == "qwen2_vl":  # Qwen2-VL's time axis counts frame pairs, whatever their rate
+        assert "second_per_grid_ts" not in fast["mm_inputs"]
+        vid = torch.tensor(fast["prompt_ids"]) == hf.config.video_token_id
+        assert torch.equal(pos[2.0][:, vid], pos[0.5][:, vid])
+        assert (pos[2.0][0][vid][per_t // 4:] - pos[2.0][0][vid][0]).unique().tolist() == [1]
     else:  # Qwen3-VL: each frame pair's time is text before it; pairs 0.25 s and 1.25 s (fps 2), 1 s and 5 s
         tok = proc.tokenizer
         assert "<0.2 seconds>" in tok.decode(fast["prompt_ids"]) and "<1.2 seconds>" in tok.decode(fast["prompt_ids"])
@@ -192,7 +197,7 @@ def test_trainer_logprobs_match_a_plain_hf_forward(arch):
 def test_padding_free_equals_padded_for_video_rows(arch):
     from test_varlen import _grads
     name, path, proc = arch
-    if name != "qwen2_5_vl":
+    if name == "qwen3_vl":
         pytest.skip("padding-free packing is for Qwen2-VL / Qwen2.5-VL and text LLMs")
     samples = samples_of(video_prompts(proc))
     lp_pad, g_pad = _grads(path, samples, proc.tokenizer.pad_token_id, False, torch.float64)
