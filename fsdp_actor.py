@@ -189,9 +189,13 @@ class LogProbModel(nn.Module):
             visual |= mask
             embeds = embeds.masked_scatter(mask[..., None], torch.cat([feats[j] for j in order]).to(embeds.dtype))
         for layer, d in enumerate(deep):  # deepstack rows in sequence order of all vision tokens, as the model's own
-            joint = embeds.new_zeros(int(visual.sum()), embeds.shape[-1])  # [N_visual, H]
-            for tid, order in kinds:
-                joint[(input_ids == tid)[visual]] = torch.cat([d[j] for j in order]).to(embeds.dtype)
+            per_kind = [torch.cat([d[j] for j in order]).to(embeds.dtype) for _, order in kinds]  # [N_kind, H] each
+            if len(kinds) == 1:  # one kind (the usual case): already in order, and no host sync for the count
+                deep_rows[layer] = per_kind[0]
+                continue
+            joint = embeds.new_zeros(int(visual.sum()), embeds.shape[-1])  # [N_visual, H] images and videos interleaved
+            for (tid, _), x in zip(kinds, per_kind):
+                joint[(input_ids == tid)[visual]] = x
             deep_rows[layer] = joint
         pos, _ = m.get_rope_index(input_ids, mm_token_type_ids=types, **row_grids)  # [3, B, T]
         return m.language_model(inputs_embeds=embeds, position_ids=pos, attention_mask=None, use_cache=False,

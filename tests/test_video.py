@@ -207,3 +207,26 @@ def test_padding_free_equals_padded_for_video_rows(arch):
     assert g_pad.keys() == g_pack.keys()
     for k in g_pad:
         assert torch.allclose(g_pad[k], g_pack[k], atol=1e-9), k
+
+
+def test_vllm_requests_carry_the_frames_and_their_rate(arch):
+    """What vLLM is handed (checked against vLLM itself in tests/test_video_gpu.py): one pad per video, the trainer's
+    frames, their frame rate where each model's vLLM processor reads it."""
+    from types import SimpleNamespace
+
+    import rollout
+    name, _, proc = arch
+    rec = video_prompts(proc)[1]  # an image, then clips of 6 and 3 (padded to 4) frames at 0.5 frames per second
+    req = rollout.VLLMRollout._vllm_prompt(SimpleNamespace(model_type=name), rec)
+    assert req["prompt_token_ids"] == rec["raw_prompt_ids"]
+    assert req["prompt_token_ids"].count(proc.tokenizer.convert_tokens_to_ids("<|video_pad|>")) == 2
+    assert req["multi_modal_data"]["image"] == rec["images"]
+    videos, sizes = req["multi_modal_data"]["video"], (6, 4)
+    if name == "qwen3_vl":
+        assert [m for _, m in videos] == [{"total_num_frames": t, "fps": 0.5, "frames_indices": list(range(t)),
+                                           "duration": t / 0.5, "do_sample_frames": False} for t in sizes]
+        videos = [v for v, _ in videos]
+    else:
+        assert req["mm_processor_kwargs"] == {"video_metadata": [{"total_num_frames": t, "fps": 0.5} for t in sizes]}
+    assert all(v is w and v.dtype.name == "uint8" for v, w in zip(videos, rec["videos"]))
+    assert [len(v) for v in videos] == list(sizes)
