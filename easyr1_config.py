@@ -98,9 +98,9 @@ TABLE = {
     "data.prompt_key": ("prompt_key", None, SAME),
     "data.answer_key": ("answer_key", None, SAME),
     "data.image_key": ("image_key", None, SAME),
-    "data.video_key": (None, None, "videos are not supported (images only)"),
+    "data.video_key": ("video_key", None, SAME),
     "data.image_dir": ("image_dir", None, SAME),
-    "data.video_fps": (None, None, "videos are not supported (images only)"),
+    "data.video_fps": ("video_fps", None, SAME),
     "data.max_prompt_length": ("max_prompt_length", None, SAME),
     "data.max_response_length": ("max_response_length", None, SAME),
     "data.rollout_batch_size": ("rollout_batch_size", None, SAME),
@@ -321,10 +321,11 @@ def load(path, cls):
         return translate(yaml.safe_load(f) or {}, cls)
 
 
-def cli(cls, demo, args=None, text_demo=None):
+def cli(cls, demo, args=None, text_demo=None, video_demo=None):
     """Parse the command line over the defaults in force: `cls`'s own (EasyR1's), or those changed by `demo` for the
-    demo (no --model-path; `text_demo` on top for --demo-model qwen3); --config goes between the defaults and the
-    flags. Rank 0 says which set is in force and what the file and the flags changed."""
+    demo (no --model-path; `text_demo` on top for --demo-model qwen3, `video_demo` for --demo-task video); --config
+    goes between the defaults and the flags. Rank 0 says which set is in force and what the file and the flags
+    changed."""
     import sys
     from dataclasses import asdict, replace
 
@@ -336,6 +337,8 @@ def cli(cls, demo, args=None, text_demo=None):
     is_demo = not (first.model_path or from_yaml.get("model_path"))
     if is_demo and text_demo and getattr(first, "demo_model", "") == "qwen3":
         demo = {**demo, **text_demo}
+    elif is_demo and video_demo and getattr(first, "demo_task", "") == "video":
+        demo = {**demo, **video_demo}
     defaults = replace(cls(), **{**(demo if is_demo else {}), **from_yaml})
     cfg = tyro.cli(cls, args=args, default=defaults, description=desc)
     if os.environ.get("RANK", "0") == "0":

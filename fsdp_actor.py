@@ -114,57 +114,93 @@ class LogProbModel(nn.Module):
                 kw["position_ids"] = torch.arange(input_ids.shape[1], device=input_ids.device).expand(
                     3, *input_ids.shape)
             return self.hf.model(inputs_embeds=embeds, **kw).last_hidden_state
-        owner, counts = owner  # per row: its distinct prompt; per distinct prompt: its number of images
-        if "image_grid_thw" not in mm_inputs:
-            raise NotImplementedError(f"{type(self.hf).__name__}: images are supported for Qwen-VL-style models "
-                                      f"(processor outputs pixel_values + image_grid_thw); got {sorted(mm_inputs)}")
-        grid = mm_inputs["image_grid_thw"]  # [I, 3], distinct prompts' images in order
-        grid_of = grid.split(counts)  # one [images, 3] chunk per distinct prompt
-        row_grid = torch.cat([grid_of[i] for i in owner])  # [I_rows, 3] the images as the rows show them
+        owner, counts, vcounts = owner  # per row: its distinct prompt; per distinct prompt: its images, its videos
+        if "image_grid_thw" not in mm_inputs and "video_grid_thw" not in mm_inputs:
+            raise NotImplementedError(f"{type(self.hf).__name__}: images and videos are supported for Qwen-VL-style "
+                                      "models (processor outputs pixel_values(_videos) + image/video_grid_thw); got "
+                                      f"{sorted(mm_inputs)}")
+        grids = {k: mm_inputs[k] for k in ("image_grid_thw", "video_grid_thw") if k in mm_inputs}
+        row_grids = {k: torch.cat([g.split(c)[i] for i in owner]) for (k, g), c in  # [items as the rows show them, 3]
+                     zip(grids.items(), [counts if k == "image_grid_thw" else vcounts for k in grids])}
         if self.hf.config.model_type == "qwen3_vl":
             types = mm_token_types(self.hf, input_ids, mm_inputs).get("mm_token_type_ids")
-            return self._deepstack_hidden(input_ids, mm_inputs, owner, counts, row_grid, types)
-        if position_ids is None:  # the model derives the 3-D positions from the image tokens and grids
-            kw.update(input_ids=input_ids, image_grid_thw=row_grid, **mm_token_types(self.hf, input_ids, mm_inputs))
+            return self._deepstack_hidden(input_ids, mm_inputs, owner, counts, vcounts, row_grids, types)
+        if position_ids is None:  # the model derives the 3-D positions from the vision tokens and grids
+            kw.update(input_ids=input_ids, **row_grids, **mm_token_types(self.hf, input_ids, mm_inputs))
         if self.rope == "mrope":
-            # The n samples of a prompt share its image: run the vision tower once per distinct image (not n times)
-            # and scatter its features into every row that shows it. Gradients from all rows add up in one place.
-            feats = self.hf.model.get_image_features(mm_inputs["pixel_values"], grid)
-            feats = list(getattr(feats, "pooler_output", feats))  # per image [tokens, H]
-            starts = [sum(counts[:i]) for i in range(len(counts))]
+            # The n samples of a prompt share its images and videos: run the vision tower once per distinct one
+            # (not n times) and scatter its features into every row that shows it. Gradients from all rows add up.
+            feats, _ = self._vision_once(mm_inputs)
             embeds = self.hf.model.get_input_embeddings()(input_ids)  # [B, T, H]
-            rows = torch.cat([f for i in owner for f in feats[starts[i]:starts[i] + counts[i]]]).to(embeds.dtype)
-            embeds = embeds.masked_scatter((input_ids == self.hf.config.image_token_id)[..., None], rows)
+            for tid, order in self._row_order(owner, counts, vcounts):
+                rows = torch.cat([feats[j] for j in order]).to(embeds.dtype)  # [that kind's tokens in the rows, H]
+                embeds = embeds.masked_scatter((input_ids == tid)[..., None], rows)
             return self.hf.model(inputs_embeds=embeds, **kw).last_hidden_state
-        # other VLMs (e.g. Qwen3-VL, whose vision tower also feeds deeper layers): the model's own path, with one
-        # copy of the pixels per row
+        if "video_grid_thw" in mm_inputs:
+            raise NotImplementedError(f"{type(self.hf).__name__}: videos are supported for Qwen2-VL, Qwen2.5-VL and "
+                                      "Qwen3-VL")
+        # other VLMs: the model's own path, with one copy of the pixels per row
+        grid_of = mm_inputs["image_grid_thw"].split(counts)
         pixels = mm_inputs["pixel_values"].split([int(g.prod(-1).sum()) for g in grid_of])
         kw.setdefault("input_ids", input_ids)
         return self.hf.model(pixel_values=torch.cat([pixels[i] for i in owner]), **kw).last_hidden_state
 
-    def _deepstack_hidden(self, input_ids, mm_inputs, owner, counts, row_grid, types):
-        """Qwen3-VL: the vision tower once per distinct image, as for Qwen2.5-VL. Its deepstack features (the outputs
-        of a few vision blocks, each added to one of the first LLM layers' outputs at the image positions) are
-        scattered per row the same way and handed to the language model, whose forward takes them as arguments; the
-        full model's forward would instead rerun the tower on every row's copy of the pixels."""
+    def _vision_once(self, mm_inputs):
+        """The vision tower in ONE call over the micro-batch's distinct images, then its distinct videos (each item
+        is attended to on its own, so one call equals one per item). One call whatever the micro-batch holds keeps
+        every rank running the same sharded vision blocks the same number of times: a rank with images and videos
+        next to one with only one kind (or text only: _idle_vision) never mismatches the all-gathers. Returns (per
+        item [tokens, H], the output (for Qwen3-VL's deepstack features))."""
+        keys = [(p, g) for p, g in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+                if g in mm_inputs]
+        grid = torch.cat([mm_inputs[g] for _, g in keys])  # [items, 3]
+        pixels = torch.cat([mm_inputs[p] for p, _ in keys])  # [patches, C*t*p*p]
+        out = self.hf.model.get_image_features(pixels, grid)
+        pooled = getattr(out, "pooler_output", out)
+        if isinstance(pooled, torch.Tensor):
+            pooled = pooled.split((grid.prod(-1) // self.hf.model.visual.spatial_merge_size ** 2).tolist())
+        return list(pooled), out
+
+    def _row_order(self, owner, counts, vcounts):
+        """[(pad token id, the indices of _vision_once's items in the order the rows show them)] for images, videos."""
+        cfg, out, base = self.hf.config, [], 0
+        for tid, c in ((cfg.image_token_id, counts), (cfg.video_token_id, vcounts)):
+            if sum(c):
+                starts = [base + sum(c[:i]) for i in range(len(c))]
+                out.append((tid, [j for i in owner for j in range(starts[i], starts[i] + c[i])]))
+            base += sum(c)
+        return out
+
+    def _deepstack_hidden(self, input_ids, mm_inputs, owner, counts, vcounts, row_grids, types):
+        """Qwen3-VL: the vision tower once per distinct image and video, as for Qwen2.5-VL. Its deepstack features (the
+        outputs of a few vision blocks, each added to one of the first LLM layers' outputs at the vision positions)
+        are scattered per row the same way and handed to the language model, whose forward takes them as arguments;
+        the full model's forward would instead rerun the tower on every row's copy of the pixels."""
         m = self.hf.model
-        grid = mm_inputs["image_grid_thw"]  # [I, 3]
-        out = m.get_image_features(mm_inputs["pixel_values"], grid)
-        sizes = (grid.prod(-1) // m.visual.spatial_merge_size ** 2).tolist()  # tokens per distinct image
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        order = [j for i in owner for j in range(starts[i], starts[i] + counts[i])]  # the images as the rows show them
-
-        def per_row(x):  # distinct images' tokens ([N, H], or split per image) -> the rows' image tokens [N_rows, H]
-            x = x.split(sizes) if isinstance(x, torch.Tensor) else x  # transformers 5.17 returns deepstack unsplit
-            return torch.cat([x[j] for j in order])
-
+        feats, out = self._vision_once(mm_inputs)
+        sizes = [len(f) for f in feats]  # tokens per distinct item
         embeds = m.get_input_embeddings()(input_ids)  # [B, T, H]
-        mask = input_ids == self.hf.config.image_token_id  # [B, T]
-        embeds = embeds.masked_scatter(mask[..., None], per_row(out.pooler_output).to(embeds.dtype))
-        deep = [per_row(d).to(embeds.dtype) for d in out.deepstack_features]  # per deepstack layer [N_rows, H]
-        pos, _ = m.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=row_grid)  # [3, B, T]
+        visual = torch.zeros_like(input_ids, dtype=torch.bool)  # [B, T] every image or video token
+        deep_rows = [[] for _ in out.deepstack_features]
+        deep = [d.split(sizes) if isinstance(d, torch.Tensor) else d  # transformers 5.17 returns deepstack unsplit
+                for d in out.deepstack_features]
+        kinds = self._row_order(owner, counts, vcounts)
+        for tid, order in kinds:
+            mask = input_ids == tid
+            visual |= mask
+            embeds = embeds.masked_scatter(mask[..., None], torch.cat([feats[j] for j in order]).to(embeds.dtype))
+        for layer, d in enumerate(deep):  # deepstack rows in sequence order of all vision tokens, as the model's own
+            per_kind = [torch.cat([d[j] for j in order]).to(embeds.dtype) for _, order in kinds]  # [N_kind, H] each
+            if len(kinds) == 1:  # one kind (the usual case): already in order, and no host sync for the count
+                deep_rows[layer] = per_kind[0]
+                continue
+            joint = embeds.new_zeros(int(visual.sum()), embeds.shape[-1])  # [N_visual, H] images and videos interleaved
+            for (tid, _), x in zip(kinds, per_kind):
+                joint[(input_ids == tid)[visual]] = x
+            deep_rows[layer] = joint
+        pos, _ = m.get_rope_index(input_ids, mm_token_type_ids=types, **row_grids)  # [3, B, T]
         return m.language_model(inputs_embeds=embeds, position_ids=pos, attention_mask=None, use_cache=False,
-                                visual_pos_masks=mask, deepstack_visual_embeds=deep).last_hidden_state
+                                visual_pos_masks=visual, deepstack_visual_embeds=deep_rows).last_hidden_state
 
     def _idle_vision(self, like):
         """0 x (the vision tower's output for one blank image of the smallest grid): a zero that is in the graph."""
@@ -354,6 +390,7 @@ def collate(samples, pad_id, device, model=None):
     for key in keys:
         mm[key] = to_device(torch.cat([p["mm_inputs"][key] for p in prompts if key in p["mm_inputs"]]), device)
     counts = [len(p["mm_inputs"].get("image_grid_thw", ())) for p in prompts]  # images per distinct prompt
+    vcounts = [len(p["mm_inputs"].get("video_grid_thw", ())) for p in prompts]  # videos per distinct prompt
     position_ids, varlen = None, None
     if model is not None and model.rope is not None:
         pos = _positions(model.hf, samples, prompts, owner, model.rope)  # per sample [3, L] (M-RoPE) or [L]
@@ -370,8 +407,8 @@ def collate(samples, pad_id, device, model=None):
         varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
     resp_len = torch.tensor([len(s["response_ids"]) for s in samples])
     return dict(input_ids=to_device(input_ids, device), resp_idx=to_device(resp_idx, device),
-                targets=to_device(targets, device), mm_inputs=mm, owner=(owner, counts), position_ids=position_ids,
-                varlen=varlen), resp_len
+                targets=to_device(targets, device), mm_inputs=mm, owner=(owner, counts, vcounts),
+                position_ids=position_ids, varlen=varlen), resp_len
 
 
 def _positions(hf, samples, prompts, owner, rope):
@@ -399,6 +436,8 @@ def _rope_index(hf, ids, mm):
     if not grids:
         return torch.arange(ids.shape[1]).expand(3, -1)
     kw = dict(input_ids=ids, attention_mask=None, **grids)
+    if "second_per_grid_ts" in mm:  # Qwen2.5-VL's video time axis: positions count tokens_per_second x seconds
+        kw["second_per_grid_ts"] = mm["second_per_grid_ts"]
     if "mm_token_type_ids" in _params(type(hf.model).get_rope_index):
         kw.update(mm_token_types(hf, ids, mm))
     return hf.model.get_rope_index(**kw)[0][:, 0]

@@ -7,6 +7,9 @@
 #   p: the trainer alone on the 3B bench (no engine, no vLLM needed): phase seconds + the last step's kernel table
 #   q: Qwen3: [GPU0] the Qwen3-VL demo with vLLM, then tests/test_qwen3_gpu.py (engine checks, deepstack-only sync,
 #      both Qwen3 demos' log-prob agreement)
+#   v: videos (tiny Qwen2.5-VL and Qwen3-VL, one GPU): the video demo with vLLM (VIDEO_STEPS steps), then
+#      tests/test_video_gpu.py (vLLM's video expansion, log-probs against HF, the frame rate on the time axis,
+#      transformers' own video processor against video.py, the Qwen3-VL video demo's engine/trainer agreement)
 #   q8: 2 GPUs under torchrun: the Qwen3-VL-8B-shaped benchmark (8.77B parameters: fp32 weights, gradients and AdamW
 #      state are 140 GB, more than one H200 holds; FSDP over 2 GPUs halves it)
 #   t: the trainer alone on the 3B bench, 16 prompts x 8 x 1024 (no vLLM needed; ~7 min on nvidia-h200-x2): [GPU0]
@@ -98,6 +101,14 @@ q)  # Qwen3-VL and Qwen3 (tiny) on one GPU
     ${DEMO1_ARGS:-} > "$OUT/q3vl.log" 2>&1; cp /tmp/q3vl/metrics.jsonl "$OUT/q3vl_metrics.jsonl"; tail -c 300 "$OUT/q3vl.log"
   CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TESTS_TIMEOUT:-500} python -m pytest -m gpu -q -s tests/test_qwen3_gpu.py \
     > "$OUT/q3_gpu_tests.log" 2>&1; tail -3 "$OUT/q3_gpu_tests.log" ;;
+v)  # videos on one GPU; expected ~4.5 min: engine start-up ~50 s + 30 steps (~1.5 min), the tests ~3 min (three vLLM
+    # start-ups: one engine per process)
+  python -c "import tiny_model, video; [tiny_model.build_tiny_model(arch=a) for a in ('qwen2_5_vl', 'qwen3_vl')]; video.demo_video_data()"
+  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO1_TIMEOUT:-200} python grpo.py $DEMO --demo-task video --max-steps ${VIDEO_STEPS:-30} \
+    --output-dir /tmp/vdemo ${DEMO1_ARGS:-} > "$OUT/video_demo.log" 2>&1; cp /tmp/vdemo/metrics.jsonl "$OUT/video_demo_metrics.jsonl"
+  tail -c 300 "$OUT/video_demo.log"
+  CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-330} python -m pytest -m gpu -q -s tests/test_video_gpu.py \
+    > "$OUT/video_gpu_tests.log" 2>&1; tail -3 "$OUT/video_gpu_tests.log" ;;
 q8)  # the Qwen3-VL-8B-shaped benchmark on 2 GPUs (one engine per GPU)
   timeout ${BENCH_TIMEOUT:-530} torchrun --standalone --nproc_per_node 2 bench.py --preset qwen3_vl_8b \
     --max-steps ${BENCH_STEPS:-3} --gpu-memory-utilization 0.3 --output-dir /tmp/bench8b ${BENCH_ARGS:-} > "$OUT/bench8b.log" 2>&1

@@ -34,12 +34,20 @@ class Config:
     # the tiny model built when model_path is "" (and its task when train_files is ""): qwen2_5_vl and qwen3_vl
     # answer the colour task, the text-only qwen3 the largest-digit task (with TEXT_DEMO's settings)
     demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3"] = "qwen2_5_vl"
+    demo_task: Literal["color", "video"] = "color"  # the VL demos' task: a picture's colour, or a clip's last colour
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)
     prompt_key: str = "problem"  # column with the question text (<image> marks where each image goes)
     answer_key: str = "answer"  # column with the ground truth the reward function compares against
     image_key: str = "images"  # column with the list of images (bytes, paths or PIL images)
-    image_dir: str | None = None  # folder that relative image paths in the data start from
+    image_dir: str | None = None  # folder that relative image (and video) paths in the data start from
+    video_key: str = "videos"  # column with the list of videos (each a video file path or a list of frames)
+    video_fps: float = 2.0  # frames per second taken from a video file; a list of frames is taken to be this far apart
+    max_frames: int = 768  # frames per video at most (evenly spread over it when it has more)
+    # pixels per video frame at least / at most (Qwen3-VL: per clip, frames x pixels, as its video processor counts);
+    # None = min_pixels / max_pixels (as EasyR1). With vLLM they must lie within min_pixels..max_pixels
+    video_min_pixels: int | None = None
+    video_max_pixels: int | None = None
     format_prompt: str | None = None  # jinja template (string or .jinja file) around {{ content }}
     reward_function: str = "math"  # math | r1v | color | dapo | path/to/file.py:fn (an EasyR1 reward file)
     reward_function_kwargs: str = ""  # JSON object of keyword arguments for the reward function, as EasyR1's
@@ -63,6 +71,7 @@ class Config:
     enforce_eager: bool = False  # vLLM without CUDA graphs (slower, starts faster)
     sleep_level: int = 1  # 1: engine weights wait in CPU memory while training; 2: dropped, re-sent before generating
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
+    limit_videos: int = 0  # videos per prompt the engine accepts; 0 = the most any training or validation row has
     # --- batch arithmetic (EasyR1's names: batch sizes count prompts, micro-batches count samples) ---
     rollout_batch_size: int = 512  # prompts per step, over all ranks
     global_batch_size: int = 128  # prompts per optimizer step; rollout_batch_size / global_batch_size updates per step
@@ -142,6 +151,10 @@ DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=
 # groups of 64, which keep every digit sampled (with 16 the tiny policy settles on a few digits before it has
 # learned to read the question, and a digit it never samples again is never learned).
 TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=64)
+# The video demo (--demo-task video): answers of one token and groups of 32. With 4 tokens and groups of 16 the policy
+# stopped saying "green" before it could tell the clip's halves apart, and never learned it (greedy validation stuck
+# at 0.74: every clip ending green was answered "blue").
+VIDEO_DEMO = dict(max_response_length=1, n=32)
 
 
 # ================================================================================================ algorithm
@@ -297,6 +310,7 @@ def setup(cfg: Config):
     import data
     import rewards
     import rollout
+    import video
     easyr1_config.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     text_demo = not cfg.model_path and not cfg.train_files and cfg.demo_model == "qwen3"  # the largest-digit task
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
@@ -348,8 +362,9 @@ def setup(cfg: Config):
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
                                            device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
                                            seed=cfg.seed)
+    videos = cfg.limit_videos or max(video.most_videos(d) for d in (ctx.train, ctx.val) if d is not None)
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
-                                       dtype=ctx.compute_dtype, cfg=cfg)
+                                       dtype=ctx.compute_dtype, cfg=cfg, limit_videos=videos)
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
     if ckpt:
         state = rundir.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
@@ -617,11 +632,11 @@ def train(cfg: Config, collect=collect_rollouts):
     return ctx
 
 
-def main(config_cls=Config, collect=collect_rollouts, demo=DEMO, text_demo=TEXT_DEMO):
+def main(config_cls=Config, collect=collect_rollouts, demo=DEMO, text_demo=TEXT_DEMO, video_demo=VIDEO_DEMO):
     """The command line: defaults (EasyR1's, or the demo's), an EasyR1 --config, the flags; then train. A UserError
     (a bad option, file, row or reward) ends the run with one `error:` line and exit code 2."""
     with data.one_line_errors():
-        train(easyr1_config.cli(config_cls, demo, text_demo=text_demo), collect)
+        train(easyr1_config.cli(config_cls, demo, text_demo=text_demo, video_demo=video_demo), collect)
     dist.destroy_process_group()
 
 

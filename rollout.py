@@ -218,6 +218,16 @@ def _init_world_for_external_dp():
     dist.init_process_group("cuda:nccl,cpu:gloo")  # gloo too: object collectives and vLLM's CPU groups
 
 
+def _hashable(d):
+    """vLLM keeps its HF processors in an lru_cache keyed by the processor keywords: a plain dict inside a keyword's
+    list would not hash (vLLM wraps only the outer list and dicts)."""
+    try:
+        from vllm.transformers_utils.processor import HashableDict
+    except ImportError:  # another vLLM layout: the keywords then go as they are
+        return d
+    return HashableDict(d)
+
+
 def _engine_arg_names():
     from vllm.engine.arg_utils import EngineArgs
     return {f.name for f in dataclasses.fields(EngineArgs)}
@@ -254,8 +264,14 @@ class VLLMRollout:
                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                   max_num_batched_tokens=max_num_batched_tokens, enable_sleep_mode=enable_sleep_mode, seed=seed,
                   enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", disable_log_stats=True)
-        if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):  # text-only models reject these
+        hf_config = AutoConfig.from_pretrained(model_path)
+        self.model_type = hf_config.model_type
+        if hasattr(hf_config, "vision_config"):  # text-only models reject these
             kw["limit_mm_per_prompt"] = limit_mm_per_prompt or {"image": 1, "video": 0}
+            if kw["limit_mm_per_prompt"].get("video"):
+                # vLLM caches processed items one by one and processes only the missing ones, while a Qwen2(.5)-VL
+                # prompt's video_metadata keyword covers all its videos: no cache, so the two always match
+                kw["mm_processor_cache_gb"] = 0
         else:
             engine_kwargs.pop("mm_processor_kwargs", None)
         if world > 1 or dist.is_initialized():  # SPMD whenever a trainer set up torch.distributed, even 1 rank
@@ -287,12 +303,27 @@ class VLLMRollout:
         return SamplingParams(n=rows, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                               max_tokens=max_tokens, seed=seed, logprobs=0, logit_bias=bias, detokenize=False, **stop)
 
-    @staticmethod
-    def _vllm_prompt(p):
-        # one <|image_pad|> per image: vLLM's own multimodal processor expands it
+    def _vllm_prompt(self, p):
+        """One <|image_pad|> per image and <|video_pad|> per video: vLLM's own multimodal processor expands them.
+        Videos go as the trainer's frames ([T, H, W, 3] uint8, already sampled and resized: vLLM's HF processor
+        leaves them as they are) with their frame rate, which sets the time axis: Qwen3-VL's parser takes (frames,
+        metadata) pairs and writes the "<t seconds>" text from them; Qwen2(.5)-VL's drops pair metadata, so its HF
+        processor gets video_metadata as a call keyword (without it transformers assumes 24 frames per second and
+        second_per_grid_ts, hence the M-RoPE time positions, would differ from the trainer's)."""
         out = {"prompt_token_ids": list(p["raw_prompt_ids"])}
+        mm = {}
         if p.get("images"):
-            out["multi_modal_data"] = {"image": list(p["images"])}
+            mm["image"] = list(p["images"])
+        if p.get("videos"):
+            meta = [{"total_num_frames": len(v), "fps": f} for v, f in zip(p["videos"], p["video_fps"])]
+            if self.model_type == "qwen3_vl":
+                mm["video"] = [(v, {**m, "frames_indices": list(range(len(v))), "duration": len(v) / m["fps"],
+                                    "do_sample_frames": False}) for v, m in zip(p["videos"], meta)]
+            else:
+                mm["video"] = list(p["videos"])
+                out["mm_processor_kwargs"] = {"video_metadata": [_hashable(m) for m in meta]}
+        if mm:
+            out["multi_modal_data"] = mm
         return out
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None):
@@ -424,8 +455,9 @@ def _vllm_usable():
         return False
 
 
-def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, cfg=None, **overrides):
-    """engine: "auto" | "vllm" | "hf". vLLM settings come from cfg (grpo.Config) where it has them, then overrides."""
+def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, cfg=None, limit_videos=None, **overrides):
+    """engine: "auto" | "vllm" | "hf". vLLM settings come from cfg (grpo.Config) where it has them, then overrides;
+    limit_videos: the engine's videos per prompt when cfg leaves it at 0 (setup: the most any row has)."""
     if engine == "auto":
         engine = "vllm" if _vllm_usable() else "hf"
     if engine == "hf":
@@ -433,18 +465,28 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, cfg=None
     if engine != "vllm":
         raise ValueError(f"unknown rollout engine {engine!r}: choose auto, vllm or hf")
     get = lambda k, d: getattr(cfg, k, d) if cfg is not None else d  # noqa: E731
+    limit_videos = get("limit_videos", 0) or limit_videos or 0
+    lo, hi = get("min_pixels", None), get("max_pixels", None)
+    vlo, vhi = get("video_min_pixels", None) or lo, get("video_max_pixels", None) or hi
+    if limit_videos and lo and hi and not lo <= vlo <= vhi <= hi:
+        from data import UserError
+        raise UserError(f"--video-min-pixels {vlo} / --video-max-pixels {vhi}: with vLLM they must lie within "
+                        f"--min-pixels {lo} and --max-pixels {hi} (vLLM's video processor gets the image bounds and "
+                        "would resize frames outside them)")
     max_len = None
     if get("max_prompt_length", None) and get("max_response_length", None):
         max_len = get("max_prompt_length", 0) + get("max_response_length", 0)
     kw = dict(tensor_parallel_size=get("tensor_parallel_size", 1),
               gpu_memory_utilization=get("gpu_memory_utilization", 0.6), max_model_len=max_len,
               max_num_batched_tokens=get("max_num_batched_tokens", None),
-              limit_mm_per_prompt={"image": get("limit_images", 1), "video": 0},
+              limit_mm_per_prompt={"image": get("limit_images", 1), "video": limit_videos},
               enable_sleep_mode=get("enable_sleep_mode", True),
               seed=get("seed", 0), dtype=dtype, enforce_eager=get("enforce_eager", False),
               sleep_level=get("sleep_level", 1))
     if get("min_pixels", None) and get("max_pixels", None):
-        # vLLM runs the HF image processor itself: give it the trainer's pixel bounds so both make the same grid
+        # vLLM runs the HF image processor itself: give it the trainer's pixel bounds so both make the same grid.
+        # (They reach its video processor too; the trainer's frames already have a size within the video bounds
+        # that the processor keeps, as long as those lie within these: easyr1_config / setup check it.)
         kw["mm_processor_kwargs"] = {"min_pixels": get("min_pixels", 0), "max_pixels": get("max_pixels", 0)}
     kw.update(overrides)
     return VLLMRollout(model_path, **kw)
