@@ -261,7 +261,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     r, alpha, target_modules, exclude_modules, modules_to_save (see add_lora). padding_free / vision_varlen:
     "auto" (on where a fast variable-length kernel runs: CUDA, bf16/fp16), "on" (also on CPU, through the plain
     reference path: for tests) or "off" (transformers' own attention). torch_compile: fused elementwise kernels
-    (varlen.compile_elementwise), "auto" = on for CUDA in bf16/fp16. offload: FSDP2's CPUOffloadPolicy, which
+    (varlen.compile_elementwise), "auto" = on for CUDA in bf16/fp16 and a hidden size of at least 1024. offload: FSDP2's CPUOffloadPolicy, which
     keeps the sharded weights, their gradients and hence the optimizer state and step on the host (FSDP2 offers
     the three only together); each unit's shard is copied in just before its all-gather."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -289,7 +289,10 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
             hf.to(dtype)
     model = LogProbModel(hf)
     model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
-    if torch_compile == "on" or (torch_compile == "auto" and device.type == "cuda"
+    # auto: on a GPU in bf16/fp16, for a model wide enough that fused kernels pay for the compilation (~100 s at
+    # 3B); a tiny model's steps are launch-bound and would only wait for the compiler
+    wide = getattr(getattr(hf.config, "text_config", hf.config), "hidden_size", 0) >= 1024
+    if torch_compile == "on" or (torch_compile == "auto" and device.type == "cuda" and wide
                                  and param_dtype in (torch.bfloat16, torch.float16)):
         model.chunk_logprobs, _ = varlen.compile_elementwise(hf, _chunk_logprobs)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))

@@ -118,7 +118,7 @@ class Config:
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     padding_free: Literal["auto", "on", "off"] = "auto"  # one packed row per micro-batch (varlen attention); auto: where a fast kernel runs
     vision_varlen: Literal["auto", "on", "off"] = "auto"  # the vision tower's windows in one attention call per layer
-    torch_compile: Literal["auto", "on", "off"] = "auto"  # fused norms/MLP/rotary/log-prob kernels; auto: CUDA bf16
+    torch_compile: Literal["auto", "on", "off"] = "auto"  # fused norm/MLP/rotary/log-prob kernels; auto: CUDA, bf16, hidden >= 1024
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)
     peak_tflops: float = 989.0  # per GPU, for perf/mfu_*: H100/H200 dense bf16 (the figure veRL and EasyR1 use)
     # --- trainer ---

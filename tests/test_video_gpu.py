@@ -1,20 +1,17 @@
 """vLLM with video prompts, tiny Qwen2.5-VL and Qwen3-VL (GPU only; skipped elsewhere).
 
     pytest -m gpu tests/test_video_gpu.py -s       # each engine check runs in its own process (one vLLM per process)
-    python tests/test_video_gpu.py qwen2_5_vl      # the same checks by hand: qwen2_5_vl | qwen3_vl
+    PYTHONPATH=. python tests/test_video_gpu.py qwen2_5_vl      # the same checks by hand: qwen2_5_vl | qwen3_vl
 """
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import rollout  # noqa: E402
-from test_grpo_gpu import run  # noqa: E402
-from test_vllm_gpu import ref_logprobs, sharpen  # noqa: E402
+import rollout
+from test_grpo_gpu import run
+from test_vllm_gpu import ref_logprobs, sharpen
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,25 +112,24 @@ def check(arch):
     print(f"VIDEO_GPU_OK {arch} vllm={eng.version}", flush=True)
 
 
-def _in_own_process(arch):
+def _in_own_process(launch, tmp_path, arch):
     pytest.importorskip("vllm")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), arch], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
-    print(p.stdout[-2000:])
-    assert p.returncode == 0 and f"VIDEO_GPU_OK {arch}" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    # run as a script, its folder (tests/) comes first on sys.path; the repo's modules come from PYTHONPATH
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    p = launch.run([sys.executable, os.path.abspath(__file__), arch], tmp_path / f"{arch}.log", 600, PYTHONPATH=path)
+    print(p.out[-2000:])
+    assert f"VIDEO_GPU_OK {arch}" in p.out, p.out[-3000:]
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
-def test_vllm_video_prompts(arch):
-    _in_own_process(arch)
+def test_vllm_video_prompts(arch, launch, tmp_path):
+    _in_own_process(launch, tmp_path, arch)
 
 
-def test_qwen3_vl_video_demo_engine_agrees_with_trainer(tmp_path):
+def test_qwen3_vl_video_demo_engine_agrees_with_trainer(tmp_path, launch):
     """The trainer's log-probs of the engine's samples, step by step (the Qwen2.5-VL video demo is gpu_check.sh v's
     own run, whose metrics hold the same numbers)."""
-    rows = run(tmp_path, "--demo-model", "qwen3_vl", "--demo-task", "video")
+    rows = run(launch, tmp_path, "--demo-model", "qwen3_vl", "--demo-task", "video")
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     assert len(diffs) == 4 and max(diffs) < 0.01, diffs
 
