@@ -13,15 +13,12 @@ import glob
 import io
 import math
 import os
-import random
 import re
 import sys
-import tempfile
 import time
-import zlib
 
 import torch
-from PIL import Image, ImageDraw, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "<image>", "<video>"
 # Text-only keys of the processor output: per-token tensors that are rebuilt by whoever builds
@@ -31,13 +28,6 @@ DATA_EXTS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
 # EasyR1 defaults (data.min_pixels / data.max_pixels).
 MIN_PIXELS, MAX_PIXELS = 262144, 4194304
 
-COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220),
-          "white": (235, 235, 235)}  # four colours far apart in RGB: a close pair (red/yellow) gets confused
-SHAPES = ("circle", "square", "triangle")
-COLOR_QUESTION = "<image>What is the main color of the picture?"
-DEMO_FORMAT_PROMPT = "{{ content }} Answer with one word."
-MAX_QUESTION = "What is the largest of {digits}?"
-NUMBER_FORMAT_PROMPT = "{{ content }} Answer with a number."
 
 
 class UserError(ValueError):
@@ -514,15 +504,18 @@ def load_datasets(cfg, model_path, text_demo=False, say=print):
     Every row is checked here, before the model loads; the same on every rank, so all raise together."""
     import torch.distributed as dist
 
+    import tiny_model
     import video
     train_files, val_files, fmt = cfg.train_files, cfg.val_files, cfg.format_prompt
     if not train_files:
-        make = demo_max_data if text_demo else video.demo_video_data if cfg.demo_task == "video" else demo_data
+        make = (tiny_model.demo_max_data if text_demo else video.demo_video_data if cfg.demo_task == "video" else
+                tiny_model.demo_data)
         if dist.get_rank() == 0:
             make()
         dist.barrier()
         train_files, val_files = make()
-        fmt = fmt if fmt is not None else NUMBER_FORMAT_PROMPT if text_demo else DEMO_FORMAT_PROMPT
+        fmt = fmt if fmt is not None else (tiny_model.NUMBER_FORMAT_PROMPT if text_demo else
+                                           tiny_model.DEMO_FORMAT_PROMPT)
     processor = load_processor(model_path, cfg.min_pixels, cfg.max_pixels)
     kw = dict(processor_or_tokenizer=processor, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
               image_key=cfg.image_key, image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels,
@@ -533,132 +526,6 @@ def load_datasets(cfg, model_path, text_demo=False, say=print):
     for note in train.notes + (val.notes if val else []):
         say(note)
     return processor, train, val
-
-
-# ----------------------------------------------------------------------------- synthetic task
-def draw_color_image(rng: random.Random):
-    """A picture filled with one saturated colour (jittered) and 1-3 small grey shapes as distractors.
-    Returns (image, colour name, shape name). The colour covers most of the picture: a tiny random vision tower
-    then sees it clearly, so RL from scratch learns the task in minutes on a CPU."""
-    w, h = rng.randint(56, 112), rng.randint(56, 112)
-    color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
-    fill = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLORS[color])
-    img = Image.new("RGB", (w, h), fill)
-    draw = ImageDraw.Draw(img)
-    for _ in range(rng.randint(1, 3)):
-        s = rng.randint(int(0.15 * min(w, h)), int(0.3 * min(w, h)))
-        x, y = rng.randint(0, w - s), rng.randint(0, h - s)
-        grey = (rng.randint(90, 170),) * 3
-        if shape == "circle":
-            draw.ellipse([x, y, x + s - 1, y + s - 1], fill=grey)
-        elif shape == "square":
-            draw.rectangle([x, y, x + s - 1, y + s - 1], fill=grey)
-        else:
-            draw.polygon([(x + s // 2, y), (x, y + s - 1), (x + s - 1, y + s - 1)], fill=grey)
-    return img, color, shape
-
-
-def make_color_dataset(out_path: str, n_rows: int, seed: int) -> str:
-    """EasyR1-format parquet (problem, answer, images=[{"bytes": png}]); written atomically."""
-    import datasets
-    rng = random.Random(seed)
-    rows = {"problem": [], "answer": [], "images": []}
-    for _ in range(n_rows):
-        img, color, _ = draw_color_image(rng)
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
-        rows["problem"].append(COLOR_QUESTION)
-        rows["answer"].append(color)
-        rows["images"].append([{"bytes": buf.getvalue(), "path": None}])
-    features = datasets.Features({"problem": datasets.Value("string"),
-                                  "answer": datasets.Value("string"),
-                                  "images": datasets.List(datasets.Image())})
-    out_path = os.path.abspath(os.path.expanduser(out_path))
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
-    os.close(fd)
-    try:
-        datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp)
-        os.replace(tmp, out_path)  # readers never see a half-written file
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out_path
-
-
-def demo_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the colour task; created once. Different seeds -> unseen val."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/color-v3")
-    train = os.path.join(data_dir, f"train-{n_train}.parquet")
-    val = os.path.join(data_dir, f"val-{n_val}.parquet")
-    if not os.path.isfile(train):
-        make_color_dataset(train, n_train, seed=0)
-    if not os.path.isfile(val):
-        make_color_dataset(val, n_val, seed=1)
-    return train, val
-
-
-
-def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:
-    """One question of the text demo's task and its answer: the largest of k different digits, k drawn from lengths.
-    The answer is drawn first, uniformly over the largest digits k different digits allow (k - 1 to 9), so no
-    constant answer pays much (at most 1/6 for k = 5: "9"); the other digits are smaller and the order is shuffled,
-    so no position holds the answer more often than the others."""
-    k = rng.choice(lengths)
-    top = rng.randint(k - 1, 9)
-    digits = rng.sample(range(top), k - 1) + [top]
-    rng.shuffle(digits)
-    return MAX_QUESTION.format(digits=", ".join(map(str, digits))), str(top)
-
-
-def is_val_question(question: str) -> bool:
-    """Which side of the split a question is on: a tenth of all questions (by a hash of the text) belong to
-    validation and are never drawn for training. A hash rather than "whatever validation happened to draw": both
-    sides keep the task's answer distribution (excluding validation's draws would thin out the small answers,
-    whose few lists validation's 200 rows nearly exhaust)."""
-    return zlib.crc32(question.encode()) % 10 == 0
-
-
-def make_max_dataset(out_path: str, n_rows: int, seed: int, split="train", lengths=(3, 4, 5)) -> str:
-    """Text-only rows (problem, answer; no images column) of the text demo's task, drawn from `split`'s side of the
-    question space only (is_val_question). Written atomically."""
-    import datasets
-    rng = random.Random(seed)
-    rows = {"problem": [], "answer": []}
-    while len(rows["problem"]) < n_rows:
-        question, answer = max_question(rng, lengths)
-        if is_val_question(question) == (split == "val"):
-            rows["problem"].append(question)
-            rows["answer"].append(answer)
-    out_path = os.path.abspath(os.path.expanduser(out_path))
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
-    os.close(fd)
-    try:
-        datasets.Dataset.from_dict(rows).to_parquet(tmp)
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out_path
-
-
-def demo_max_data(data_dir=None, n_train=4000, n_val=200):
-    """(train_path, val_path) of the text demo's task, "What is the largest of 3, 8, 1, 5?" (3 to 5 different
-    digits: 36,000 ordered lists); created once. Validation and training come from disjoint tenths and nine tenths
-    of the question space (is_val_question), and every call checks it: validation measures the learned maximum on
-    lists the policy never trained on."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/max-v1")
-    train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
-    if not os.path.isfile(val):
-        make_max_dataset(val, n_val, seed=1, split="val")
-    if not os.path.isfile(train):
-        make_max_dataset(train, n_train, seed=0, split="train")
-    seen = set(load_rows(val)["problem"]) & set(load_rows(train)["problem"])  # the cached files too, every time
-    if seen:
-        raise UserError(f"{len(seen)} validation questions occur in {train} (e.g. {min(seen)!r}): validation would "
-                        f"not be unseen; delete {data_dir} to have it made again")
-    return train, val
 
 
 # ----------------------------------------------------------------------------- python data.py check
@@ -699,8 +566,8 @@ def check_main(argv) -> int:
     sources, fmt = [("--train-files", cfg.train_files), ("--val-files", cfg.val_files)], cfg.format_prompt
     if not cfg.train_files:
         sources = list(zip(("--train-files", "--val-files"), video.demo_video_data() if cfg.demo_task == "video" else
-                           demo_data()))
-        fmt = DEMO_FORMAT_PROMPT if fmt is None else fmt
+                           tiny_model.demo_data()))
+        fmt = tiny_model.DEMO_FORMAT_PROMPT if fmt is None else fmt
     proc = load_processor(model_path, cfg.min_pixels, cfg.max_pixels)
     kw = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, image_key=cfg.image_key,
               image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,

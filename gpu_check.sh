@@ -31,7 +31,7 @@ export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_N
   VLLM_ENABLE_V1_MULTIPROCESSING=0
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 DEMO="--rollout-engine vllm --enforce-eager --gpu-memory-utilization ${GPU_MEM:-0.25}"
-python -c "import tiny_model, data; tiny_model.build_tiny_model(); tiny_model.build_tiny_model(arch='qwen3_vl'); data.demo_data()" 2>&1 | tail -1
+python -c "import tiny_model, data; tiny_model.build_tiny_model(); tiny_model.build_tiny_model(arch='qwen3_vl'); tiny_model.demo_data()" 2>&1 | tail -1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-a}" in
 a)  # first lease: engine tests, a short 1-GPU demo, the stale-sync check, the 3B benchmark (in parallel on GPU1)
@@ -96,7 +96,7 @@ s3)  # call 3: [GPU0] the Qwen3-VL demo with vLLM  ||  [GPU1] the Qwen3-VL-8B-sh
     ${DEMO_ARGS:-} > "$OUT/q3vl_demo.log" 2>&1; cp /tmp/q3vl/metrics.jsonl "$OUT/q3vl_demo.jsonl"
   tail -c 400 "$OUT/q3vl_demo.log"; wait; tail -c 600 "$OUT/bench8b.log" ;;
 q)  # Qwen3-VL and Qwen3 (tiny) on one GPU
-  python -c "import tiny_model, data; [tiny_model.build_tiny_model(arch=a) for a in ('qwen3_vl', 'qwen3')]; data.demo_max_data()"
+  python -c "import tiny_model, data; [tiny_model.build_tiny_model(arch=a) for a in ('qwen3_vl', 'qwen3')]; tiny_model.demo_max_data()"
   CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${DEMO1_TIMEOUT:-300} python grpo.py $DEMO --demo-model qwen3_vl --output-dir /tmp/q3vl \
     ${DEMO1_ARGS:-} > "$OUT/q3vl.log" 2>&1; cp /tmp/q3vl/metrics.jsonl "$OUT/q3vl_metrics.jsonl"; tail -c 300 "$OUT/q3vl.log"
   CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TESTS_TIMEOUT:-500} python -m pytest -m gpu -q -s tests/test_qwen3_gpu.py \

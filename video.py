@@ -15,7 +15,8 @@ import tempfile
 import torch
 from PIL import Image, ImageDraw
 
-from data import COLORS, UserError, first_line, to_pil
+from data import UserError, first_line, to_pil
+from tiny_model import COLORS
 
 
 # ----------------------------------------------------------------------------- videos

@@ -14,8 +14,8 @@ def setup(tmp_path_factory):
     A.init_distributed()  # a 1-rank gloo group, as `python grpo.py` gets
     path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"))
     proc = data.load_processor(path)
-    train, _ = data.demo_data(str(tmp_path_factory.mktemp("data")), n_train=8, n_val=2)
-    ds = data.PromptDataset(train, proc, format_prompt=data.DEMO_FORMAT_PROMPT, min_pixels=56 * 56,
+    train, _ = tiny_model.demo_data(str(tmp_path_factory.mktemp("data")), n_train=8, n_val=2)
+    ds = data.PromptDataset(train, proc, format_prompt=tiny_model.DEMO_FORMAT_PROMPT, min_pixels=56 * 56,
                             max_pixels=112 * 112)
     g = torch.Generator().manual_seed(0)
     two = data.encode_prompt({"problem": "<image> and <image>: same colour?", "answer": "no",
@@ -181,8 +181,8 @@ def test_qwen2_vl_logprobs_match_plain_hf_forward(tmp_path):
     A.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path / "q2vl"), arch="qwen2_vl")
     proc = data.load_processor(path)
-    train, _ = data.demo_data(str(tmp_path / "data"), n_train=4, n_val=2)
-    ds = data.PromptDataset(train, proc, format_prompt=data.DEMO_FORMAT_PROMPT, min_pixels=56 * 56,
+    train, _ = tiny_model.demo_data(str(tmp_path / "data"), n_train=4, n_val=2)
+    ds = data.PromptDataset(train, proc, format_prompt=tiny_model.DEMO_FORMAT_PROMPT, min_pixels=56 * 56,
                             max_pixels=112 * 112)
     p0, p1 = ds[0], ds[1]
     samples = [dict(prompt=p0, response_ids=[5, 6, 7]), dict(prompt=p0, response_ids=[8]),

@@ -15,6 +15,7 @@ import warnings
 import pytest
 
 import data
+import tiny_model
 import dapo
 import grpo
 
@@ -93,7 +94,7 @@ def test_every_option_has_its_own_help():
 
 def _png(seed):
     buf = io.BytesIO()
-    data.draw_color_image(random.Random(seed))[0].save(buf, format="PNG")
+    tiny_model.draw_color_image(random.Random(seed))[0].save(buf, format="PNG")
     return {"bytes": buf.getvalue(), "path": None}
 
 

@@ -23,8 +23,8 @@ def setup(tmp_path_factory):
     A.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"))
     proc = data.load_processor(path)
-    train, _ = data.demo_data(str(tmp_path_factory.mktemp("data")), n_train=4, n_val=2)
-    ds = data.PromptDataset(train, proc, format_prompt=data.DEMO_FORMAT_PROMPT, min_pixels=56 * 56,
+    train, _ = tiny_model.demo_data(str(tmp_path_factory.mktemp("data")), n_train=4, n_val=2)
+    ds = data.PromptDataset(train, proc, format_prompt=tiny_model.DEMO_FORMAT_PROMPT, min_pixels=56 * 56,
                             max_pixels=112 * 112)
     samples = [dict(prompt=ds[0], response_ids=[5, 6, 7]), dict(prompt=ds[0], response_ids=[8]),
                dict(prompt=ds[1], response_ids=[9, 9, 9, 9])]

@@ -23,7 +23,7 @@ def qwen3_vl(tmp_path_factory):
     path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp("q3vl") / "m"), arch="qwen3_vl")
     proc = data.load_processor(path)
     rng = random.Random(0)
-    imgs = [data.draw_color_image(rng)[0] for _ in range(4)]
+    imgs = [tiny_model.draw_color_image(rng)[0] for _ in range(4)]
     one = [data.encode_prompt({"problem": "<image>What is the main color?", "answer": "red", "images": [im]}, proc,
                               **PX) for im in imgs[:3]]
     two = data.encode_prompt({"problem": "<image> and <image>: same colour?", "answer": "no", "images": imgs[2:]},
@@ -129,9 +129,9 @@ def test_qwen3_text_model_end_to_end_pieces(tmp_path):
     path = tiny_model.build_tiny_model(str(tmp_path / "q3"), arch="qwen3")
     tok = data.load_processor(path)
     assert not hasattr(tok, "image_processor")  # a tokenizer: no vision inputs anywhere
-    train, _ = data.demo_max_data(str(tmp_path / "max"), n_train=6, n_val=2)
+    train, _ = tiny_model.demo_max_data(str(tmp_path / "max"), n_train=6, n_val=2)
     assert data.load_rows(train).column_names == ["problem", "answer"]  # no images column
-    ds = data.PromptDataset(train, tok, format_prompt=data.NUMBER_FORMAT_PROMPT)
+    ds = data.PromptDataset(train, tok, format_prompt=tiny_model.NUMBER_FORMAT_PROMPT)
     eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
     prompts = [ds[0], ds[1], ds[2]]
     out = eng.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=5, seeds=[0, 1, 2])
@@ -199,7 +199,7 @@ def test_max_task_rows(tmp_path):
     the questions are too many to learn as a table, and no validation question occurs in training."""
     import collections
     import re
-    train, val = data.demo_max_data(str(tmp_path), n_train=3000, n_val=300)
+    train, val = tiny_model.demo_max_data(str(tmp_path), n_train=3000, n_val=300)
     rows = {p: list(data.load_rows(p)) for p in (train, val)}
     where, lengths = collections.Counter(), collections.Counter()
     for path, rs in rows.items():
@@ -218,8 +218,8 @@ def test_max_task_rows(tmp_path):
     train_q, val_q = {r["problem"] for r in rows[train]}, {r["problem"] for r in rows[val]}
     assert len(train_q) > 0.6 * len(rows[train])  # mostly distinct questions: no table to learn
     assert not train_q & val_q  # validation is unseen
-    assert all(data.is_val_question(q) for q in val_q) and not any(data.is_val_question(q) for q in train_q)
+    assert all(tiny_model.is_val_question(q) for q in val_q) and not any(tiny_model.is_val_question(q) for q in train_q)
     # checked whenever the files are used, cached ones too: a training file holding validation questions is refused
-    data.make_max_dataset(train, 50, seed=1, split="val")  # validation's own questions
+    tiny_model.make_max_dataset(train, 50, seed=1, split="val")  # validation's own questions
     with pytest.raises(data.UserError, match="validation questions occur in"):
-        data.demo_max_data(str(tmp_path), n_train=3000, n_val=300)
+        tiny_model.demo_max_data(str(tmp_path), n_train=3000, n_val=300)

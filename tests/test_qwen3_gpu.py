@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rollout
+import tiny_model
 from test_grpo_gpu import run
 from test_vllm_gpu import greedy, perturb, ref_logprobs, sharpen
 
@@ -24,7 +25,7 @@ def vl_prompts(path):
     from PIL import Image, ImageDraw
     proc = data.load_processor(path)
     ims = []
-    for i, rgb in enumerate(data.COLORS.values()):
+    for i, rgb in enumerate(tiny_model.COLORS.values()):
         im = Image.new("RGB", (84 + 28 * i, 56 + 14 * i), (255, 255, 255))
         ImageDraw.Draw(im).rectangle([10, 10, 50, 40], fill=rgb)
         ims.append(im)
@@ -37,8 +38,8 @@ def text_prompts(path):
     import data
     tok = data.load_processor(path)
     lists = ((3, 4, 1), (9, 8, 0, 2), (0, 5, 7, 1, 3), (6, 2, 4))  # the text demo's task: the largest digit
-    return [data.encode_prompt({"problem": data.MAX_QUESTION.format(digits=", ".join(map(str, d))),
-                                "answer": str(max(d))}, tok, format_prompt=data.NUMBER_FORMAT_PROMPT) for d in lists]
+    return [data.encode_prompt({"problem": tiny_model.MAX_QUESTION.format(digits=", ".join(map(str, d))),
+                                "answer": str(max(d))}, tok, format_prompt=tiny_model.NUMBER_FORMAT_PROMPT) for d in lists]
 
 
 def mean_logprob_diff(eng, ref, recs, temperature=0.7):

@@ -2,7 +2,6 @@
 processor outputs the model needs (frames, second_per_grid_ts, Qwen3-VL's timestamps), the HF engine, the trainer's
 log-probs against a plain HF forward (padded and padding-free), for the tiny Qwen2.5-VL, Qwen3-VL and Qwen2-VL."""
 import io
-import os
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ COLOURS = ["red", "green", "blue", "white"]
 
 def clip(first, last, n=4, size=(64, 60)):
     """n frames: the first half one colour, the rest another."""
-    return [Image.new("RGB", size, data.COLORS[first if i < n // 2 else last]) for i in range(n)]
+    return [Image.new("RGB", size, tiny_model.COLORS[first if i < n // 2 else last]) for i in range(n)]
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen2_vl"])
@@ -29,7 +28,7 @@ def arch(request, tmp_path_factory):
 
 
 def video_rows():
-    img = Image.new("RGB", (70, 70), data.COLORS["green"])
+    img = Image.new("RGB", (70, 70), tiny_model.COLORS["green"])
     return [
         {"problem": "<video>Which colour does the video end with?", "answer": "blue", "videos": [clip("red", "blue")]},
         {"problem": "<image> then <video> and <video>: which?", "answer": "red", "images": [img],
@@ -100,7 +99,7 @@ def test_frames_and_time_reach_the_model(arch):
     per_t = px.shape[0] // 2
     for t, colour in ((0, "red"), (1, "blue")):
         rgb = px[t * per_t].view(3, -1)[:, 0] * std + mean  # channel values of one pixel, back in [0, 1]
-        assert torch.allclose(rgb * 255, torch.tensor(data.COLORS[colour], dtype=torch.float), atol=1.0)
+        assert torch.allclose(rgb * 255, torch.tensor(tiny_model.COLORS[colour], dtype=torch.float), atol=1.0)
     # Qwen2.5-VL bounds a frame (56x56, 14-pixel patches), Qwen3-VL the clip (4 frames x 32x32, 16-pixel patches)
     assert fast["mm_inputs"]["video_grid_thw"].tolist() == [[2, 2, 2] if name == "qwen3_vl" else [2, 4, 4]]
     hf = A.load_hf_model(path).eval()
@@ -151,8 +150,8 @@ def test_video_file_rows(arch, tmp_path, monkeypatch):
     v = rec["videos"][0]  # 8 frames at 4 per second, sampled at 2 per second: 4 frames (0, 2, 5, 7)
     assert v.shape[0] == 4 and rec["video_fps"] == [2.0]
     first, last = v[0].reshape(-1, 3).mean(0), v[-1].reshape(-1, 3).mean(0)
-    assert abs(first - torch.tensor(data.COLORS["red"]).numpy()).max() < 12
-    assert abs(last - torch.tensor(data.COLORS["blue"]).numpy()).max() < 12
+    assert abs(first - torch.tensor(tiny_model.COLORS["red"]).numpy()).max() < 12
+    assert abs(last - torch.tensor(tiny_model.COLORS["blue"]).numpy()).max() < 12
     assert len(rec["prompt_ids"]) == data.prompt_length(row, proc, image_dir=str(tmp_path), **PX)
     # without PyAV: the row is bad, and the message says what to install
     monkeypatch.setitem(__import__("sys").modules, "av", None)

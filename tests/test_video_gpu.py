@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rollout
+import tiny_model
 from test_grpo_gpu import run
 from test_vllm_gpu import ref_logprobs, sharpen
 
@@ -26,11 +27,11 @@ def video_prompts(path):
     proc = data.load_processor(path, **PX)
 
     def clip(a, b, n, size=(64, 60)):
-        return [Image.new("RGB", size, data.COLORS[a if i < n // 2 else b]) for i in range(n)]
+        return [Image.new("RGB", size, tiny_model.COLORS[a if i < n // 2 else b]) for i in range(n)]
     rows = [{"problem": "<video>Which colour does the video end with?", "answer": "blue",
              "videos": [clip("red", "blue", 4)]},
             {"problem": "<image> then <video>: which?", "answer": "red",
-             "images": [Image.new("RGB", (70, 84), data.COLORS["green"])],
+             "images": [Image.new("RGB", (70, 84), tiny_model.COLORS["green"])],
              "videos": [clip("white", "red", 6, (90, 60))]},
             {"problem": "<video> and <video>: which ends blue?", "answer": "a",
              "videos": [clip("red", "blue", 4), clip("blue", "green", 3)]}]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rollout
+import tiny_model
 
 pytestmark = pytest.mark.gpu
 T_SAMPLE = 0.7
@@ -20,7 +21,7 @@ def make_prompts(path, k=4):
     from PIL import Image, ImageDraw
     proc = data.load_processor(path)
     recs = []
-    for i, (name, rgb) in enumerate(list(data.COLORS.items())[:k]):
+    for i, (name, rgb) in enumerate(list(tiny_model.COLORS.items())[:k]):
         im = Image.new("RGB", (84 + 28 * i, 56 + 14 * i), (255, 255, 255))
         ImageDraw.Draw(im).rectangle([10, 10, 50, 40], fill=rgb)
         row = {"problem": "<image>What is the color of the shape?", "answer": name, "images": [im]}
