@@ -441,14 +441,14 @@ def demo_data(data_dir=None, n_train=2000, n_val=200):
 
 
 def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:
-    """One question of the text demo's task and its answer: the largest of k different digits, k drawn from lengths.
-    The answer is drawn first, uniformly over the largest digits k different digits allow (k - 1 to 9), so no
-    constant answer pays much (at most 1/6 for k = 5: "9"); the other digits are smaller and the order is shuffled,
-    so no position holds the answer more often than the others."""
+    """One question of the text demo's task and its answer: the largest of k digits (k drawn from lengths), which
+    occurs once. The answer is drawn first, uniformly from 2 to 9, so no constant answer pays more than 1/8; the
+    other digits are drawn below it (repeats allowed: even the answer 2 then has 124 lists, enough to hold some out
+    for validation), and the largest sits at a uniform place, so copying any one place pays 1/k."""
     k = rng.choice(lengths)
-    top = rng.randint(k - 1, 9)
-    digits = rng.sample(range(top), k - 1) + [top]
-    rng.shuffle(digits)
+    top = rng.randint(2, 9)
+    digits = [rng.randrange(top) for _ in range(k - 1)]
+    digits.insert(rng.randrange(k), top)
     return MAX_QUESTION.format(digits=", ".join(map(str, digits))), str(top)
 
 
@@ -456,19 +456,19 @@ def is_val_question(question: str) -> bool:
     """Which side of the split a question is on: a tenth of all questions (by a hash of the text) belong to
     validation and are never drawn for training. A hash rather than "whatever validation happened to draw": both
     sides keep the task's answer distribution (excluding validation's draws would thin out the small answers,
-    whose few lists validation's 200 rows nearly exhaust)."""
+    whose few lists validation's rows would nearly exhaust)."""
     return zlib.crc32(question.encode()) % 10 == 0
 
 
 def make_max_dataset(out_path: str, n_rows: int, seed: int, split="train", lengths=(3, 4, 5)) -> str:
     """Text-only rows (problem, answer; no images column) of the text demo's task, drawn from `split`'s side of the
-    question space only (is_val_question). Written atomically."""
+    question space only (is_val_question); validation's rows are all different questions. Written atomically."""
     import datasets
     rng = random.Random(seed)
     rows = {"problem": [], "answer": []}
     while len(rows["problem"]) < n_rows:
         question, answer = max_question(rng, lengths)
-        if is_val_question(question) == (split == "val"):
+        if is_val_question(question) == (split == "val") and not (split == "val" and question in rows["problem"]):
             rows["problem"].append(question)
             rows["answer"].append(answer)
     out_path = os.path.abspath(os.path.expanduser(out_path))
@@ -485,11 +485,11 @@ def make_max_dataset(out_path: str, n_rows: int, seed: int, split="train", lengt
 
 
 def demo_max_data(data_dir=None, n_train=4000, n_val=200):
-    """(train_path, val_path) of the text demo's task, "What is the largest of 3, 8, 1, 5?" (3 to 5 different
-    digits: 36,000 ordered lists); created once. Validation and training come from disjoint tenths and nine tenths
-    of the question space (is_val_question), and every call checks it: validation measures the learned maximum on
-    lists the policy never trained on."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/max-v1")
+    """(train_path, val_path) of the text demo's task, "What is the largest of 3, 8, 1, 5?" (3 to 5 digits: 85,608
+    lists); created once. Validation and training come from disjoint tenths and nine tenths of the question space
+    (is_val_question), and every call checks it: validation measures the learned maximum on lists the policy never
+    trained on."""
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/max-v2")
     train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
     if not os.path.isfile(val):
         make_max_dataset(val, n_val, seed=1, split="val")

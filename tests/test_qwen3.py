@@ -188,15 +188,15 @@ def test_demo_model_selects_model_task_and_reward(tmp_path, demo, model_cls, rew
     assert bool(ctx.train[0]["mm_inputs"]) == images and bool(ctx.val[0]["mm_inputs"]) == images
     assert hasattr(ctx.processor, "image_processor") == images
     # the text demo's own settings where the options were left at their defaults; the colour demos keep theirs
-    assert (ctx.cfg.n, ctx.cfg.max_response_length) == ((16, 4) if images else (64, 1))
+    assert (ctx.cfg.n, ctx.cfg.max_response_length, ctx.cfg.lr) == ((16, 4, 1e-3) if images else (32, 1, 5e-4))
     if not images:
         assert cli(grpo.Config, grpo.DEMO, args=args + ["--rollout-n", "8"], text_demo=grpo.TEXT_DEMO).n == 8
 
 
 def test_max_task_rows(tmp_path):
-    """The text demo's rows: the answer is the largest of 3 to 5 different digits, no answer dominates (a constant
-    answer must not pay), no list position holds the answer more often than the others (copying one must not pay),
-    the questions are too many to learn as a table, and no validation question occurs in training."""
+    """The text demo's rows: the answer is the largest of 3 to 5 digits (it occurs once), no answer dominates (a
+    constant answer must not pay), no list position holds the answer more often than the others (copying one must
+    not pay), the questions are too many to learn as a table, and no validation question occurs in training."""
     import collections
     import re
     train, val = tiny_model.demo_max_data(str(tmp_path), n_train=3000, n_val=300)
@@ -206,19 +206,20 @@ def test_max_task_rows(tmp_path):
         for row in rs:
             digits = [int(d) for d in re.fullmatch(r"What is the largest of (\d(?:, \d)+)\?", row["problem"])
                       .group(1).split(", ")]
-            assert len(set(digits)) == len(digits) and row["answer"] == str(max(digits))
+            assert digits.count(max(digits)) == 1 and row["answer"] == str(max(digits))
             where[(len(digits), digits.index(max(digits)))] += 1
             lengths[len(digits)] += 1
     assert sorted(lengths) == [3, 4, 5]
-    for (k, i), count in where.items():  # the largest digit's position is uniform over the list's k places
+    for (k, i), count in where.items():  # the largest digit's place is uniform over the list's k places
         assert abs(count / lengths[k] - 1 / k) < 0.06, (k, i, count / lengths[k])
     answers = collections.Counter(r["answer"] for r in rows[train])
     assert sorted(answers) == [str(d) for d in range(2, 10)]
-    assert max(answers.values()) < 0.17 * len(rows[train])  # "9", the most frequent: (1/8 + 1/7 + 1/6) / 3 = 0.145
-    train_q, val_q = {r["problem"] for r in rows[train]}, {r["problem"] for r in rows[val]}
-    assert len(train_q) > 0.6 * len(rows[train])  # mostly distinct questions: no table to learn
-    assert not train_q & val_q  # validation is unseen
-    assert all(tiny_model.is_val_question(q) for q in val_q) and not any(tiny_model.is_val_question(q) for q in train_q)
+    assert max(answers.values()) < 0.145 * len(rows[train])  # uniform over 2..9: 1/8 each
+    train_q, val_q = {r["problem"] for r in rows[train]}, [r["problem"] for r in rows[val]]
+    assert len(set(val_q)) == len(val_q)  # validation: different questions
+    assert len(train_q) > 0.6 * len(rows[train])  # mostly different questions: no table to learn
+    assert not train_q & set(val_q)  # validation is unseen
+    assert all(map(tiny_model.is_val_question, val_q)) and not any(map(tiny_model.is_val_question, train_q))
     # checked whenever the files are used, cached ones too: a training file holding validation questions is refused
     tiny_model.make_max_dataset(train, 50, seed=1, split="val")  # validation's own questions
     with pytest.raises(data.UserError, match="validation questions occur in"):
