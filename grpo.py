@@ -365,8 +365,10 @@ def setup(cfg: Config):
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
                                            device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
                                            seed=cfg.seed)
+    allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
                                        dtype=ctx.compute_dtype, cfg=cfg)
+    memory.engine_built(ctx.rollout, allocated)  # the engine's memory outside its pool: not the trainer's
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
     if ckpt:
         state = A.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
