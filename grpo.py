@@ -364,8 +364,10 @@ def setup(cfg: Config):
                                            device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
                                            seed=cfg.seed)
     videos = cfg.limit_videos or max(video.most_videos(d) for d in (ctx.train, ctx.val) if d is not None)
+    allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
                                        dtype=ctx.compute_dtype, cfg=cfg, limit_videos=videos)
+    memory.engine_built(ctx.rollout, allocated)  # the engine's memory outside its pool: not the trainer's
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
     if ckpt:
         state = rundir.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)

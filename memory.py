@@ -168,12 +168,22 @@ def occupy(gb):
     _BALLAST.append(torch.empty(int(gb * 2**30), dtype=torch.uint8, device="cuda"))
 
 
+def engine_built(engine, allocated_before):
+    """Call right after the engine is built: what it allocated outside its pool (vLLM's CUDA graphs and buffers;
+    the HF engine's weights) stays allocated in every phase, and is the engine's, not the trainer's."""
+    if torch.cuda.is_available():
+        engine.other_bytes = max(0, torch.cuda.memory_allocated() - allocated_before - engine.pool_bytes())
+
+
+def _engine_bytes(engine):
+    return engine.pool_bytes() + getattr(engine, "other_bytes", 0) if engine is not None else 0
+
+
 def phase_peak_gb(engine=None):
     """The trainer's peak GPU memory (GiB) since the last call, then a new phase begins; None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    pool = engine.pool_bytes() if engine is not None else 0
-    pool += sum(t.numel() for t in _BALLAST)
+    pool = _engine_bytes(engine) + sum(t.numel() for t in _BALLAST)
     peak = max(torch.cuda.max_memory_allocated() - pool, 0) / 2**30
     torch.cuda.reset_peak_memory_stats()
     return peak
@@ -182,8 +192,9 @@ def phase_peak_gb(engine=None):
 def metrics(engine, peaks, step_metrics):
     """memory/* of one step. peaks: phase -> phase_peak_gb (gen: sync and generation, where the engine's own
     activations outside its pool count too; ref: old and reference log-probs; update: the policy update). The
-    engine: its pool (weights + KV cache, what it maps while awake) from vLLM's allocator, and what it took from
-    the driver on waking (free memory asleep - awake, from cudaMemGetInfo). On CPU: the host's peak RSS only."""
+    engine: its pool (weights + KV cache, what it maps while awake) from vLLM's allocator, what else it keeps
+    allocated (engine_built), and what it took from the driver on waking (free memory asleep - awake, from
+    cudaMemGetInfo). On CPU: the host's peak RSS only."""
     import resource
     out = {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     if not torch.cuda.is_available():
@@ -193,10 +204,11 @@ def metrics(engine, peaks, step_metrics):
     out.update({f"memory/trainer_peak_{k}_gb": v for k, v in phases.items()})
     out["memory/trainer_peak_gb"] = max(phases.values())
     out["memory/engine_pool_gb"] = pool
+    out["memory/engine_other_gb"] = getattr(engine, "other_bytes", 0) / 2**30
     out["memory/engine_awake_gb"] = (step_metrics["memory/free_engine_asleep_gb"]
                                      - step_metrics["memory/free_engine_awake_gb"])
     # torch's view, as logged before (the engine's pool included; a bench.py ballast left out)
-    out["memory/gpu_peak_allocated_gb"] = max(phases.values()) + pool
+    out["memory/gpu_peak_allocated_gb"] = max(phases.values()) + _engine_bytes(engine) / 2**30
     out["memory/gpu_reserved_gb"] = torch.cuda.memory_reserved() / 2**30
     return out
 

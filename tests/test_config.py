@@ -124,3 +124,18 @@ def test_easyr1_lora_block_maps_to_our_lora_options():
     opts, _ = E.translate(y, grpo.Config)
     assert (opts["lora_rank"], opts["lora_alpha"], opts["lora_target_modules"], opts["lora_exclude_modules"]) == (
         8, 64, "q_proj,v_proj", ".*visual.*")
+
+
+def test_easyr1_precision_and_offload_map_to_ours():
+    y = yaml.safe_load(open(EXAMPLE))
+    actor = y["worker"]["actor"]
+    actor["fsdp"].update(torch_dtype="bf16", enable_cpu_offload=False)
+    actor["offload"].update(offload_params=False, offload_optimizer=True)
+    opts, _ = E.translate(y, grpo.Config)
+    assert (opts["precision"], opts.get("offload_params", False), opts["offload_optimizer"]) == ("bf16", False, True)
+    actor["fsdp"].update(torch_dtype=None, enable_cpu_offload=True)
+    opts, _ = E.translate(y, grpo.Config)
+    assert "precision" not in opts and opts["offload_params"] is True
+    actor["fsdp"]["torch_dtype"] = "fp16"
+    with pytest.raises(Exception, match="torch_dtype='fp16': choose null, fp32 or bf16"):
+        E.translate(y, grpo.Config)

@@ -110,9 +110,9 @@ def test_noise_is_a_function_of_step_and_parameter():
     assert torch.equal(x, y) and not torch.equal(x, z)
 
 
-def test_bf16_run_trains_checkpoints_and_resumes_exactly(tmp_path):
-    """--precision bf16 end to end on CPU: bf16 weights and optimizer state in the checkpoint, a run resumed
-    from step 2 takes the same third step as one run of 3 steps (the noise is seeded per step)."""
+def test_bf16_run_trains_checkpoints_and_resumes(tmp_path):
+    """--precision bf16 end to end on CPU: bf16 weights and optimizer state in the checkpoint, and a run resumed
+    from step 2 takes nearly the same third step as one run of 3 steps."""
     import torch.distributed.checkpoint as dcp
     (tmp_path / "r.py").write_text(DENSE_REWARD)
     kw = ["--precision", "bf16", "--global-batch-size", "2", "--save-freq", "1", "--lr", "1e-4",
