@@ -7,7 +7,6 @@ prompt record (see encode_prompt): prompt_ids (image and video pads expanded, wh
 their frame rates, processor outputs (mm_inputs), answer, prompt_text.
 """
 import collections
-import contextlib
 import functools
 import glob
 import io
@@ -15,7 +14,6 @@ import math
 import os
 import re
 import sys
-import time
 
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -46,27 +44,6 @@ class BadRow(UserError):
     def __init__(self, kind, detail=""):
         super().__init__(f"{kind}: {detail}" if detail else kind)
         self.kind = kind
-
-
-@contextlib.contextmanager
-def one_line_errors():
-    """Around a command line's work: a UserError ends the process with `error: <message>` and exit code 2, no
-    traceback. The checks are deterministic, so every rank raises the same one and rank 0 speaks for them all;
-    a rank_local one (a reward only this rank computed) is printed by the rank that raised it."""
-    try:
-        yield
-    except UserError as e:
-        import torch.distributed as dist
-        if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
-            from tqdm import tqdm
-            for bar in list(tqdm._instances):
-                bar.close()  # end the progress bar's line first
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(2)  # exiting first would let torchrun stop rank 0 before it prints
-        if dist.is_initialized() and not e.rank_local:  # (the others may be inside a collective: just go)
-            dist.destroy_process_group()
-        sys.exit(2)
 
 
 NO_PROMPT, NO_ANSWER, BAD_IMAGE, PLACEHOLDERS, TOO_LONG = (
@@ -498,24 +475,31 @@ def _epoch_perm(N, seed):
     return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
 
 
-def load_datasets(cfg, model_path, text_demo=False, say=print):
-    """grpo.py's data: the processor (or tokenizer) of model_path and the train and validation PromptDatasets of
-    cfg's data options (the demo's synthetic task when --train-files is empty: rank 0 writes it, the others wait).
-    Every row is checked here, before the model loads; the same on every rank, so all raise together."""
-    import torch.distributed as dist
-
+def data_files(cfg):
+    """(train files, validation files, format prompt) of cfg's data options; the demo's synthetic task (written on
+    first use) when --train-files is empty: the largest digit for the text demo, clips or pictures for the VL ones."""
     import tiny_model
     import video
-    train_files, val_files, fmt = cfg.train_files, cfg.val_files, cfg.format_prompt
-    if not train_files:
-        make = (tiny_model.demo_max_data if text_demo else video.demo_video_data if cfg.demo_task == "video" else
-                tiny_model.demo_data)
-        if dist.get_rank() == 0:
-            make()
-        dist.barrier()
-        train_files, val_files = make()
-        fmt = fmt if fmt is not None else (tiny_model.NUMBER_FORMAT_PROMPT if text_demo else
-                                           tiny_model.DEMO_FORMAT_PROMPT)
+    if cfg.train_files:
+        return cfg.train_files, cfg.val_files, cfg.format_prompt
+    text = not cfg.model_path and cfg.demo_model == "qwen3"
+    make = (tiny_model.demo_max_data if text else video.demo_video_data if cfg.demo_task == "video" else
+            tiny_model.demo_data)
+    fmt = tiny_model.NUMBER_FORMAT_PROMPT if text else tiny_model.DEMO_FORMAT_PROMPT
+    return (*make(), cfg.format_prompt if cfg.format_prompt is not None else fmt)
+
+
+def load_datasets(cfg, model_path, say=print):
+    """grpo.py's data: the processor (or tokenizer) of model_path and the train and validation PromptDatasets of
+    cfg's data options (data_files: rank 0 writes a demo's task, the others wait). Every row is checked here,
+    before the model loads; the same on every rank, so all raise together."""
+    import torch.distributed as dist
+
+    import video
+    if dist.get_rank() == 0:
+        data_files(cfg)
+    dist.barrier()
+    train_files, val_files, fmt = data_files(cfg)
     processor = load_processor(model_path, cfg.min_pixels, cfg.max_pixels)
     kw = dict(processor_or_tokenizer=processor, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
               image_key=cfg.image_key, image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels,
@@ -525,6 +509,9 @@ def load_datasets(cfg, model_path, text_demo=False, say=print):
     val = PromptDataset(val_files, option="--val-files", **kw) if val_files else None
     for note in train.notes + (val.notes if val else []):
         say(note)
+    if len(train) < cfg.rollout_batch_size:
+        raise UserError(f"--train-files {train.source}: {len(train)} usable prompts < --rollout-batch-size "
+                        f"{cfg.rollout_batch_size}; lower --rollout-batch-size or add data")
     return processor, train, val
 
 
@@ -562,12 +549,9 @@ def check_main(argv) -> int:
         cfg = tyro.cli(Check, default=dataclasses.replace(Check(), **demo), **kw)
     check_model_path(cfg.model_path)
     import tiny_model
-    model_path = cfg.model_path or tiny_model.build_tiny_model()
-    sources, fmt = [("--train-files", cfg.train_files), ("--val-files", cfg.val_files)], cfg.format_prompt
-    if not cfg.train_files:
-        sources = list(zip(("--train-files", "--val-files"), video.demo_video_data() if cfg.demo_task == "video" else
-                           tiny_model.demo_data()))
-        fmt = tiny_model.DEMO_FORMAT_PROMPT if fmt is None else fmt
+    model_path = cfg.model_path or tiny_model.build_tiny_model(arch=cfg.demo_model)
+    train_files, val_files, fmt = data_files(cfg)
+    sources = [("--train-files", train_files), ("--val-files", val_files)]
     proc = load_processor(model_path, cfg.min_pixels, cfg.max_pixels)
     kw = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, image_key=cfg.image_key,
               image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
@@ -601,5 +585,6 @@ if __name__ == "__main__":
         print("usage: python data.py check [--train-files ... --val-files ... --model-path ... (grpo.py's data "
               "options; --help lists them)]", file=sys.stderr)
         sys.exit(2)
+    from easyr1_config import one_line_errors
     with one_line_errors():
         sys.exit(check_main(sys.argv[2:]))

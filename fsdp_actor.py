@@ -9,7 +9,6 @@ Sequences are laid out as one row per sample: prompt + response, right-padded:
 
 Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch.
 """
-import contextlib
 import functools
 import inspect
 import math
@@ -23,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import memory
 import varlen
 
 
@@ -258,12 +258,13 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
-    r, alpha, target_modules, exclude_modules, modules_to_save (see add_lora). padding_free / vision_varlen:
+    r, alpha, target_modules, exclude_modules, modules_to_save (see memory.add_lora). padding_free / vision_varlen:
     "auto" (on where a fast variable-length kernel runs: CUDA, bf16/fp16), "on" (also on CPU, through the plain
     reference path: for tests) or "off" (transformers' own attention). torch_compile: fused elementwise kernels
-    (varlen.compile_elementwise), "auto" = on for CUDA in bf16/fp16 and a hidden size of at least 1024. offload: FSDP2's CPUOffloadPolicy, which
-    keeps the sharded weights, their gradients and hence the optimizer state and step on the host (FSDP2 offers
-    the three only together); each unit's shard is copied in just before its all-gather."""
+    (varlen.compile_elementwise), "auto" = on for CUDA in bf16/fp16 and a hidden size of at least 1024. offload:
+    FSDP2's CPUOffloadPolicy, which keeps the sharded weights, their gradients and hence the optimizer state and
+    step on the host (FSDP2 offers the three only together), each unit's shard copied in just before its
+    all-gather; a frozen model is kept on the host whole instead."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
@@ -284,7 +285,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
             if ".visual." in f".{name}":
                 p.requires_grad_(False)
     if lora:
-        add_lora(hf, **lora)
+        memory.add_lora(hf, **lora)
         if dtype == torch.bfloat16:  # pure bf16: peft keeps the adapters in fp32 next to a bf16 base
             hf.to(dtype)
     model = LogProbModel(hf)
@@ -297,8 +298,10 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
         model.chunk_logprobs, _ = varlen.compile_elementwise(hf, _chunk_logprobs)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    kw = dict(mesh=mesh, mp_policy=mp,
-              offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy())
+    # a frozen reference is not offloaded by FSDP2: it waits whole on the host and visits the GPU for its pass
+    # (memory.resident); only a trainable policy gets the offload policy
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda")
+              if offload and trainable else OffloadPolicy())
     blocks = set(getattr(hf, "_no_split_modules", None) or [])
     for m in hf.modules():
         if type(m).__name__ in blocks:
@@ -306,6 +309,8 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     fully_shard(model, **kw)
     if device.type == "cuda" and not offload:
         model.to(device)
+    elif not trainable:
+        pass  # the reference stays on the host until its pass
     elif device.type == "cuda":  # the weights stay on the host; buffers (rotary frequencies) go to the GPU
         for m in model.modules():
             for name, b in m._buffers.items():
@@ -313,49 +318,6 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
                     m._buffers[name] = b.to(device)
     model.train(trainable)
     return model
-
-
-def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visual.*", modules_to_save=""):
-    """LoRA through peft, in place: the wrapped Linear layers keep their weight as `<name>.base_layer.weight`
-    next to `<name>.lora_A/B.default.weight`, and every parameter outside the adapters is frozen (the vision
-    tower too, unless targeted: vLLM takes no LoRA on the vision encoder, so it is excluded by default). The
-    PeftModel wrapper is dropped: the trainer keeps calling the HF model, whose layers now carry the adapters.
-    `modules_to_save` (peft's): modules trained in full next to the adapters, e.g. lm_head."""
-    from peft import LoraConfig, get_peft_model
-
-    from data import UserError
-    targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
-    peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
-                                               exclude_modules=exclude_modules or None,
-                                               modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
-    if not any(p.requires_grad for p in hf.parameters()):
-        raise UserError(f"--lora-target-modules {target_modules!r} matched no layer")
-    return peft_model  # (merge.py saves adapter folders through it)
-
-
-def lora_layers(model):
-    """{module name: LoRA scale} of the LoRA-wrapped layers ({} without LoRA)."""
-    from peft.tuners.lora import LoraLayer
-    hf = getattr(model, "hf", model)
-    return {n: m.scaling["default"] for n, m in hf.named_modules() if isinstance(m, LoraLayer)}
-
-
-@contextlib.contextmanager
-def adapters_disabled(model):
-    """The base model, i.e. the reference policy of a LoRA run: no second copy of the weights."""
-    from peft.tuners.lora import LoraLayer
-    from peft.utils.other import ModulesToSaveWrapper
-    layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
-    # the flag peft's own enable_adapters(False) sets, without its requires_grad switch: FSDP2 fixes each unit's
-    # gradient dtypes at its first forward, and the reference pass is often the first (seen on GPU: a bf16
-    # gradient then met fp32 master weights)
-    for m in layers:
-        m._disable_adapters = True
-    try:
-        yield model
-    finally:
-        for m in layers:
-            m._disable_adapters = False
 
 
 # ----------------------------------------------------------------------------------------------- batches
@@ -552,7 +514,6 @@ def compute_logprobs(model, samples, pad_id, device, temperature, max_tokens, ma
 def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device, bf16_rounding=None, seed=0):
     """AdamW over the trainable parameters (fp32 master weights), or, with `bf16_rounding`, memory.py's AdamW
     for pure-bf16 weights and state."""
-    import memory
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = memory.local(params[0]).device.type == "cuda"  # offloaded weights step on the host
     if bf16_rounding:
@@ -569,7 +530,6 @@ def optimizer_step(model, opt, sched, max_grad_norm, offload_state=False):
     """Clip, step, and skip the step when the gradient norm is not finite (a NaN/inf batch must not poison the
     weights). offload_state: the optimizer state lives on the host between steps (--offload-optimizer): in for
     the step, out after it. Returns the pre-clip grad norm (float)."""
-    import memory
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -594,7 +554,7 @@ def iter_full_params(model, dtype=None, lora_only=False):
     With LoRA the engine gets the merged weight W + scale * B @ A under the base model's name; `lora_only`
     yields only those (everything else never changes, so it goes to the engine once)."""
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    scales = lora_layers(model)
+    scales = memory.lora_layers(model)
     sd = getattr(model, "hf", model).state_dict()
     for name, p in sd.items():
         if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:  # (modules_to_save: the copy)

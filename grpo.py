@@ -22,8 +22,10 @@ import data
 import easyr1_config
 import fsdp_actor as A
 import memory
-from data import UserError
+import rollout
 import rundir
+import tiny_model
+from data import UserError
 
 
 # ================================================================================================ config
@@ -31,8 +33,7 @@ import rundir
 class Config:
     # --- model and data (empty model_path / train_files = the built-in demo) ---
     model_path: str = ""  # HF hub name or local folder; "" builds the tiny demo VLM in code
-    # the tiny model built when model_path is "" (and its task when train_files is ""): qwen2_5_vl and qwen3_vl
-    # answer the colour task, the text-only qwen3 the largest-digit task (with TEXT_DEMO's settings)
+    # the demo's tiny model (no model_path): qwen2_5_vl / qwen3_vl (colour or video task), qwen3 (largest digit)
     demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3"] = "qwen2_5_vl"
     demo_task: Literal["color", "video"] = "color"  # the VL demos' task: a picture's colour, or a clip's last colour
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
@@ -44,10 +45,8 @@ class Config:
     video_key: str = "videos"  # column with the list of videos (each a video file path or a list of frames)
     video_fps: float = 2.0  # frames per second taken from a video file; a list of frames is taken to be this far apart
     max_frames: int = 768  # frames per video at most (evenly spread over it when it has more)
-    # pixels per video frame at least / at most (Qwen3-VL: per clip, frames x pixels, as its video processor counts);
-    # None = min_pixels / max_pixels (as EasyR1). With vLLM they must lie within min_pixels..max_pixels
-    video_min_pixels: int | None = None
-    video_max_pixels: int | None = None
+    video_min_pixels: int | None = None  # pixels per frame at least (Qwen3-VL: per clip); None = min_pixels
+    video_max_pixels: int | None = None  # pixels per frame at most (Qwen3-VL: per clip); None = max_pixels (EasyR1)
     format_prompt: str | None = None  # jinja template (string or .jinja file) around {{ content }}
     reward_function: str = "math"  # math | r1v | color | dapo | path/to/file.py:fn (an EasyR1 reward file)
     reward_function_kwargs: str = ""  # JSON object of keyword arguments for the reward function, as EasyR1's
@@ -142,20 +141,9 @@ class Config:
     debug_skip_sync: bool = False  # never send new weights to the engine: rollout/logprob_diff_* must then grow
 
 
-# The defaults above are EasyR1's (examples/config.yaml). The demo (no --model-path) trains a tiny model from scratch
-# on one-word answers about small pictures, so it gets its own; a value given on the command line wins in both.
-DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=4, min_pixels=56 * 56,
-            max_pixels=112 * 112, n=16, rollout_batch_size=16, global_batch_size=16, lr=1e-3, max_steps=150,
-            val_freq=10, save_freq=10, output_dir="outputs/demo")
-# The text demo (--demo-model qwen3) changes four more: its own reward; answers of one digit, i.e. one token; groups
-# of 32; and half the colour demo's lr. A digit the policy stops sampling is never learned: at lr 1e-3 (groups of
-# 64; lists of different digits) the tiny policy stopped answering 2 and 8 before it had learned them, validation
-# stuck at 0.765 from step 80 to 150; at 5e-4 it lost only the 2 and reached 0.94 (README: the text demo).
-TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4)
-# The video demo (--demo-task video): answers of one token and groups of 32. With 4 tokens and groups of 16 the policy
-# stopped saying "green" before it could tell the clip's halves apart, and never learned it (greedy validation stuck
-# at 0.74: every clip ending green was answered "blue").
-VIDEO_DEMO = dict(max_response_length=1, n=32)
+# The defaults above are EasyR1's (examples/config.yaml); the demos (no --model-path) have their own, where a flag
+# does not say otherwise: tiny_model.DEMO, and TEXT_DEMO / VIDEO_DEMO on top for the text and the video demo.
+from tiny_model import DEMO, TEXT_DEMO, VIDEO_DEMO  # noqa: E402
 
 
 # ================================================================================================ algorithm
@@ -250,26 +238,6 @@ def agg_loss(loss, mask, mode="token", num_tokens=None, num_seqs=None, max_len=N
     raise ValueError(f"loss_avg_mode={mode!r}: choose token, seq or seq-mean-token-sum-norm")
 
 
-def rollout_correction_weights(old_logp, rollout_logp, mask, level="token", cap=2.0):
-    """Truncated importance sampling (TIS) for the trainer/engine mismatch: the engine sampled from pi_rollout, the
-    loss assumes pi_old (the trainer's log-probs at the same weights). Weights pi_old / pi_rollout per token (or
-    their product per sequence), truncated at `cap`, no gradient; they multiply the per-token policy loss. The
-    formula of veRL (compute_rollout_correction_weights: exp of the log-ratio clamped to +-20, masked, clamp(max=cap),
-    detached) and TRL (token_truncate / sequence_truncate). Returns (weights [B, R], stats: sums and counts)."""
-    log_ratio = (old_logp - rollout_logp) * mask  # [B, R]
-    if level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True)  # [B, 1]
-    elif level != "token":
-        raise ValueError(f"rollout_correction_level={level!r}: choose token or sequence")
-    raw = log_ratio.clamp(-20, 20).exp()  # [B, R] or [B, 1]
-    units = mask if level == "token" else mask.any(-1, keepdim=True)  # tokens, or sequences with a token
-    w = (raw.clamp(max=cap) * mask).detach()  # [B, R]
-    units_f = units.to(raw.dtype)
-    stats = {"mean": ((w * mask).sum(), mask.sum()), "capped_frac": (((raw > cap) * units_f).sum(), units_f.sum()),
-             "max": raw.detach().masked_fill(~units, 0).max()}
-    return w, stats
-
-
 # ================================================================================================ setup
 @dataclass
 class State:
@@ -308,12 +276,9 @@ class State:
 
 def setup(cfg: Config):
     """Everything the loop needs: distributed state, data, reward, policy, reference, engine."""
-    import data
     import rewards
-    import rollout
     import video
     easyr1_config.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    text_demo = not cfg.model_path and not cfg.train_files and cfg.demo_model == "qwen3"  # the largest-digit task
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
     rank, world, device = A.init_distributed()
     ckpt, state = rundir.find_resume(cfg)  # refuses a changed config before anything loads
@@ -321,18 +286,11 @@ def setup(cfg: Config):
     torch.manual_seed(cfg.seed)
     ctx = State(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn, ckpt=ckpt,
                 model_path=cfg.model_path)
-    if not ctx.model_path:  # the demo: rank 0 builds (cached), the others wait and read it
-        import tiny_model
-        if rank == 0:
-            tiny_model.build_tiny_model(arch=cfg.demo_model)
-        dist.barrier()
-        ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model)
-    ctx.processor, ctx.train, ctx.val = data.load_datasets(cfg, ctx.model_path, text_demo, say=ctx.say)
+    if not ctx.model_path:  # the demo: rank 0 builds the tiny model (cached), the others wait and read it
+        ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model, rank=rank)
+    ctx.processor, ctx.train, ctx.val = data.load_datasets(cfg, ctx.model_path, say=ctx.say)
     ctx.tokenizer = getattr(ctx.processor, "tokenizer", ctx.processor)
     ctx.pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
-    if len(ctx.train) < cfg.rollout_batch_size:
-        raise UserError(f"--train-files {ctx.train.source}: {len(ctx.train)} usable prompts < --rollout-batch-size "
-                        f"{cfg.rollout_batch_size}; lower --rollout-batch-size or add data")
     if cfg.max_steps <= 0:  # EasyR1's total_epochs: an epoch is as many steps as whole rollout batches fit in the data
         cfg.max_steps = cfg.total_epochs * (len(ctx.train) // cfg.rollout_batch_size)
     ctx.done = bool(state and state["step"] >= cfg.max_steps)
@@ -357,9 +315,7 @@ def setup(cfg: Config):
         ctx.ref = A.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
                                 attn_implementation=cfg.attn_implementation, trainable=False,
                                 padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
-                                torch_compile=cfg.torch_compile)
-        if cfg.offload_params and device.type == "cuda":  # on the host until its pass (memory.resident)
-            ctx.ref.to("cpu")
+                                torch_compile=cfg.torch_compile, offload=cfg.offload_params)
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
                                            device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
                                            seed=cfg.seed)
@@ -490,7 +446,7 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
     if all(s.get("rollout_logp") is not None for s in mb):
         roll = A.stack_padded([s["rollout_logp"] for s in mb], R, dev)  # [b, R] the engine's
     if cfg.rollout_correction == "tis":
-        w, st = rollout_correction_weights(old, roll, mask, cfg.rollout_correction_level, cfg.rollout_correction_cap)
+        w, st = rollout.correction_weights(old, roll, mask, cfg.rollout_correction_level, cfg.rollout_correction_cap)
         tok_loss = tok_loss * w
         log.add("rollout_corr/weight_mean", *st["mean"])
         log.add("rollout_corr/capped_frac", *st["capped_frac"])
@@ -524,9 +480,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     t = time.time()
     ctx.rollout.wake()
     samples = collect(ctx, step, metrics)
-    free_awake = rundir.cuda_free_gb()
-    ctx.rollout.sleep()
-    metrics["memory/free_engine_awake_gb"], metrics["memory/free_engine_asleep_gb"] = free_awake, rundir.cuda_free_gb()
+    metrics.update(memory.sleep(ctx.rollout))  # (and the GPU memory free with the engine awake and asleep)
     T["gen"] = time.time() - t
     peaks["gen"] = memory.phase_peak_gb(ctx.rollout)
     # ---- 3. advantages: normalise within each group of n ----
@@ -537,9 +491,8 @@ def train_step(ctx, step, collect=collect_rollouts):
     for s, a in zip(samples, adv.flatten().tolist()):
         s["adv"] = a
     # ---- 4. log-probs of the old policy (only when it differs from the first forward) and of the reference ----
-    mb_kw = dict(pad_id=ctx.pad_id, device=ctx.device, temperature=cfg.temperature,
-                 max_tokens=cfg.max_token_len_per_device, max_samples=cfg.micro_batch_size_per_device,
-                 chunk_size=cfg.logprob_chunk_size)
+    mb_kw = dict(pad_id=ctx.pad_id, device=ctx.device, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
+                 max_tokens=cfg.max_token_len_per_device, max_samples=cfg.micro_batch_size_per_device)
     if cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs > 1:
         t = time.time()
         old, _ = A.compute_logprobs(ctx.model, samples, **mb_kw)
@@ -549,7 +502,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     if cfg.kl_coef > 0:
         t = time.time()
         # LoRA: the policy with its adapters off; else the reference model (on the GPU for this pass if offloaded)
-        ref_model = A.adapters_disabled(ctx.model) if ctx.lora else memory.resident(ctx.ref, ctx.device,
+        ref_model = memory.adapters_disabled(ctx.model) if ctx.lora else memory.resident(ctx.ref, ctx.device,
                                                                                      cfg.offload_params)
         with ref_model as m:
             ref, _ = A.compute_logprobs(m, samples, **mb_kw)
@@ -572,13 +525,11 @@ def train_step(ctx, step, collect=collect_rollouts):
 
 
 def sync_engine(ctx):
-    """Stream the policy's weights into the engine if it is behind (or dropped them in a level-2 sleep). Returns
-    the seconds spent. Every rank takes part: each DTensor is all-gathered."""
+    """Stream the policy's weights into the engine if it is behind (or dropped them in a level-2 sleep); every rank
+    takes part (each DTensor is all-gathered). With LoRA only the merged LoRA layers change. Returns the seconds."""
     if ctx.cfg.debug_skip_sync or not (ctx.engine_stale or getattr(ctx.rollout, "weights_lost", False)):
         return 0.0
     t = time.time()
-    # LoRA: the engine loaded the base weights itself; only the merged LoRA layers change (unless a level-2
-    # sleep dropped everything)
     lora_only = bool(ctx.lora) and not getattr(ctx.rollout, "weights_lost", False)
     ctx.rollout.sync_weights(A.iter_full_params(ctx.model, ctx.compute_dtype, lora_only=lora_only))
     ctx.engine_stale = False
@@ -638,7 +589,7 @@ def train(cfg: Config, collect=collect_rollouts):
 def main(config_cls=Config, collect=collect_rollouts, demo=DEMO, text_demo=TEXT_DEMO, video_demo=VIDEO_DEMO):
     """The command line: defaults (EasyR1's, or the demo's), an EasyR1 --config, the flags; then train. A UserError
     (a bad option, file, row or reward) ends the run with one `error:` line and exit code 2."""
-    with data.one_line_errors():
+    with easyr1_config.one_line_errors():
         train(easyr1_config.cli(config_cls, demo, text_demo=text_demo, video_demo=video_demo), collect)
     dist.destroy_process_group()
 

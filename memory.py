@@ -168,6 +168,14 @@ def occupy(gb):
     _BALLAST.append(torch.empty(int(gb * 2**30), dtype=torch.uint8, device="cuda"))
 
 
+def sleep(engine):
+    """Put the engine to sleep; returns the GPU memory free with it awake and asleep (memory/free_engine_*_gb)."""
+    free = lambda: torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 0.0  # noqa: E731
+    awake = free()
+    engine.sleep()
+    return {"memory/free_engine_awake_gb": awake, "memory/free_engine_asleep_gb": free()}
+
+
 def engine_built(engine, allocated_before):
     """Call right after the engine is built: what it allocated outside its pool (vLLM's CUDA graphs and buffers;
     the HF engine's weights) stays allocated in every phase, and is the engine's, not the trainer's."""
@@ -258,3 +266,47 @@ if __name__ == "__main__":  # python memory.py compare AMP_CKPT BF16_CKPT... (th
         sys.exit("usage: python memory.py compare AMP_CHECKPOINT BF16_CHECKPOINT... (runs of the demo model)")
     start = fsdp_actor.load_hf_model(tiny_model.build_tiny_model()).state_dict()
     print(compare_runs(start, sys.argv[2], sys.argv[3:]))
+
+
+# ----------------------------------------------------------------------------------------------- LoRA
+def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visual.*", modules_to_save=""):
+    """LoRA through peft, in place: the wrapped Linear layers keep their weight as `<name>.base_layer.weight`
+    next to `<name>.lora_A/B.default.weight`, and every parameter outside the adapters is frozen (the vision
+    tower too, unless targeted: vLLM takes no LoRA on the vision encoder, so it is excluded by default). The
+    PeftModel wrapper is dropped: the trainer keeps calling the HF model, whose layers now carry the adapters.
+    `modules_to_save` (peft's): modules trained in full next to the adapters, e.g. lm_head."""
+    from peft import LoraConfig, get_peft_model
+
+    from data import UserError
+    targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
+    peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
+                                               exclude_modules=exclude_modules or None,
+                                               modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
+    if not any(p.requires_grad for p in hf.parameters()):
+        raise UserError(f"--lora-target-modules {target_modules!r} matched no layer")
+    return peft_model  # (merge.py saves adapter folders through it)
+
+
+def lora_layers(model):
+    """{module name: LoRA scale} of the LoRA-wrapped layers ({} without LoRA)."""
+    from peft.tuners.lora import LoraLayer
+    hf = getattr(model, "hf", model)
+    return {n: m.scaling["default"] for n, m in hf.named_modules() if isinstance(m, LoraLayer)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """The base model, i.e. the reference policy of a LoRA run: no second copy of the weights."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
+    layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
+    # the flag peft's own enable_adapters(False) sets, without its requires_grad switch: FSDP2 fixes each unit's
+    # gradient dtypes at its first forward, and the reference pass is often the first (seen on GPU: a bf16
+    # gradient then met fp32 master weights)
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m._disable_adapters = False

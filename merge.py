@@ -54,6 +54,7 @@ def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
     import torch.distributed.checkpoint as dcp
 
     import fsdp_actor as A
+    import memory
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
         raise FileNotFoundError(f"{checkpoint}: not a checkpoint folder (no .metadata); pass checkpoints/step_N")
     path = base_model_path(checkpoint, model_path)
@@ -61,7 +62,7 @@ def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
     cfg = json.load(open(os.path.join(checkpoint, "trainer_state.json"))).get("config", {})
     lora = cfg.get("lora_rank", 0) > 0
     if lora:  # the checkpoint holds the adapters only: rebuild them on the base model, then read them in
-        peft_model = A.add_lora(hf, cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_target_modules"],
+        peft_model = memory.add_lora(hf, cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_target_modules"],
                                 cfg["lora_exclude_modules"], cfg.get("lora_modules_to_save", ""))
     elif adapter_only:
         raise ValueError(f"{checkpoint}: --adapter-only needs a LoRA checkpoint (trained with --lora-rank > 0)")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_actor as A
+import memory
 from data import UserError
 
 # options that may change when a run is resumed: when to stop, validate, save and log, and engine / memory knobs that
@@ -231,7 +232,7 @@ def _state_dict_options(model):
     """A LoRA checkpoint holds the adapters and their optimizer state only (megabytes): the frozen base weights
     are the model_path's. Full training saves every weight."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
-    lora = bool(A.lora_layers(model))
+    lora = bool(memory.lora_layers(model))
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 

@@ -9,6 +9,7 @@ import torch
 
 import data
 import fsdp_actor as A
+import memory
 import rundir
 import merge
 import tiny_model
@@ -52,7 +53,7 @@ def test_reference_is_the_base_model_and_only_adapters_train(setup):
     path, proc, samples = setup
     model = lora_actor(path)
     base = reference_logprobs(path, samples, proc.tokenizer.pad_token_id)
-    with A.adapters_disabled(model):
+    with memory.adapters_disabled(model):
         off = logprobs(model, samples, proc)
     on = logprobs(model, samples, proc)
     for a, b, c in zip(off, base, on, strict=True):
@@ -141,7 +142,7 @@ def test_reference_pass_first_then_bf16_update(setup):
     model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.bfloat16, gradient_checkpointing=False,
                           lora={**LORA, "modules_to_save": "lm_head"})
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    with A.adapters_disabled(model):
+    with memory.adapters_disabled(model):
         assert [n for n, p in model.named_parameters() if p.requires_grad] == trainable
         A.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0, 10_000, 8)
     batch, _ = A.collate(samples, proc.tokenizer.pad_token_id, torch.device("cpu"))
