@@ -52,8 +52,8 @@ class Config:
     reward_function_kwargs: str = ""  # JSON object of keyword arguments for the reward function, as EasyR1's
     max_prompt_length: int = 2048  # prompt tokens, image tokens included
     max_response_length: int = 2048  # generated tokens per sample at most
-    min_pixels: int = 262144  # smaller images are scaled up to this many pixels (keeping their aspect)
-    max_pixels: int = 4194304  # larger images are scaled down to this many pixels
+    min_pixels: int = data.MIN_PIXELS  # smaller images are scaled up to this many pixels (keeping their aspect)
+    max_pixels: int = data.MAX_PIXELS  # larger images are scaled down to this many pixels
     filter_overlong_prompts: bool = True  # drop (and list) prompts over max_prompt_length; off: they are bad rows
     skip_bad_rows: bool = False  # drop rows the data check rejects (and list them) instead of stopping
     # --- rollout ---
@@ -319,10 +319,10 @@ def setup(cfg: Config):
     ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
                                            device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
                                            seed=cfg.seed)
-    videos = cfg.limit_videos or max(video.most_videos(d) for d in (ctx.train, ctx.val) if d is not None)
+    videos = max(video.most_videos(d) for d in (ctx.train, ctx.val) if d is not None)
     allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
-                                       dtype=ctx.compute_dtype, cfg=cfg, limit_videos=videos)
+    ctx.rollout = rollout.make_rollout(cfg.rollout_engine, ctx.model_path, device, ctx.compute_dtype,
+                                       **rollout.engine_options(cfg, limit_videos=videos))
     memory.engine_built(ctx.rollout, allocated)  # the engine's memory outside its pool: not the trainer's
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
     if ckpt:

@@ -15,7 +15,6 @@ a trainer computing log_softmax(logits / T)). With top_p == 1 (the GRPO default)
 log_softmax(logits / T) with the same tokens forbidden (fsdp_actor masks them too); with top_p < 1 it is the nucleus-renormalised value.
 Greedy (temperature == 0): log_softmax of the untempered logits.
 """
-import contextlib
 import dataclasses
 import os
 import warnings
@@ -455,41 +454,47 @@ def _vllm_usable():
         return False
 
 
-def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, cfg=None, limit_videos=None, **overrides):
-    """engine: "auto" | "vllm" | "hf". vLLM settings come from cfg (grpo.Config) where it has them, then overrides;
-    limit_videos: the engine's videos per prompt when cfg leaves it at 0 (setup: the most any row has)."""
+def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tensor_parallel_size=1,
+                 gpu_memory_utilization=0.6, max_model_len=None, max_num_batched_tokens=None, limit_images=1,
+                 limit_videos=0, seed=0, enforce_eager=False, sleep_level=1, min_pixels=None, max_pixels=None,
+                 video_min_pixels=None, video_max_pixels=None, **overrides):
+    """engine: "auto" (vLLM when it imports and CUDA is there) | "vllm" | "hf". The rest are vLLM's settings
+    (engine_options(cfg) gives grpo.Config's); overrides go to VLLMRollout as they are."""
     if engine == "auto":
         engine = "vllm" if _vllm_usable() else "hf"
     if engine == "hf":
         return HFRollout(model_path, device=device, dtype=dtype)
     if engine != "vllm":
         raise ValueError(f"unknown rollout engine {engine!r}: choose auto, vllm or hf")
-    get = lambda k, d: getattr(cfg, k, d) if cfg is not None else d  # noqa: E731
-    limit_videos = get("limit_videos", 0) or limit_videos or 0
-    lo, hi = get("min_pixels", None), get("max_pixels", None)
-    vlo, vhi = get("video_min_pixels", None) or lo, get("video_max_pixels", None) or hi
+    lo, hi = min_pixels, max_pixels
+    vlo, vhi = video_min_pixels or lo, video_max_pixels or hi
     if limit_videos and lo and hi and not lo <= vlo <= vhi <= hi:
         from data import UserError
         raise UserError(f"--video-min-pixels {vlo} / --video-max-pixels {vhi}: with vLLM they must lie within "
                         f"--min-pixels {lo} and --max-pixels {hi} (vLLM's video processor gets the image bounds and "
                         "would resize frames outside them)")
-    max_len = None
-    if get("max_prompt_length", None) and get("max_response_length", None):
-        max_len = get("max_prompt_length", 0) + get("max_response_length", 0)
-    kw = dict(tensor_parallel_size=get("tensor_parallel_size", 1),
-              gpu_memory_utilization=get("gpu_memory_utilization", 0.6), max_model_len=max_len,
-              max_num_batched_tokens=get("max_num_batched_tokens", None),
-              limit_mm_per_prompt={"image": get("limit_images", 1), "video": limit_videos},
-              enable_sleep_mode=get("enable_sleep_mode", True),
-              seed=get("seed", 0), dtype=dtype, enforce_eager=get("enforce_eager", False),
-              sleep_level=get("sleep_level", 1))
-    if get("min_pixels", None) and get("max_pixels", None):
+    kw = dict(tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+              max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+              limit_mm_per_prompt={"image": limit_images, "video": limit_videos}, seed=seed, dtype=dtype,
+              enforce_eager=enforce_eager, sleep_level=sleep_level)
+    if lo and hi:
         # vLLM runs the HF image processor itself: give it the trainer's pixel bounds so both make the same grid.
         # (They reach its video processor too; the trainer's frames already have a size within the video bounds
-        # that the processor keeps, as long as those lie within these: easyr1_config / setup check it.)
-        kw["mm_processor_kwargs"] = {"min_pixels": get("min_pixels", 0), "max_pixels": get("max_pixels", 0)}
+        # that the processor keeps, as long as those lie within these: checked above.)
+        kw["mm_processor_kwargs"] = {"min_pixels": lo, "max_pixels": hi}
     kw.update(overrides)
     return VLLMRollout(model_path, **kw)
+
+
+def engine_options(cfg, limit_videos=0):
+    """The engine's settings from grpo.Config, every option it reads named here. limit_videos: videos per prompt
+    when --limit-videos is 0 (setup passes the most any row has)."""
+    return dict(tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                max_model_len=cfg.max_prompt_length + cfg.max_response_length,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, limit_images=cfg.limit_images,
+                limit_videos=cfg.limit_videos or limit_videos, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
+                sleep_level=cfg.sleep_level, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+                video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels)
 
 
 # ------------------------------------------------------------------------------------------------ rollout correction
