@@ -2,7 +2,7 @@
 
     python bench.py --preset qwen2_5_vl_3b --max-steps 3            # one GPU (the design card's speed bar)
     python bench.py --preset qwen3_vl_8b --max-steps 3              # Qwen3-VL-8B's dimensions (deepstack, patch 16)
-    python bench.py report benchmarks/h200/*.jsonl                    # the tables of BENCHMARKS.md
+    python bench.py report benchmarks/h200/*.jsonl                    # the tables of benchmarks/BENCHMARKS.md
     torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
     python bench.py --trainer-only --profile --max-steps 2           # no engine: log-probs + update, kernel table
     python bench.py --workload realistic --padding-free off         # real response lengths, padded training
@@ -108,7 +108,7 @@ def summarize(metrics_path):
 
 
 def report(paths):
-    """Markdown summary of metrics.jsonl files (BENCHMARKS.md is pasted from this output, never typed)."""
+    """Markdown summary of metrics.jsonl files (benchmarks/BENCHMARKS.md is pasted from this output, never typed)."""
     out = ["| run | steps | reward first -> last (mean of 5) | val first -> last | logprob diff mean / max "
            "(over steps) | free GPU GiB engine awake / asleep | torch reserved GiB min / max | s/step (after 1st) |",
            "|---|---|---|---|---|---|---|---|"]

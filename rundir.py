@@ -14,9 +14,11 @@ import json
 import os
 import shutil
 from dataclasses import asdict
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
+import tyro
 
 import fsdp_actor as A
 import memory
@@ -178,11 +180,39 @@ def plot_rewards(cfg):
         import matplotlib  # noqa: F401
     except ImportError:
         return False
-    import plot
-    plot.plot([os.path.join(cfg.output_dir, "metrics.jsonl")], os.path.join(cfg.output_dir, "reward.png"),
-              labels=[os.path.basename(os.path.abspath(cfg.output_dir))],
-              title="reward (train: sampled; val: validation set)", chance=None if cfg.train_files else 0.25)
+    plot([os.path.join(cfg.output_dir, "metrics.jsonl")], os.path.join(cfg.output_dir, "reward.png"),
+         labels=[os.path.basename(os.path.abspath(cfg.output_dir))],
+         title="reward (train: sampled; val: validation set)", chance=None if cfg.train_files else 0.25)
     return True
+
+
+def plot(files: Annotated[list[str], tyro.conf.Positional], out: str = "reward.png", labels: tuple[str, ...] = (), title: str = "",
+         chance: float | None = None) -> str:
+    """Reward curves (train, and validation where logged) of metrics.jsonl files into the picture `out` (atomic)."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, path in enumerate(files):
+        rows = [json.loads(x) for x in open(path) if x.strip()]
+        label = labels[i] if i < len(labels) else path
+        train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
+        val = [(r["step"], r["val/mean"]) for r in rows if "val/mean" in r]
+        line, = ax.plot(*(zip(*train) if train else ([], [])), lw=1, alpha=0.8, label=f"{label} train")
+        if val:
+            ax.plot(*zip(*val), "o-", color=line.get_color(), ms=3, label=f"{label} val")
+    if chance is not None:
+        ax.axhline(chance, color="grey", ls=":", lw=1, label="chance")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    tmp = out + ".tmp.png"  # written whole, then renamed: a viewer never reads half a file
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
@@ -399,3 +429,9 @@ class RunLog:
             self.close_trackers()
             self.metrics_f.close()
             self.samples_f.close()
+
+
+if __name__ == "__main__":  # python rundir.py a/metrics.jsonl b/metrics.jsonl --labels cpu gpu --out compare.png
+    out = tyro.cli(plot, description="Reward curves of metrics.jsonl files (grpo.py keeps <output_dir>/reward.png "
+                   "up to date itself); --chance draws a dotted line at the reward of guessing (the demo: 0.25).")
+    print(f"wrote {out}")

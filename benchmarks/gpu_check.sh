@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_check.sh PHASE -- the GPU runs behind BENCHMARKS.md, as run on the H200 device (vLLM installed in /tmp/vsite).
+# benchmarks/gpu_check.sh PHASE -- the GPU runs behind benchmarks/BENCHMARKS.md, as run on the H200 device (vLLM installed in /tmp/vsite).
 #   a: [GPU0] vLLM engine tests, short 1-GPU demo, stale-sync check  ||  [GPU1] 3B-shaped phase benchmark
 #   c: [GPU0] the full 1-GPU demo with vLLM, the engine tests (TESTS_TIMEOUT)  ||  [GPU1] the 3B benchmark (BENCH_STEPS)
 #   b: 2 GPUs under torchrun: demo at TP 1 (two data-parallel engines) and at TP 2; the trainer's GPU tests (TESTS_TIMEOUT)
@@ -118,7 +118,7 @@ f)
      --output-dir /tmp/b3f > "$OUT/bench3b_forced.log" 2>&1; cp /tmp/b3f/metrics.jsonl "$OUT/bench3b_forced_metrics.jsonl"
    cp /tmp/b3f/bench_summary.json "$OUT/bench3b_forced_summary.json") &
   for ph in ${F_GPU1:-}; do
-    CUDA_VISIBLE_DEVICES=1 GPU_SLOT=1 timeout ${F_GPU1_TIMEOUT:-270} bash gpu_check.sh $ph > "$OUT/phase_$ph.log" 2>&1
+    CUDA_VISIBLE_DEVICES=1 GPU_SLOT=1 timeout ${F_GPU1_TIMEOUT:-270} bash benchmarks/gpu_check.sh $ph > "$OUT/phase_$ph.log" 2>&1
     echo "phase $ph: $(tail -c 300 "$OUT/phase_$ph.log")"
   done
   wait; grep -o 'BENCH_RESULT.*' "$OUT/bench3b_forced.log" | head -c 1500; tail -c 400 "$OUT/bench3b_forced.log" ;;
