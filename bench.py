@@ -171,7 +171,7 @@ def run(cfg, trainer_only=False, profile=False, workload="forced"):
     import torch
     if trainer_only:
         cfg = replace(cfg, rollout_engine="hf")  # built but never asked to generate: only weight syncs reach it
-    rank = grpo.A.init_distributed()[0]
+    rank = grpo.actor.init_distributed()[0]
     if rank == 0:  # a benchmark starts over every time (--resume never refuses a folder that holds a run)
         import shutil
         shutil.rmtree(cfg.output_dir, ignore_errors=True)

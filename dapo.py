@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 import data
-import fsdp_actor as A
+import fsdp_actor as actor
 import grpo
 import rewards
 import rundir
@@ -99,17 +99,17 @@ def collect_dynamic(ctx, step, metrics):
         for i, v in enumerate([len(samples) // cfg.n, failed, passed, sum(not s["finished"] for s in samples),
                                sum(float(s["scores"].get(cfg.filter_key, 0)) for s in samples)]):
             counts[i] += v
-        if A.all_reduce_cpu(float(len(kept) >= share * cfg.n), op=dist.ReduceOp.MIN).item() == 1:
+        if actor.all_reduce_cpu(float(len(kept) >= share * cfg.n), op=dist.ReduceOp.MIN).item() == 1:
             break
         if cfg.max_try_make_batch and tries >= cfg.max_try_make_batch:
-            tot = A.all_reduce_cpu(counts).tolist()
+            tot = actor.all_reduce_cpu(counts).tolist()
             raise grpo.UserError(
                 f"dynamic sampling: after {tries} tries (max_try_make_batch={cfg.max_try_make_batch}) of "
                 f"{gen} prompts, {int(tot[2])} of {int(tot[0])} groups had mixed {cfg.filter_key!r} "
                 f"({int(tot[1])} were all-equal) but a step needs {cfg.rollout_batch_size} on every rank. Raise "
                 f"--max-try-make-batch (0 = unlimited) or --gen-batch-size, or check the reward/task: nearly every "
                 f"group is all-correct or all-wrong (mean {cfg.filter_key}={tot[4] / max(tot[0] * cfg.n, 1):.3f}).")
-    tot = A.all_reduce_cpu(counts).tolist()
+    tot = actor.all_reduce_cpu(counts).tolist()
     metrics.update({"dapo/tries": tries, "dapo/groups_generated": tot[0], "dapo/groups_filtered": tot[1],
                     "dapo/groups_kept": float(cfg.rollout_batch_size),
                     "dapo/groups_surplus": tot[2] - cfg.rollout_batch_size,  # passed, but the batch was full

@@ -20,7 +20,7 @@ import tyro
 
 import data
 import easyr1_config
-import fsdp_actor as A
+import fsdp_actor as actor
 import memory
 import rollout
 import rundir
@@ -170,11 +170,11 @@ def compute_advantages(rewards, estimator="grpo", lengths=None, eps=1e-6):
         if estimator == "reinforce_plus_plus_baseline" and n > 1:
             x = x - x.mean(dim=1, keepdim=True)
         w = torch.ones_like(x) if lengths is None else torch.as_tensor(lengths, dtype=torch.float64).view(G, n)
-        cnt, s = A.all_reduce_cpu([w.sum(), (w * x).sum()]).tolist()
+        cnt, s = actor.all_reduce_cpu([w.sum(), (w * x).sum()]).tolist()
         if cnt <= 1:  # one token or none: nothing to whiten (veRL raises)
             return torch.zeros_like(rewards)
         mean = s / cnt  # veRL adds 1e-8 to this denominator; left out so that equal rewards give exactly 0
-        var = float(A.all_reduce_cpu((w * (x - mean).square()).sum())) / (cnt - 1)  # Bessel over tokens
+        var = float(actor.all_reduce_cpu((w * (x - mean).square()).sum())) / (cnt - 1)  # Bessel over tokens
         return ((x - mean) / math.sqrt(var + 1e-8)).to(rewards.dtype)
     raise ValueError(f"adv_estimator={estimator!r}: choose grpo, dr_grpo, rloo, reinforce_plus_plus or "
                      "reinforce_plus_plus_baseline")
@@ -280,7 +280,7 @@ def setup(cfg: Config):
     import video
     easyr1_config.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
-    rank, world, device = A.init_distributed()
+    rank, world, device = actor.init_distributed()
     ckpt, state = rundir.find_resume(cfg)  # refuses a changed config before anything loads
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -305,18 +305,18 @@ def setup(cfg: Config):
     ctx.lora = dict(r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
                     exclude_modules=cfg.lora_exclude_modules, modules_to_save=cfg.lora_modules_to_save
                     ) if cfg.lora_rank > 0 else None
-    ctx.model = A.build_actor(ctx.model_path, device, torch.bfloat16 if pure_bf16 else torch.float32,
+    ctx.model = actor.build_actor(ctx.model_path, device, torch.bfloat16 if pure_bf16 else torch.float32,
                               ctx.compute_dtype, cfg.gradient_checkpointing, cfg.attn_implementation,
                               freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora,
                               padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
                               torch_compile=cfg.torch_compile, offload=cfg.offload_params)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
-        ctx.ref = A.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
+        ctx.ref = actor.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
                                 attn_implementation=cfg.attn_implementation, trainable=False,
                                 padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
                                 torch_compile=cfg.torch_compile, offload=cfg.offload_params)
-    ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
+    ctx.opt, ctx.sched = actor.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
                                            device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
                                            seed=cfg.seed)
     videos = max(video.most_videos(d) for d in (ctx.train, ctx.val) if d is not None)
@@ -394,24 +394,24 @@ def update_policy(ctx, samples, step):
             mini = [samples[i] for i in order[m * per_mini:(m + 1) * per_mini]]
             # global normalisers: the mini-batch's loss is the same whatever the micro-batching and rank count
             # (a sample with loss_mask 0, e.g. DAPO's truncated ones, takes no part in the loss or its normalisers)
-            num_tokens, num_seqs = A.all_reduce_cpu([sum(len(s["response_ids"]) * s.get("loss_mask", 1) for s in mini),
+            num_tokens, num_seqs = actor.all_reduce_cpu([sum(len(s["response_ids"]) * s.get("loss_mask", 1) for s in mini),
                                                      sum(s.get("loss_mask", 1) for s in mini)]).clamp(min=1).tolist()
             norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
             lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in mini]
-            for idx in A.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device,
+            for idx in actor.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device,
                                             [id(s["prompt"]) for s in mini], packed=ctx.model.packed):
                 mb = [mini[i] for i in idx]
-                batch, resp_len = A.collate(mb, ctx.pad_id, dev, ctx.model)
+                batch, resp_len = actor.collate(mb, ctx.pad_id, dev, ctx.model)
                 log.add("perf/pad_fraction", batch["input_ids"].numel() - sum(lengths[i] for i in idx),
                         batch["input_ids"].numel())
                 lp, ent = ctx.model(**batch, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)  # [N]
-                logp, mask = A.pad_responses(lp, resp_len)  # [b, R]
+                logp, mask = actor.pad_responses(lp, resp_len)  # [b, R]
                 loss, mask = micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass=epoch == 0 and m == 0)
                 # FSDP averages gradients over ranks; the normalisers are already global, so undo the average
                 (loss * ctx.world).backward()
-                ent_p, _ = A.pad_responses(ent, resp_len)
+                ent_p, _ = actor.pad_responses(ent, resp_len)
                 log.add("actor/entropy", (ent_p * mask).sum(), mask.sum())
-            grad_norm = A.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm,  # the same on every rank
+            grad_norm = actor.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm,  # the same on every rank
                                          offload_state=cfg.offload_optimizer and not cfg.offload_params)
             log.add("actor/grad_norm", grad_norm)
             log.add("actor/lr", ctx.sched.get_last_lr()[0])
@@ -434,17 +434,17 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
     norm the mini-batch's global normalisers. Returns the loss (a share of the mini-batch's) and the mask of the
     tokens that took part."""
     dev, R = logp.device, logp.shape[1]
-    mask = mask & A.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]  # [b, R]
+    mask = mask & actor.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]  # [b, R]
     if mb[0].get("old_logp") is not None:
-        old = A.stack_padded([s["old_logp"] for s in mb], R, dev)  # [b, R]
+        old = actor.stack_padded([s["old_logp"] for s in mb], R, dev)  # [b, R]
     else:  # on-policy: the first forward *is* the old policy
         old = logp.detach()
-    adv = A.to_device(torch.tensor([s["adv"] for s in mb], dtype=logp.dtype), dev)  # [b]
+    adv = actor.to_device(torch.tensor([s["adv"] for s in mb], dtype=logp.dtype), dev)  # [b]
     tok_loss, clip = policy_loss(logp, old, adv, mask, cfg.loss_type, cfg.clip_ratio_low, cfg.clip_ratio_high,
                                  cfg.clip_ratio_dual, cfg.gspo_dual_clip, cfg.cispo_clip_low)  # [b, R]
     roll = None
     if all(s.get("rollout_logp") is not None for s in mb):
-        roll = A.stack_padded([s["rollout_logp"] for s in mb], R, dev)  # [b, R] the engine's
+        roll = actor.stack_padded([s["rollout_logp"] for s in mb], R, dev)  # [b, R] the engine's
     if cfg.rollout_correction == "tis":
         w, st = rollout.correction_weights(old, roll, mask, cfg.rollout_correction_level, cfg.rollout_correction_cap)
         tok_loss = tok_loss * w
@@ -454,7 +454,7 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
     pg_loss = agg_loss(tok_loss, mask, cfg.loss_avg_mode, **norm)
     loss = pg_loss
     if cfg.kl_coef > 0:
-        ref = A.stack_padded([s["ref_logp"] for s in mb], R, dev)  # [b, R]
+        ref = actor.stack_padded([s["ref_logp"] for s in mb], R, dev)  # [b, R]
         kl = kl_penalty(logp, ref, cfg.kl_penalty)  # [b, R]
         loss = loss + cfg.kl_coef * agg_loss(kl, mask, cfg.loss_avg_mode, **norm)
         log.add("actor/kl", (kl.detach() * mask).sum(), mask.sum())
@@ -495,7 +495,7 @@ def train_step(ctx, step, collect=collect_rollouts):
                  max_tokens=cfg.max_token_len_per_device, max_samples=cfg.micro_batch_size_per_device)
     if cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs > 1:
         t = time.time()
-        old, _ = A.compute_logprobs(ctx.model, samples, **mb_kw)
+        old, _ = actor.compute_logprobs(ctx.model, samples, **mb_kw)
         for s, o in zip(samples, old):
             s["old_logp"] = o
         T["old_logprob"] = time.time() - t
@@ -505,7 +505,7 @@ def train_step(ctx, step, collect=collect_rollouts):
         ref_model = memory.adapters_disabled(ctx.model) if ctx.lora else memory.resident(ctx.ref, ctx.device,
                                                                                      cfg.offload_params)
         with ref_model as m:
-            ref, _ = A.compute_logprobs(m, samples, **mb_kw)
+            ref, _ = actor.compute_logprobs(m, samples, **mb_kw)
         for s, r in zip(samples, ref):
             s["ref_logp"] = r
         T["ref_logprob"] = time.time() - t
@@ -531,7 +531,7 @@ def sync_engine(ctx):
         return 0.0
     t = time.time()
     lora_only = bool(ctx.lora) and not getattr(ctx.rollout, "weights_lost", False)
-    ctx.rollout.sync_weights(A.iter_full_params(ctx.model, ctx.compute_dtype, lora_only=lora_only))
+    ctx.rollout.sync_weights(actor.iter_full_params(ctx.model, ctx.compute_dtype, lora_only=lora_only))
     ctx.engine_stale = False
     return time.time() - t
 

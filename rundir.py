@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import tyro
 
-import fsdp_actor as A
+import fsdp_actor as actor
 import memory
 from data import UserError
 
@@ -186,8 +186,8 @@ def plot_rewards(cfg):
     return True
 
 
-def plot(files: Annotated[list[str], tyro.conf.Positional], out: str = "reward.png", labels: tuple[str, ...] = (), title: str = "",
-         chance: float | None = None) -> str:
+def plot(files: Annotated[list[str], tyro.conf.Positional], out: str = "reward.png", labels: tuple[str, ...] = (),
+         title: str = "", chance: float | None = None) -> str:
     """Reward curves (train, and validation where logged) of metrics.jsonl files into the picture `out` (atomic)."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
@@ -228,7 +228,7 @@ def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
     tmp = path + ".tmp"
     if dist.get_rank() == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)
-    dist.barrier(group=A._cpu_group())
+    dist.barrier(group=actor._cpu_group())
     msd, osd = get_state_dict(model, opt, options=_state_dict_options(model))
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
     if dist.get_rank() == 0:
@@ -240,7 +240,7 @@ def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
         root = os.path.dirname(path)
         while keep and len(steps := [s for s in _saved_steps(root) if s != protect]) > keep:  # after the new one
             shutil.rmtree(os.path.join(root, f"step_{steps[0]}"))
-    dist.barrier(group=A._cpu_group())
+    dist.barrier(group=actor._cpu_group())
 
 
 def load_checkpoint(path, model, opt, sched):
@@ -308,11 +308,11 @@ def step_metrics(ctx, samples, T, peaks, so_far):
     import flops
     import memory
     cfg, out = ctx.cfg, sample_metrics(ctx, samples, "reward")
-    n_tok = float(A.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
+    n_tok = float(actor.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
     out.update({f"timing/{k}": v for k, v in T.items()})
     out["throughput/tokens_per_s"] = n_tok / T["step"] / ctx.world  # per device, like EasyR1
     out["throughput/tokens_per_s_total"] = n_tok / T["step"]
-    fwd = float(A.all_reduce_cpu(flops.forward_flops(ctx.model.hf.config, samples)))  # one pass, all ranks
+    fwd = float(actor.all_reduce_cpu(flops.forward_flops(ctx.model.hf.config, samples)))  # one pass, all ranks
     peak = cfg.peak_tflops * 1e12 * ctx.world
     out["perf/mfu_update"] = 3 * cfg.ppo_epochs * fwd / (T["update"] * peak)  # forward + backward per epoch
     if "ref_logprob" in T:
@@ -326,8 +326,8 @@ def sample_metrics(ctx, samples, prefix):
     keys = sorted(samples[0]["scores"])
     rows = [[s["scores"][k] for k in keys] + [len(s["response_ids"]), 0.0 if s["finished"] else 1.0,
                                                len(s["prompt"]["prompt_ids"]), 1.0] for s in samples]
-    tot = A.all_reduce_cpu(torch.tensor(rows, dtype=torch.float64).sum(0))
-    mx = A.all_reduce_cpu(max(len(s["response_ids"]) for s in samples), op=dist.ReduceOp.MAX)
+    tot = actor.all_reduce_cpu(torch.tensor(rows, dtype=torch.float64).sum(0))
+    mx = actor.all_reduce_cpu(max(len(s["response_ids"]) for s in samples), op=dist.ReduceOp.MAX)
     cnt = float(tot[-1])
     out = {f"{prefix}/{'mean' if k == 'overall' else k}": float(v) / cnt for k, v in zip(keys, tot[:len(keys)])}
     out["response_length/mean" if prefix == "reward" else f"{prefix}/response_length"] = float(tot[len(keys)]) / cnt
@@ -369,7 +369,7 @@ class MetricSums:
         keys, mkeys = sorted(self.sums), sorted(self.maxes)
         local = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev) for k in keys for x in self.sums[k]]
                             + [self.maxes[k] for k in mkeys]).cpu()  # the one wait for the GPU
-        red = A.all_reduce_cpu(local[:2 * len(keys)].view(-1, 2))
+        red = actor.all_reduce_cpu(local[:2 * len(keys)].view(-1, 2))
         out = {}
         for k, (v, c) in zip(keys, red.tolist()):
             if k in ("actor/pg_loss", "actor/loss"):
@@ -379,7 +379,7 @@ class MetricSums:
             else:
                 out[k] = v / max(c, 1)
         if mkeys:
-            out.update(zip(mkeys, A.all_reduce_cpu(local[2 * len(keys):], op=dist.ReduceOp.MAX).tolist()))
+            out.update(zip(mkeys, actor.all_reduce_cpu(local[2 * len(keys):], op=dist.ReduceOp.MAX).tolist()))
         return out
 
 

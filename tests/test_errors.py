@@ -114,7 +114,7 @@ def bad_parquet(path, n_good=4):
 
 def test_bad_rows_stop_training_before_the_model_loads(tmp_path, monkeypatch, capsys):
     src = bad_parquet(tmp_path / "bad.parquet")
-    monkeypatch.setattr(grpo.A, "build_actor", None)  # the check must come first: loading a model would crash here
+    monkeypatch.setattr(grpo.actor, "build_actor", None)  # the check must come first: loading a model would crash here
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         grpo_main(["--train-files", src, "--output-dir", str(tmp_path / "o")] + SMALL)

@@ -1,12 +1,10 @@
 """Memory modes: the pure-bf16 AdamW step (stochastic rounding and Kahan compensation against round-to-nearest,
 which loses RL-sized updates), bf16 checkpoints and exact resume, the offload wiring, the memory keys."""
-import json
-import os
 
 import pytest
 import torch
 
-import fsdp_actor as A
+import fsdp_actor as actor
 import memory
 from test_train import DENSE_REWARD, run
 
@@ -140,7 +138,7 @@ def test_bf16_optimizer_resumes_exactly(tmp_path, rounding):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
-    A.init_distributed()
+    actor.init_distributed()
     w, d = weights(4096)
     grads = [d + torch.randn(d.shape, generator=torch.Generator().manual_seed(i)) for i in range(6)]
 
@@ -188,9 +186,9 @@ def test_offload_wiring(tmp_path):
     bytes saved, which benchmarks/gpu_check.sh m measures)."""
     import tiny_model
     from torch.distributed.fsdp import CPUOffloadPolicy
-    A.init_distributed()
+    actor.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path / "m"))
-    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False,
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False,
                           offload=True)
     states = [m._get_fsdp_state() for m in model.modules() if hasattr(m, "_get_fsdp_state")]
     assert len(states) > 2
@@ -201,9 +199,9 @@ def test_offload_wiring(tmp_path):
     torch.manual_seed(0)
     for p in model.parameters():
         p.grad = torch.distributed.tensor.distribute_tensor(torch.randn(p.shape), p.device_mesh, p.placements)
-    opt, sched = A.build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    opt, sched = actor.build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-    A.optimizer_step(model, opt, sched, 1.0, offload_state=True)
+    actor.optimizer_step(model, opt, sched, 1.0, offload_state=True)
     assert all(not torch.equal(before[n], p.full_tensor()) for n, p in model.named_parameters())
     assert len(opt.state) == len(before)
     # where the state goes: every tensor but the (host-kept) step counter; "meta" stands in for a second device

@@ -7,7 +7,7 @@ import torch
 
 import bench
 import flops
-import fsdp_actor as A
+import fsdp_actor as actor
 import grpo
 import rollout
 import tiny_model
@@ -106,7 +106,7 @@ def test_tis_weights_hand_computed():
 
 @pytest.fixture(scope="module")
 def update_setup():
-    A.init_distributed()
+    actor.init_distributed()
     path = tiny_model.build_tiny_model()
     from test_varlen import _samples
     samples, pad = _samples(path)
@@ -117,8 +117,8 @@ def _update(path, samples, pad, **cfg_kw):
     cfg = grpo.Config(rollout_batch_size=1, global_batch_size=1, n=len(samples), kl_coef=0.0, lr=0.0,
                       max_response_length=16, **cfg_kw)
     torch.manual_seed(0)
-    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
-    opt, sched = A.build_optimizer(model, 0.0, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+    opt, sched = actor.build_optimizer(model, 0.0, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
     ctx = SimpleNamespace(cfg=cfg, model=model, ref=None, opt=opt, sched=sched, device=torch.device("cpu"), world=1,
                           pad_id=pad, skipped_run=0, skipped_total=0)
     return grpo.update_policy(ctx, samples, step=0)
@@ -128,8 +128,8 @@ def test_tis_in_the_update_matches_the_hand_formula(update_setup):
     """On-policy the clipped loss is -adv per token, so with TIS the policy loss is -sum(adv * w) / tokens with
     w = min(cap, pi_trainer / pi_engine): built here from the trainer's own log-probs and made-up engine ones."""
     path, samples, pad = update_setup
-    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
-    lps, _ = A.compute_logprobs(model, samples, pad, torch.device("cpu"), 1.0, 10_000, 64)
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+    lps, _ = actor.compute_logprobs(model, samples, pad, torch.device("cpu"), 1.0, 10_000, 64)
     g = torch.Generator().manual_seed(3)
     samples = [dict(s, adv=float(a), rollout_logp=(lp + torch.randn(len(lp), generator=g)).tolist())
                for s, a, lp in zip(samples, torch.linspace(-1, 1, len(samples)), lps)]

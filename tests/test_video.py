@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 import data
-import fsdp_actor as A
+import fsdp_actor as actor
 import tiny_model
 
 PX = dict(min_pixels=56 * 56, max_pixels=112 * 112)
@@ -22,7 +22,7 @@ def clip(first, last, n=4, size=(64, 60)):
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen2_vl"])
 def arch(request, tmp_path_factory):
-    A.init_distributed()
+    actor.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp(request.param) / "m"), arch=request.param)
     return request.param, path, data.load_processor(path, **PX)
 
@@ -102,8 +102,8 @@ def test_frames_and_time_reach_the_model(arch):
         assert torch.allclose(rgb * 255, torch.tensor(tiny_model.COLORS[colour], dtype=torch.float), atol=1.0)
     # Qwen2.5-VL bounds a frame (56x56, 14-pixel patches), Qwen3-VL the clip (4 frames x 32x32, 16-pixel patches)
     assert fast["mm_inputs"]["video_grid_thw"].tolist() == [[2, 2, 2] if name == "qwen3_vl" else [2, 4, 4]]
-    hf = A.load_hf_model(path).eval()
-    pos = {f: A._rope_index(hf, r["prompt_ids"], r["mm_inputs"]) for f, r in ((2.0, fast), (0.5, slow))}
+    hf = actor.load_hf_model(path).eval()
+    pos = {f: actor._rope_index(hf, r["prompt_ids"], r["mm_inputs"]) for f, r in ((2.0, fast), (0.5, slow))}
     if name == "qwen2_5_vl":  # the time axis counts tokens_per_second (2) x the seconds of a frame pair
         assert fast["mm_inputs"]["second_per_grid_ts"].tolist() == [1.0]
         assert slow["mm_inputs"]["second_per_grid_ts"].tolist() == [4.0]
@@ -169,8 +169,8 @@ def test_hf_engine_generates_from_video_and_agrees_with_the_trainer(arch):
     samples = [dict(prompt=p, response_ids=o["response_ids"], logprobs=o["logprobs"]) for p, g in zip(prompts, out)
                for o in g]
     assert all(len(s["response_ids"]) > 0 and len(s["logprobs"]) == len(s["response_ids"]) for s in samples)
-    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False).eval()
-    lps, _ = A.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False).eval()
+    lps, _ = actor.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
                                 max_tokens=10_000, max_samples=4)
     for s, lp in zip(samples, lps):
         assert torch.allclose(lp.double(), torch.tensor(s["logprobs"], dtype=torch.float64), atol=1e-4)
@@ -185,9 +185,9 @@ def test_trainer_logprobs_match_a_plain_hf_forward(arch):
     _, path, proc = arch
     samples = samples_of(video_prompts(proc))
     ref = reference_logprobs(path, samples, proc.tokenizer.pad_token_id)
-    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False).eval()
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False).eval()
     for max_tokens in (10_000, 60):  # everything in one micro-batch, and one prompt per micro-batch
-        lps, _ = A.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
+        lps, _ = actor.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
                                     max_tokens=max_tokens, max_samples=4)
         for a, b in zip(lps, ref):
             assert a.shape == b.shape and torch.allclose(a.double(), b, atol=2e-5), (a, b)
