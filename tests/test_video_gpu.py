@@ -22,7 +22,6 @@ PX = dict(min_pixels=56 * 56, max_pixels=112 * 112)
 def video_prompts(path):
     """A clip, an image and a clip, two clips of different frame rates (4, 6 and 3 frames; the 3 padded to 4)."""
     import data
-    import video
     from PIL import Image
     proc = data.load_processor(path, **PX)
 
@@ -37,10 +36,10 @@ def video_prompts(path):
              "videos": [clip("red", "blue", 4), clip("blue", "green", 3)]}]
     recs = [data.encode_prompt(r, proc, **PX) for r in rows[:2]]
     recs.append(data.encode_prompt(rows[2], proc, video_fps=0.5, **PX))  # slower clips: other time positions
-    return proc, recs, video
+    return proc, recs
 
 
-def check_processor(path, proc, recs, video):
+def check_processor(path, proc, recs):
     """Where torchvision is installed (the GPU image), transformers' own Qwen-VL processor on our frames gives our
     pixels, grids and prompt tokens: video.py reimplements it for machines without torchvision."""
     from transformers import AutoProcessor
@@ -84,13 +83,16 @@ def check(arch):
     import tiny_model
     rollout._set_vllm_env()
     path = tiny_model.build_tiny_model(arch=arch)
-    proc, recs, video = video_prompts(path)
-    check_processor(path, proc, recs, video)
+    proc, recs = video_prompts(path)
     eng = rollout.VLLMRollout(path, gpu_memory_utilization=0.25, max_model_len=1024, enforce_eager=True,
                               dtype="bfloat16", limit_mm_per_prompt={"image": 1, "video": 2}, mm_processor_kwargs=PX)
     from vllm import SamplingParams
     outs = eng.llm.generate([eng._vllm_prompt(r) for r in recs], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert [list(o.prompt_token_ids) for o in outs] == [r["prompt_ids"] for r in recs]  # vLLM's expansion is ours
+    for o, r in zip(outs, recs):  # vLLM's expansion is ours (Qwen3-VL: the timestamps too)
+        got = list(o.prompt_token_ids)
+        assert got == r["prompt_ids"], (len(got), len(r["prompt_ids"]), proc.tokenizer.decode(got)[-300:],
+                                        proc.tokenizer.decode(r["prompt_ids"])[-300:])
+    print(f"[{arch}] vLLM's prompts are the trainer's ({[len(r['prompt_ids']) for r in recs]} tokens)")
     ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()  # bf16-rounded weights, fp32 compute
     sd = {k: v.to(torch.bfloat16) for k, v in sharpen(ref.state_dict()).items()}
     eng.sync_weights(sd.items())
@@ -110,6 +112,7 @@ def check(arch):
         print(f"[{arch}] mean |logp diff| with the trainer's second_per_grid_ts {dd['right']:.4f}, with 24 fps "
               f"{dd['24 fps']:.4f}")
         assert dd["right"] < dd["24 fps"] / 2, dd
+    check_processor(path, proc, recs)
     print(f"VIDEO_GPU_OK {arch} vllm={eng.version}", flush=True)
 
 
