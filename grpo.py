@@ -296,7 +296,7 @@ def setup(cfg: Config):
     ctx.done = bool(state and state["step"] >= cfg.max_steps)
     if ctx.done:
         ctx.say(f"[resume] {ckpt} is step {state['step']} of --max-steps {cfg.max_steps}: the run is already "
-                  "complete, nothing to do (raise --max-steps to train on, or start a new run in another --output-dir)")
+                "complete, nothing to do (raise --max-steps to train on, or start a new run in another --output-dir)")
         return ctx
     # --- policy (fp32 master weights, or bf16), reference (frozen, compute dtype), rollout engine (its own weights) ---
     pure_bf16 = cfg.precision == "bf16"
