@@ -174,10 +174,11 @@ def test_bf16_optimizer_resumes_exactly(tmp_path, rounding):
 
 
 def test_bf16_refuses_fp32_compute():
+    import easyr1_config
     import grpo
     from data import UserError
     with pytest.raises(UserError, match="--precision bf16 computes in bf16"):
-        grpo.check_config(grpo.Config(precision="bf16", dtype="fp32"), 1)
+        easyr1_config.check(grpo.Config(precision="bf16", dtype="fp32"), 1)
 
 
 def test_offload_wiring(tmp_path):
