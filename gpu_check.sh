@@ -7,6 +7,8 @@
 #   p: the trainer alone on the 3B bench (no engine, no vLLM needed): phase seconds + the last step's kernel table
 #   q: Qwen3: [GPU0] the Qwen3-VL demo with vLLM, then tests/test_qwen3_gpu.py (engine checks, deepstack-only sync,
 #      both Qwen3 demos' log-prob agreement)
+#   t: the text demo (tiny Qwen3, largest digit, unseen validation) with vLLM on one GPU, as far as 220 s take it
+#      (expected ~4 min in all: build, engine start, steps); its engine tests run in phase q
 #   q8: 2 GPUs under torchrun: the Qwen3-VL-8B-shaped benchmark (8.77B parameters: fp32 weights, gradients and AdamW
 #      state are 140 GB, more than one H200 holds; FSDP over 2 GPUs halves it)
 # Results go to $OUT (logs and metrics.jsonl files).
@@ -86,6 +88,11 @@ q)  # Qwen3-VL and Qwen3 (tiny) on one GPU
     ${DEMO1_ARGS:-} > "$OUT/q3vl.log" 2>&1; cp /tmp/q3vl/metrics.jsonl "$OUT/q3vl_metrics.jsonl"; tail -c 300 "$OUT/q3vl.log"
   CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-500} python -m pytest -m gpu -q -s tests/test_qwen3_gpu.py \
     > "$OUT/q3_gpu_tests.log" 2>&1; tail -3 "$OUT/q3_gpu_tests.log" ;;
+t)  # the text demo with vLLM: metrics of every step it reaches in DEMO1_TIMEOUT (the CPU run: val 0.82 at step 100)
+  python -c "import tiny_model, data; tiny_model.build_tiny_model(arch='qwen3'); data.demo_max_data()"
+  CUDA_VISIBLE_DEVICES=0 timeout ${DEMO1_TIMEOUT:-220} python grpo.py $DEMO --demo-model qwen3 --output-dir /tmp/q3txt \
+    ${DEMO1_ARGS:-} > "$OUT/q3txt.log" 2>&1; cp /tmp/q3txt/metrics.jsonl "$OUT/q3txt_metrics.jsonl"; tail -c 300 "$OUT/q3txt.log"
+  python bench.py report "$OUT/q3txt_metrics.jsonl" | head -3 ;;
 q8)  # the Qwen3-VL-8B-shaped benchmark on 2 GPUs (one engine per GPU)
   timeout ${BENCH_TIMEOUT:-530} torchrun --standalone --nproc_per_node 2 bench.py --preset qwen3_vl_8b \
     --max-steps ${BENCH_STEPS:-3} --gpu-memory-utilization 0.3 --output-dir /tmp/bench8b ${BENCH_ARGS:-} > "$OUT/bench8b.log" 2>&1
