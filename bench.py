@@ -2,11 +2,12 @@
 
     python bench.py --preset qwen2_5_vl_3b --max-steps 3            # one GPU (the design card's speed bar)
     python bench.py --preset qwen3_vl_8b --max-steps 3              # Qwen3-VL-8B's dimensions (deepstack, patch 16)
-    python bench.py report benchmarks/h200/*.jsonl                    # the tables of BENCHMARKS.md
+    python bench.py report benchmarks/h200/*.jsonl                    # the tables of benchmarks/BENCHMARKS.md
     torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
     python bench.py --trainer-only --profile --max-steps 2           # no engine: log-probs + update, kernel table
     python bench.py --workload realistic --padding-free off         # real response lengths, padded training
     python bench.py --prepare-only                                   # just build the random model and the data
+    python bench.py --preset qwen2_5_vl_7b --lora-rank 64 --gpu-memory-cap-gb 40   # as if on a 40 GB card
 
 Random weights with the real dimensions (tiny_model.build_random_model: no download) and geo3k-like prompts: one
 512x512 figure and about 100 text tokens. Two workloads, each the same work on every run:
@@ -22,8 +23,10 @@ import json
 import os
 import random
 import sys
+import time
 from dataclasses import replace
 
+import data
 import grpo
 
 WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
@@ -79,7 +82,7 @@ def response_lengths(seed, pos, n, max_len):
 def realistic_collect(ctx, step, metrics):
     """grpo.collect_rollouts with forced per-sample response lengths (the realistic workload)."""
     cfg = ctx.cfg
-    drawn = grpo.draw_prompts(ctx, ctx.cursor, cfg.rollout_batch_size)
+    drawn = data.draw_prompts(ctx.train, ctx.cursor, cfg.rollout_batch_size, ctx.rank, ctx.world, cfg.seed)
     ctx.cursor += cfg.rollout_batch_size
     lengths = [response_lengths(cfg.seed, pos, cfg.n, cfg.max_response_length) for pos, _ in drawn]
     return grpo.generate_and_score(ctx, drawn, cfg.n, cfg.temperature, lengths=lengths)
@@ -91,7 +94,7 @@ def defaults(workdir, model_path, data_path):
         format_prompt="{{ content }} Put the final answer in \\boxed{}.",
         max_prompt_length=1024, max_response_length=1024, min_pixels=3136, max_pixels=512 * 512,
         rollout_batch_size=64, global_batch_size=64, n=8, temperature=1.0, lr=1e-6, kl_coef=1e-2,
-        micro_batch_size_per_device=64, max_token_len_per_device=32768, gpu_memory_utilization=0.5,
+        micro_batch_size_per_device=256, max_token_len_per_device=65536, gpu_memory_utilization=0.5,
         max_num_batched_tokens=16384, max_steps=3, val_freq=0, save_freq=-1, resume="never",
         output_dir=os.path.join(workdir, "run"))
 
@@ -105,7 +108,7 @@ def summarize(metrics_path):
 
 
 def report(paths):
-    """Markdown summary of metrics.jsonl files (BENCHMARKS.md is pasted from this output, never typed)."""
+    """Markdown summary of metrics.jsonl files (benchmarks/BENCHMARKS.md is pasted from this output, never typed)."""
     out = ["| run | steps | reward first -> last (mean of 5) | val first -> last | logprob diff mean / max "
            "(over steps) | free GPU GiB engine awake / asleep | torch reserved GiB min / max | s/step (after 1st) |",
            "|---|---|---|---|---|---|---|---|"]
@@ -134,7 +137,8 @@ def report(paths):
 
 PHASES = ["timing/gen", "timing/old_logprob", "timing/ref_logprob", "timing/update", "timing/sync", "timing/step",
           "throughput/tokens_per_s", "perf/pad_fraction", "perf/mfu_ref", "perf/mfu_update",
-          "memory/gpu_peak_allocated_gb", "memory/host_peak_rss_gb"]
+          "memory/gpu_peak_allocated_gb", "memory/trainer_peak_gen_gb", "memory/trainer_peak_ref_gb",
+          "memory/trainer_peak_update_gb", "memory/engine_pool_gb", "memory/engine_awake_gb", "memory/host_peak_rss_gb"]
 
 
 def synthetic_collect(ctx, step, metrics, realistic=False):
@@ -143,18 +147,18 @@ def synthetic_collect(ctx, step, metrics, realistic=False):
     inference engine."""
     import torch
     cfg = ctx.cfg
-    drawn = grpo.draw_prompts(ctx, ctx.cursor, cfg.rollout_batch_size)
+    drawn = data.draw_prompts(ctx.train, ctx.cursor, cfg.rollout_batch_size, ctx.rank, ctx.world, cfg.seed)
     ctx.cursor += cfg.rollout_batch_size
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 8191 + ctx.rank)
     special = set(ctx.tokenizer.all_special_ids) | set(ctx.model.forbidden)
     allowed = torch.tensor([i for i in range(256) if i not in special])  # byte tokens: in every vocabulary
     samples = []
     M = cfg.max_response_length
-    for k, (pos, rec) in enumerate(drawn):
+    for pos, rec in drawn:
         for L in (response_lengths(cfg.seed, pos, cfg.n, M) if realistic else [M] * cfg.n):
             ids = allowed[torch.randint(len(allowed), (L,), generator=g)].tolist()
             r = float(torch.randint(2, (1,), generator=g))
-            samples.append(dict(prompt=rec, response_ids=ids, finished=L < M, rollout_logp=None, group=k, text="",
+            samples.append(dict(prompt=rec, response_ids=ids, finished=L < M, rollout_logp=None, text="",
                                 scores={"overall": r}, reward=r))
     return samples
 
@@ -167,7 +171,7 @@ def run(cfg, trainer_only=False, profile=False, workload="forced"):
     import torch
     if trainer_only:
         cfg = replace(cfg, rollout_engine="hf")  # built but never asked to generate: only weight syncs reach it
-    rank = grpo.A.init_distributed()[0]
+    rank = grpo.actor.init_distributed()[0]
     if rank == 0:  # a benchmark starts over every time (--resume never refuses a folder that holds a run)
         import shutil
         shutil.rmtree(cfg.output_dir, ignore_errors=True)
@@ -183,12 +187,20 @@ def run(cfg, trainer_only=False, profile=False, workload="forced"):
                                                         if torch.cuda.is_available() else [])
         prof = torch.profiler.profile(activities=acts)
 
-    def collect(ctx, step, metrics):
+    t_prof = []
+
+    def collect(ctx, step, metrics):  # the profiled span's wall time too: the GPU's busy share
         if prof is not None and step == cfg.max_steps - 1:
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            t_prof.append(time.perf_counter())
             prof.start()  # from here to the end of train(): the last step's collect, log-probs and update
         return base(ctx, step, metrics)
 
     grpo.train(cfg, collect=collect)
+    wall = 0.0
+    if t_prof:
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        wall = time.perf_counter() - t_prof[0]
     summary = {}
     if rank == 0:
         summary = summarize(os.path.join(cfg.output_dir, "metrics.jsonl"))
@@ -196,9 +208,149 @@ def run(cfg, trainer_only=False, profile=False, workload="forced"):
         prof.stop()
         if rank == 0:
             key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            avg = prof.key_averages()
+            # seconds of kernels (device events only: an aten op's device time repeats its kernels'), or of CPU ops
+            busy = sum(getattr(e, key) for e in avg if not torch.cuda.is_available()
+                       or e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
             with open(os.path.join(cfg.output_dir, "profile.txt"), "w") as f:
-                f.write(prof.key_averages().table(sort_by=key, row_limit=60))
+                f.write(f"profiled wall {wall:.2f} s, {key} {busy:.2f} s: busy {busy / max(wall, 1e-9):.0%}\n")
+                f.write(avg.table(sort_by=key, row_limit=60))
     return summary
+
+
+def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
+    """Run as if the GPU had only `cap_gb` (a smaller card): the rest of it is taken by a ballast tensor held for
+    the whole run (memory.occupy: left out of the memory/* keys), and vLLM's gpu_memory_utilization, a share of the
+    *whole* card, becomes `engine_share` of the cap (its weights and KV cache), unless --gpu-memory-utilization
+    already asks for less. Not torch.cuda.set_per_process_memory_fraction: that limit counts reserved segments, and
+    vLLM's sleep-mode pool stays reserved while asleep (only its physical pages are released), so the trainer could
+    never reuse what the sleeping engine gave back, as it can on a real card of that size."""
+    import torch
+
+    import memory
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # (before init_distributed: this rank's GPU)
+    free, total = (x / 2**30 for x in torch.cuda.mem_get_info())
+    memory.occupy(max(0.0, total - cap_gb))
+    util = min(cfg.gpu_memory_utilization, engine_share * cap_gb / total)
+    print(f"[bench] GPU memory capped to {cap_gb:.0f} of {total:.0f} GiB ({free:.0f} were free); vLLM "
+          f"gpu_memory_utilization {util:.3f} ({util * total:.1f} GiB)", flush=True)
+    return replace(cfg, gpu_memory_utilization=util)
+
+
+# ------------------------------------------------------------------------------------------ the memory model
+GIB = 2**30
+# bytes per parameter of the policy's sharded state (weights, gradients, AdamW's two moments), per --precision
+STATE_BYTES = {"amp": dict(weights=4, grads=4, optim=8), "bf16": dict(weights=2, grads=2, optim=4)}
+
+
+def model_dims(preset):
+    """Parameter counts and the dimensions the activations scale with, of a bench preset (meta device: no memory)."""
+    import tiny_model
+    cfg = tiny_model.preset_config(preset, tiny_model._token_ids(tiny_model.build_tokenizer()))
+    t = cfg.text_config
+    params = tiny_model.count_params(cfg)
+    H, kv = t.hidden_size, t.num_key_value_heads / t.num_attention_heads
+    layer = 2 * H * H + 2 * H * H * kv + 3 * H * t.intermediate_size  # q, o: H x H; k, v: H x kv H; MLP: 3 x H x I
+    return dict(params=params, hidden=t.hidden_size, inter=t.intermediate_size, layers=t.num_hidden_layers,
+                vocab=t.vocab_size, kv_frac=t.num_key_value_heads / t.num_attention_heads, layer_params=layer,
+                root_params=t.vocab_size * t.hidden_size * (1 if cfg.tie_word_embeddings else 2))
+
+
+def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offload_params=False,
+                 offload_optimizer=False, kl_coef=1e-2, mb_tokens=16384, chunk=4096, engine_gb=0.0):
+    """GiB per GPU by phase, from bytes per parameter: the policy's sharded state (AMP: 4 + 4 + 8, fp32 master
+    weights, gradients and moments; bf16: 2 + 2 + 4, + 2 for Kahan's compensation; LoRA: the frozen base's
+    weights only, the adapters with the full state), the reference model (bf16, 2 bytes, when kl_coef > 0 without
+    LoRA), all over `world`; then what is not sharded: the largest FSDP unit all-gathered in bf16 (the root:
+    embeddings and lm_head) plus two decoder layers (one prefetched), and the activations of a micro-batch of
+    `mb_tokens` (gradient checkpointing: each layer's bf16 input is kept, one layer is recomputed at a time, and a
+    chunk of fp32 logits with its softmax and gradient). The engine: its pool (`engine_gb`, weights + KV cache) while
+    awake, nothing asleep (level 1 moves its weights to the host). Returns {phase: GiB} and the parts."""
+    P, H, L = dims["params"], dims["hidden"], dims["layers"]
+    b = dict(STATE_BYTES[precision])
+    if precision == "bf16" and kahan:
+        b["optim"] += 2  # the compensation buffer
+    if lora_rank:  # all-linear adapters on the language model: r x (in + out) per projection
+        # q, o: H + H; k, v: H + kv H; gate, up, down: H + I
+        adapters = lora_rank * L * (4 * H + 2 * H * (1 + dims["kv_frac"]) + 3 * (H + dims["inter"]))
+        train = adapters
+        base = P * b["weights"]
+    else:
+        train, base = P, 0
+    weights = base + train * b["weights"]
+    grads, optim = train * b["grads"], train * b["optim"]
+    ref = 2 * P if kl_coef > 0 and not lora_rank else 0
+    on_gpu = lambda x, off: 0 if off else x / world  # noqa: E731
+    gathered = 2 * (dims["root_params"] + 2 * dims["layer_params"])  # bf16 all-gathered units
+    act_update = mb_tokens * (2 * H * L  # checkpointed layer inputs
+                              + 2 * 2 * (4 * H + 3 * dims["inter"])  # one layer recomputed, and its gradient
+                              ) + 3 * 4 * chunk * dims["vocab"]  # logits, softmax, gradient (fp32)
+    act_fwd = mb_tokens * 2 * 2 * (4 * H + 3 * dims["inter"]) + 2 * 4 * chunk * dims["vocab"]
+    resident = on_gpu(weights, offload_params) + on_gpu(optim, offload_params or offload_optimizer)
+    parts = dict(weights=on_gpu(weights, offload_params) / GIB, grads=on_gpu(grads, offload_params) / GIB,
+                 optim=on_gpu(optim, offload_params) / GIB, ref=on_gpu(ref, offload_params) / GIB,
+                 gathered=gathered / GIB, act_update=act_update / GIB, engine=engine_gb)
+    ref_gpu = ref / world  # with --offload-params it comes in for its pass
+    gen = (resident + on_gpu(ref, offload_params)) / GIB
+    return dict(gen=gen, ref=(resident + ref_gpu + gathered + act_fwd) / GIB,
+                update=(resident + on_gpu(optim, offload_params) * offload_optimizer + on_gpu(grads, offload_params)
+                        + on_gpu(ref, offload_params) + gathered + act_update) / GIB,
+                engine=engine_gb, peak=max(gen + engine_gb, (resident + on_gpu(grads, offload_params) + gathered
+                                                            + act_update + on_gpu(ref, offload_params)) / GIB),
+                parts=parts)
+
+
+TOKENS_PER_SAMPLE = 1470  # the geo3k-like workload: ~324 image + ~120 text prompt tokens + 1024 response tokens
+
+
+def run_model(summary):
+    """The memory model for one bench run, from its bench_summary.json."""
+    c = summary["config"]
+    dims = model_dims(summary["preset"])
+    per_rank = c["rollout_batch_size"] * c["n"] // summary["world"]
+    fit = max(1, min(per_rank, c["micro_batch_size_per_device"], c["max_token_len_per_device"] // TOKENS_PER_SAMPLE))
+    return memory_model(dims, c["precision"], c["lora_rank"], c["bf16_rounding"] == "kahan", summary["world"],
+                        c["offload_params"], c["offload_optimizer"], c["kl_coef"], fit * TOKENS_PER_SAMPLE,
+                        c["logprob_chunk_size"], summary.get("memory/engine_pool_gb") or 0.0)
+
+
+def table(paths):
+    """The README's memory table: computed cells for each preset x mode x GPUs, and a row per measured run (its
+    bench_summary.json, or the metrics file next to one: X_metrics.jsonl -> X_summary.json) with the model's
+    error on every measured number."""
+    modes = [("AMP", dict()), ("AMP + offload", dict(offload_params=True)), ("bf16 (Kahan)", dict(precision="bf16")),
+             ("LoRA r64, AMP", dict(lora_rank=64)), ("LoRA r64, bf16", dict(lora_rank=64, precision="bf16"))]
+    out = ["Computed (GiB per GPU: trainer during generation / update, bench workload 1470 tokens per sample, "
+           "16384-token micro-batches; the engine's pool comes on top while it generates):", "",
+           "| model | mode | 1 GPU | 2 GPUs | 8 GPUs |", "|---|---|---|---|---|"]
+    for preset in ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b"):
+        dims = model_dims(preset)
+        for name, kw in modes:
+            cells = [memory_model(dims, world=w, mb_tokens=11 * TOKENS_PER_SAMPLE, **kw) for w in (1, 2, 8)]
+            out.append(f"| {preset} ({dims['params'] / 1e9:.2f}B) | {name} | "
+                       + " | ".join(f"{m['gen']:.1f} / {m['update']:.1f}" for m in cells) + " |")
+    out += ["", "Measured (GiB per GPU; each cell: measured, model, error):", "",
+            "| run | date, command | trainer gen | trainer ref | trainer update | engine pool | s/step |",
+            "|---|---|---|---|---|---|---|"]
+    for p in paths:
+        sp = p.replace("_metrics.jsonl", "_summary.json") if p.endswith("_metrics.jsonl") else p
+        if not os.path.exists(sp):
+            out.append(f"| {os.path.basename(p)} | no summary file next to it | | | | | |")
+            continue
+        s = json.load(open(sp))
+        m = run_model(s)
+
+        def cell(key, phase):
+            got = s.get(key)
+            if got is None:
+                return "-"
+            want = m[phase]
+            return f"{got:.1f}, {want:.1f}, {100 * (want - got) / got:+.0f}%" if got else f"{got:.1f}, {want:.1f}"
+        out.append(f"| {os.path.basename(sp).removesuffix('_summary.json')} | {s.get('date', '?')}, "
+                   f"`{s.get('command', '?')}` | {cell('memory/trainer_peak_gen_gb', 'gen')} | "
+                   f"{cell('memory/trainer_peak_ref_gb', 'ref')} | {cell('memory/trainer_peak_update_gb', 'update')} | "
+                   f"{s.get('memory/engine_pool_gb', float('nan')):.1f} | {s.get('timing/step', float('nan')):.1f} |")
+    return "\n".join(out)
 
 
 def main():
@@ -206,9 +358,12 @@ def main():
     if argv[:1] == ["report"]:
         print(report(argv[1:]))
         return
+    if argv[:1] == ["table"]:
+        print(table(argv[1:]))
+        return
     flags = {f: f in argv for f in ("--trainer-only", "--profile", "--prepare-only")}
     argv = [a for a in argv if a not in flags]
-    opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced"}  # bench.py's own options
+    opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced", "--gpu-memory-cap-gb": ""}  # bench.py's own
     for flag in opts:
         if flag in argv:
             i = argv.index(flag)
@@ -234,9 +389,18 @@ def main():
         return
     import tyro
     cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
+    if opts["--gpu-memory-cap-gb"]:
+        cfg = cap_gpu_memory(cfg, float(opts["--gpu-memory-cap-gb"]))
     summary = run(replace(cfg, resume="never"), flags["--trainer-only"], flags["--profile"], workload)
     if rank == 0:
-        summary.update(preset=preset, workload=workload, padding_free=cfg.padding_free)
+        import time
+        from dataclasses import asdict
+
+        import torch
+        summary.update(preset=preset, workload=workload, padding_free=cfg.padding_free, config=asdict(cfg),
+                       world=grpo.dist.get_world_size(), date=time.strftime("%Y-%m-%d", time.gmtime()),
+                       command=" ".join(["bench.py"] + sys.argv[1:]), gpu_memory_cap_gb=opts["--gpu-memory-cap-gb"],
+                       device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
         print("BENCH_RESULT " + json.dumps(summary), flush=True)
         with open(os.path.join(cfg.output_dir, "bench_summary.json"), "w") as f:
             json.dump(summary, f, indent=1)

@@ -5,27 +5,27 @@
         --max-response-length 20480 --overlong-buffer-length 4096 --gen-batch-size 1536 --rollout-batch-size 512 ...
 
 DAPO = GRPO plus four changes. Two are options of grpo.py, set here as defaults: clip-higher (eps_low 0.2,
-eps_high 0.28) and the token-level loss; and no KL, so no reference model. Two live in this file's collect step:
+eps_high 0.28) and the token-level loss (grpo.py's default already); and no KL, so no reference model. Two live in this file's collect step:
   * dynamic sampling: a group whose samples all score the same (all right or all wrong) has zero advantage and
     teaches nothing, so keep generating prompts and keep only groups with mixed `filter_key` until the batch is full;
   * overlong shaping: the soft length penalty is added to the reward, and optionally truncated samples are masked
     out of the loss (their reward says "wrong" when the answer was only cut off).
 """
 from dataclasses import dataclass
-from typing import Literal
 
 import torch.distributed as dist
 
-import fsdp_actor as A
+import data
+import fsdp_actor as actor
 import grpo
 import rewards
+import rundir
 
 
 @dataclass
 class DAPOConfig(grpo.Config):
     clip_ratio_high: float = 0.28  # clip-higher: room for low-probability tokens to grow (entropy stays up)
     kl_coef: float = 0.0  # no KL term and no reference model: long-CoT policies drift far from the start anyway
-    loss_avg_mode: Literal["token", "seq", "seq-mean-token-sum-norm"] = "token"  # long answers weigh per token
     # soft overlong punishment: 0 up to max_response_length - buffer, then down to -factor at max_response_length
     overlong_buffer_length: int = 0  # overlong shaping's buffer in tokens (paper: 4096 of 20480); 0 = off (the demo)
     overlong_penalty_factor: float = 1.0  # the overlong penalty at max_response_length
@@ -39,6 +39,7 @@ class DAPOConfig(grpo.Config):
 # 60 steps: the demo is solved by then: past it nearly every group is all-correct, and dynamic sampling needs ever
 # more tries per step until max_try_make_batch stops the run (that error is the intended end of a solved task)
 DEMO = {**grpo.DEMO, "max_steps": 60, "output_dir": "outputs/dapo"}
+rundir.CONSOLE[8:8] = [("dapo/tries", "tries"), ("dapo/generated_accuracy", "gen_acc")]  # before the timings
 
 
 def shape_overlong(samples, cfg):
@@ -61,8 +62,7 @@ def select_groups(samples, n, key="accuracy", limit=None):
     the groups whose `key` scores are not all equal (for 0/1 accuracy: mean strictly between 0 and 1), at most
     `limit` groups, and the number of groups that failed the filter."""
     kept, failed = [], 0
-    for g in range(0, len(samples), n):
-        group = samples[g:g + n]
+    for group in grpo.by_prompt(samples, n):
         if len({float(s["scores"][key]) for s in group}) > 1:  # zero variance = zero advantage = no gradient
             if limit is None or len(kept) < limit * n:
                 kept += group
@@ -83,7 +83,7 @@ def collect_dynamic(ctx, step, metrics):
     kept, tries = [], 0
     counts = [0.0] * 5  # groups generated, failed the filter, passed, samples truncated, sum of filter_key
     while True:
-        drawn = grpo.draw_prompts(ctx, ctx.cursor, gen)
+        drawn = data.draw_prompts(ctx.train, ctx.cursor, gen, ctx.rank, ctx.world, cfg.seed)
         ctx.cursor += gen  # every rank advances the same stream, so resume stays exact
         samples = shape_overlong(grpo.generate_and_score(ctx, drawn, cfg.n, cfg.temperature), cfg)
         tries += 1
@@ -99,20 +99,17 @@ def collect_dynamic(ctx, step, metrics):
         for i, v in enumerate([len(samples) // cfg.n, failed, passed, sum(not s["finished"] for s in samples),
                                sum(float(s["scores"].get(cfg.filter_key, 0)) for s in samples)]):
             counts[i] += v
-        if A.all_reduce_cpu(float(len(kept) >= share * cfg.n), op=dist.ReduceOp.MIN).item() == 1:
+        if actor.all_reduce_cpu(float(len(kept) >= share * cfg.n), op=dist.ReduceOp.MIN).item() == 1:
             break
         if cfg.max_try_make_batch and tries >= cfg.max_try_make_batch:
-            tot = A.all_reduce_cpu(counts).tolist()
+            tot = actor.all_reduce_cpu(counts).tolist()
             raise grpo.UserError(
                 f"dynamic sampling: after {tries} tries (max_try_make_batch={cfg.max_try_make_batch}) of "
                 f"{gen} prompts, {int(tot[2])} of {int(tot[0])} groups had mixed {cfg.filter_key!r} "
                 f"({int(tot[1])} were all-equal) but a step needs {cfg.rollout_batch_size} on every rank. Raise "
                 f"--max-try-make-batch (0 = unlimited) or --gen-batch-size, or check the reward/task: nearly every "
                 f"group is all-correct or all-wrong (mean {cfg.filter_key}={tot[4] / max(tot[0] * cfg.n, 1):.3f}).")
-    for g, i in enumerate(range(0, len(kept), cfg.n)):  # renumber the groups of the assembled batch
-        for s in kept[i:i + cfg.n]:
-            s["group"] = g
-    tot = A.all_reduce_cpu(counts).tolist()
+    tot = actor.all_reduce_cpu(counts).tolist()
     metrics.update({"dapo/tries": tries, "dapo/groups_generated": tot[0], "dapo/groups_filtered": tot[1],
                     "dapo/groups_kept": float(cfg.rollout_batch_size),
                     "dapo/groups_surplus": tot[2] - cfg.rollout_batch_size,  # passed, but the batch was full

@@ -1,28 +1,24 @@
 """Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour and largest-digit tasks.
 
-Rows follow EasyR1: a `problem` text (with optional `<image>` placeholders), an `answer` and an
-`images` list. encode_prompt turns one row into the prompt record of the shared spec:
-prompt_ids (image pads expanded, what the actor sees), raw_prompt_ids (one pad per image, what
-vLLM expands itself), resized PIL images, processor outputs (mm_inputs), answer, prompt_text.
+Rows follow EasyR1: a `problem` text (with optional `<image>` / `<video>` placeholders), an `answer`, an
+`images` list and a `videos` list (each video a file path or a list of frames). encode_prompt turns one row into the
+prompt record (see encode_prompt): prompt_ids (image and video pads expanded, what the actor sees), raw_prompt_ids
+(one pad per image or video, what vLLM expands itself), resized PIL images, sampled and resized video frames with
+their frame rates, processor outputs (mm_inputs), answer, prompt_text.
 """
 import collections
-import contextlib
 import functools
 import glob
 import io
 import math
 import os
-import random
 import re
 import sys
-import tempfile
-import time
-import zlib
 
 import torch
-from PIL import Image, ImageDraw, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
-IMAGE_PLACEHOLDER = "<image>"
+IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "<image>", "<video>"
 # Text-only keys of the processor output: per-token tensors that are rebuilt by whoever builds
 # the full (prompt + response) sequence, so they do not belong in the per-prompt mm_inputs.
 TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
@@ -30,13 +26,6 @@ DATA_EXTS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
 # EasyR1 defaults (data.min_pixels / data.max_pixels).
 MIN_PIXELS, MAX_PIXELS = 262144, 4194304
 
-COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220),
-          "white": (235, 235, 235)}  # four colours far apart in RGB: a close pair (red/yellow) gets confused
-SHAPES = ("circle", "square", "triangle")
-COLOR_QUESTION = "<image>What is the main color of the picture?"
-DEMO_FORMAT_PROMPT = "{{ content }} Answer with one word."
-MAX_QUESTION = "What is the largest of {digits}?"
-NUMBER_FORMAT_PROMPT = "{{ content }} Answer with a number."
 
 
 class UserError(ValueError):
@@ -57,29 +46,9 @@ class BadRow(UserError):
         self.kind = kind
 
 
-@contextlib.contextmanager
-def one_line_errors():
-    """Around a command line's work: a UserError ends the process with `error: <message>` and exit code 2, no
-    traceback. The checks are deterministic, so every rank raises the same one and rank 0 speaks for them all;
-    a rank_local one (a reward only this rank computed) is printed by the rank that raised it."""
-    try:
-        yield
-    except UserError as e:
-        import torch.distributed as dist
-        if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
-            from tqdm import tqdm
-            for bar in list(tqdm._instances):
-                bar.close()  # end the progress bar's line first
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(2)  # exiting first would let torchrun stop rank 0 before it prints
-        if dist.is_initialized() and not e.rank_local:  # (the others may be inside a collective: just go)
-            dist.destroy_process_group()
-        sys.exit(2)
-
-
 NO_PROMPT, NO_ANSWER, BAD_IMAGE, PLACEHOLDERS, TOO_LONG = (
     "no prompt", "no answer", "bad image", "placeholders != images", "prompt too long")
+BAD_VIDEO, VIDEO_PLACEHOLDERS = "bad video", "placeholders != videos"
 
 
 # ----------------------------------------------------------------------------- loading
@@ -117,14 +86,20 @@ def load_rows(source: str, split: str = "train"):
 
 def _undecoded_images(rows):
     import datasets
+    def undecoded(feature):  # Image, List(Image) (images) or List(List(Image)) (videos as frames) -> decode=False
+        if isinstance(feature, datasets.Image):
+            return datasets.Image(decode=False)
+        inner = getattr(feature, "feature", None)  # a List holds its element's feature in .feature
+        new = undecoded(inner) if inner is not None else None
+        return datasets.List(new) if new is not None else None
+
     for key, feature in rows.features.items():
-        inner = getattr(feature, "feature", None)  # List(Image()) holds the Image feature in .feature
-        if isinstance(feature, datasets.Image) or isinstance(inner, datasets.Image):
-            new = datasets.Image(decode=False)
+        new = undecoded(feature)
+        if new is not None:
             was_on = not datasets.utils.are_progress_bars_disabled()
             datasets.disable_progress_bars()  # no "Casting the dataset" bar for what is a metadata change
             try:
-                rows = rows.cast_column(key, new if inner is None else datasets.List(new))
+                rows = rows.cast_column(key, new)
             finally:
                 if was_on:
                     datasets.enable_progress_bars()
@@ -283,30 +258,35 @@ def _template(format_prompt: str):
         raise UserError(f"--format-prompt: not a jinja template ({e.message}, line {e.lineno})") from e
 
 
-def _user_content(text: str, n_images: int):
-    """Split on <image> into chat content items; EasyR1 prepends images when there is none."""
-    n_ph = text.count(IMAGE_PLACEHOLDER)
-    if n_images == 0:
-        if n_ph:
-            raise BadRow(PLACEHOLDERS, f"{n_ph} '<image>' placeholder(s) but no images")
+def _user_content(text: str, n_images: int, n_videos: int = 0):
+    """Split on <image> and <video> into chat content items. Each kind's placeholders must match its items in number;
+    with none in the text the items go first (EasyR1 prepends images; videos are treated the same way)."""
+    counts = {}
+    for ph, n, kind, what in ((IMAGE_PLACEHOLDER, n_images, PLACEHOLDERS, "images"),
+                              (VIDEO_PLACEHOLDER, n_videos, VIDEO_PLACEHOLDERS, "videos")):
+        n_ph = text.count(ph)
+        if n_ph and n_ph != n:
+            raise BadRow(kind, f"{n_ph} '{ph}' placeholder(s) but {n or 'no'} {what}")
+        counts[ph] = n_ph
+    if not n_images and not n_videos:
         return text
-    if n_ph == 0:
-        return [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
-    if n_ph != n_images:
-        raise BadRow(PLACEHOLDERS, f"{n_ph} '<image>' placeholder(s) but {n_images} images")
-    content = []
-    for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
-        if i:
-            content.append({"type": "image"})
-        if piece:
+    content = ([{"type": "image"}] * n_images * (counts[IMAGE_PLACEHOLDER] == 0)
+               + [{"type": "video"}] * n_videos * (counts[VIDEO_PLACEHOLDER] == 0))
+    for piece in re.split(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})", text):
+        if piece in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
+            content.append({"type": "image" if piece == IMAGE_PLACEHOLDER else "video"})
+        elif piece:
             content.append({"type": "text", "text": piece})
     return content
 
 
 def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", image_key="images",
-                  image_dir=None, format_prompt: str | None = None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
-    """Everything a row must pass, then (chat text with one pad per image, resized images, answer, prompt text).
-    A bad row raises BadRow; a mistake that no row can pass (a text model given images) a plain UserError."""
+                  image_dir=None, format_prompt: str | None = None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+                  video_key="videos", video_fps=2.0, max_frames=768, video_min_pixels=None, video_max_pixels=None):
+    """Everything a row must pass, then (chat text with one pad per image and video, resized images, prepared videos
+    [T, H, W, 3], their frame rates, answer, prompt text). A bad row raises BadRow; a mistake that no row can pass
+    (a text model given images) a plain UserError."""
+    import video  # (it imports this module)
     prompt, answer = row.get(prompt_key), row.get(answer_key)
     if prompt is None or not str(prompt).strip():
         raise BadRow(NO_PROMPT, f"{prompt_key!r} is {prompt!r}")
@@ -315,47 +295,74 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
     text = str(prompt)
     if format_prompt:
         text = _template(format_prompt).render(content=text)
-    raw_images = row.get(image_key) or []
-    if raw_images and not hasattr(proc, "image_processor"):
-        raise UserError(f"rows have images ({image_key!r}) but the model has a tokenizer, no image processor "
-                        "(a text LLM?): use a VL model, or data without images")
-    images = []
+    raw_images, raw_videos = row.get(image_key) or [], row.get(video_key) or []
+    for raw, key in ((raw_images, image_key), (raw_videos, video_key)):
+        if raw and not hasattr(proc, "image_processor"):
+            raise UserError(f"rows have {key} ({key!r}) but the model has a tokenizer, no image processor "
+                            f"(a text LLM?): use a VL model, or data without {key}")
+    images, videos, fps = [], [], []
     for k, im in enumerate(raw_images):
         try:
             images.append(resize_image(to_pil(im, image_dir), min_pixels, max_pixels))
         except UserError as e:
             raise BadRow(BAD_IMAGE, f"image {k}: {e}") from e
-    messages = [{"role": "user", "content": _user_content(text, len(images))}]
+    for k, v in enumerate(raw_videos):
+        try:
+            frames, f = video.load_video(v, image_dir, video_fps, max_frames)
+            videos.append(video.prepare_video(frames, proc, video_min_pixels or min_pixels,
+                                             video_max_pixels or max_pixels))
+            fps.append(f)
+        except UserError as e:
+            raise BadRow(BAD_VIDEO, f"video {k}: {e}") from e
+    messages = [{"role": "user", "content": _user_content(text, len(images), len(videos))}]
     # No system message: the chat template inserts its default system prompt.
     templated = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return templated, images, str(answer), text
+    return templated, images, videos, fps, str(answer), text
 
 
-def encode_prompt(row: dict, processor_or_tokenizer, prompt_key="problem", answer_key="answer",
-                  image_key="images", image_dir=None, format_prompt: str | None = None,
-                  min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS) -> dict:
-    """One dataset row -> prompt record (see the spec). The processor runs once per prompt."""
+def encode_prompt(row: dict, processor_or_tokenizer, **encode_kwargs) -> dict:
+    """One dataset row -> its prompt record, shared by the n samples of the prompt (the processor runs once):
+    prompt_ids (the tokens the model reads: each <image> / <video> expanded to its pad tokens), raw_prompt_ids (the
+    chat-templated text before that expansion: vLLM expands it itself), images (PIL, resized), videos (sampled,
+    resized frames) and video_fps, mm_inputs (the processor's tensors: pixel_values [P, D], image_grid_thw [I, 3],
+    pixel_values_videos, video_grid_thw [V, 3], ...; {} for text), answer, prompt_text. encode_kwargs: the keys,
+    image_dir, format_prompt and the pixel/video options of _prompt_parts."""
+    import video  # (it imports this module)
     proc = processor_or_tokenizer
     tok = getattr(proc, "tokenizer", proc)  # a processor wraps a tokenizer; a tokenizer is one
-    templated, images, answer, text = _prompt_parts(row, proc, prompt_key, answer_key, image_key, image_dir,
-                                                    format_prompt, min_pixels, max_pixels)
+    templated, images, videos, fps, answer, text = _prompt_parts(row, proc, **encode_kwargs)
     raw_prompt_ids = tok.encode(templated, add_special_tokens=False)
-    if images:
+    prompt_ids, mm_inputs = list(raw_prompt_ids), {}
+    if images and not videos:
         enc = proc(text=[templated], images=images, return_tensors="pt", add_special_tokens=False)
         prompt_ids = enc["input_ids"][0].tolist()
         mm_inputs = {k: v for k, v in enc.items()  # pixel_values [P, D], image_grid_thw [I, 3]
                      if k not in TOKEN_KEYS and isinstance(v, torch.Tensor)}
-    else:
-        prompt_ids, mm_inputs = list(raw_prompt_ids), {}
-    return {"prompt_ids": prompt_ids, "raw_prompt_ids": raw_prompt_ids, "images": images,
-            "mm_inputs": mm_inputs, "answer": answer, "prompt_text": text}
+    elif images:  # the processor refuses video pads without its videos: the image processor, and the pads by hand
+        mm_inputs = dict(proc.image_processor(images=images, return_tensors="pt"))
+        merge = proc.image_processor.merge_size
+        sizes = iter((mm_inputs["image_grid_thw"].prod(-1) // merge ** 2).tolist())  # tokens per image
+        pad = tok.convert_tokens_to_ids("<|image_pad|>")
+        prompt_ids = [x for t in prompt_ids for x in ([pad] * next(sizes) if t == pad else [t])]
+    if videos:  # pixel_values_videos [P', D], video_grid_thw [V, 3] (+ second_per_grid_ts [V])
+        mm_inputs.update(video.video_inputs(videos, fps, proc))
+        prompt_ids = video.expand_video_pads(prompt_ids, mm_inputs["video_grid_thw"].tolist(), fps, proc)
+    return {"prompt_ids": prompt_ids, "raw_prompt_ids": raw_prompt_ids, "images": images, "videos": videos,
+            "video_fps": fps, "mm_inputs": mm_inputs, "answer": answer, "prompt_text": text}
 
 
 def prompt_length(row: dict, proc, **encode_kwargs) -> int:
     """len(encode_prompt(row)["prompt_ids"]) at a third of the cost: each image's one pad becomes the number of
-    tokens the image processor gives an image of its size, without processing its pixels."""
-    templated, images, _, _ = _prompt_parts(row, proc, **encode_kwargs)
+    tokens the image processor gives an image of its size, without processing its pixels (videos: from their
+    frame counts and sizes)."""
+    import video  # (it imports this module)
+    templated, images, videos, fps, _, _ = _prompt_parts(row, proc, **encode_kwargs)
     n = len(getattr(proc, "tokenizer", proc).encode(templated, add_special_tokens=False))
+    if videos:
+        patch, tps, _, _, _ = video.vision_params(proc)
+        grids = [[len(v) // tps, v.shape[1] // patch, v.shape[2] // patch] for v in videos]
+        pad = getattr(proc, "tokenizer", proc).convert_tokens_to_ids("<|video_pad|>")
+        n += len(video.expand_video_pads([pad] * len(videos), grids, fps, proc)) - len(videos)
     try:
         ip = proc.image_processor if images else None
         return n + sum(ip.get_number_of_image_patches(im.height, im.width, {}) // ip.merge_size**2 - 1
@@ -409,7 +416,8 @@ class PromptDataset:
 
     def __init__(self, source, processor_or_tokenizer, split="train", max_prompt_length=None,
                  filter_overlong=True, skip_bad_rows=False, option="data", **encode_kwargs):
-        where = f"{option} {source if isinstance(source, str) else '(rows)'}"
+        self.source = source if isinstance(source, str) else "(rows)"
+        where = f"{option} {self.source}"
         try:
             self.rows = load_rows(source, split) if isinstance(source, str) else source
             problems = check_rows(self.rows, processor_or_tokenizer, max_prompt_length, **encode_kwargs)
@@ -450,141 +458,74 @@ class PromptDataset:
         return self.encode_row(self.indices[i])
 
 
-# ----------------------------------------------------------------------------- synthetic task
-def draw_color_image(rng: random.Random):
-    """A picture filled with one saturated colour (jittered) and 1-3 small grey shapes as distractors.
-    Returns (image, colour name, shape name). The colour covers most of the picture: a tiny random vision tower
-    then sees it clearly, so RL from scratch learns the task in minutes on a CPU."""
-    w, h = rng.randint(56, 112), rng.randint(56, 112)
-    color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
-    fill = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLORS[color])
-    img = Image.new("RGB", (w, h), fill)
-    draw = ImageDraw.Draw(img)
-    for _ in range(rng.randint(1, 3)):
-        s = rng.randint(int(0.15 * min(w, h)), int(0.3 * min(w, h)))
-        x, y = rng.randint(0, w - s), rng.randint(0, h - s)
-        grey = (rng.randint(90, 170),) * 3
-        if shape == "circle":
-            draw.ellipse([x, y, x + s - 1, y + s - 1], fill=grey)
-        elif shape == "square":
-            draw.rectangle([x, y, x + s - 1, y + s - 1], fill=grey)
-        else:
-            draw.polygon([(x + s // 2, y), (x, y + s - 1), (x + s - 1, y + s - 1)], fill=grey)
-    return img, color, shape
+def draw_prompts(dataset, cursor, count, rank, world, seed):
+    """`count` prompts (all ranks together) from an endless stream of seeded epoch shuffles of `dataset`, starting at
+    `cursor`. Returns this rank's share as (stream position, record): a pure function of the cursor, so resume is
+    exact and the seed of each prompt does not depend on the number of ranks."""
+    N, per = len(dataset), count // world
+    out = []
+    for pos in range(cursor + rank * per, cursor + (rank + 1) * per):
+        epoch, k = divmod(pos, N)
+        out.append((pos, dataset[int(_epoch_perm(N, seed + epoch)[k])]))
+    return out
 
 
-def make_color_dataset(out_path: str, n_rows: int, seed: int) -> str:
-    """EasyR1-format parquet (problem, answer, images=[{"bytes": png}]); written atomically."""
-    import datasets
-    rng = random.Random(seed)
-    rows = {"problem": [], "answer": [], "images": []}
-    for _ in range(n_rows):
-        img, color, _ = draw_color_image(rng)
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
-        rows["problem"].append(COLOR_QUESTION)
-        rows["answer"].append(color)
-        rows["images"].append([{"bytes": buf.getvalue(), "path": None}])
-    features = datasets.Features({"problem": datasets.Value("string"),
-                                  "answer": datasets.Value("string"),
-                                  "images": datasets.List(datasets.Image())})
-    out_path = os.path.abspath(os.path.expanduser(out_path))
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
-    os.close(fd)
-    try:
-        datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp)
-        os.replace(tmp, out_path)  # readers never see a half-written file
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out_path
+@functools.lru_cache(maxsize=2)  # the current epoch (and the next, while a batch straddles them)
+def _epoch_perm(N, seed):
+    return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
 
 
-def demo_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the colour task; created once. Different seeds -> unseen val."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/color-v3")
-    train = os.path.join(data_dir, f"train-{n_train}.parquet")
-    val = os.path.join(data_dir, f"val-{n_val}.parquet")
-    if not os.path.isfile(train):
-        make_color_dataset(train, n_train, seed=0)
-    if not os.path.isfile(val):
-        make_color_dataset(val, n_val, seed=1)
-    return train, val
+def data_files(cfg):
+    """(train files, validation files, format prompt) of cfg's data options; the demo's synthetic task (written on
+    first use) when --train-files is empty: the largest digit for the text demo, clips or pictures for the VL ones."""
+    import tiny_model
+    import video
+    if cfg.train_files:
+        return cfg.train_files, cfg.val_files, cfg.format_prompt
+    text = not cfg.model_path and cfg.demo_model == "qwen3"
+    make = (tiny_model.demo_max_data if text else video.demo_video_data if cfg.demo_task == "video" else
+            tiny_model.demo_data)
+    fmt = tiny_model.NUMBER_FORMAT_PROMPT if text else tiny_model.DEMO_FORMAT_PROMPT
+    return (*make(), cfg.format_prompt if cfg.format_prompt is not None else fmt)
 
 
+def load_datasets(cfg, model_path, say=print):
+    """grpo.py's data: the processor (or tokenizer) of model_path and the train and validation PromptDatasets of
+    cfg's data options (data_files: rank 0 writes a demo's task, the others wait). Every row is checked here,
+    before the model loads; the same on every rank, so all raise together."""
+    import torch.distributed as dist
 
-def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:
-    """One question of the text demo's task and its answer: the largest of k digits (k drawn from lengths), which
-    occurs once. The answer is drawn first, uniformly from 2 to 9, so no constant answer pays more than 1/8; the
-    other digits are drawn below it (repeats allowed: even the answer 2 then has 124 lists, enough to hold some out
-    for validation), and the largest sits at a uniform place, so copying any one place pays 1/k."""
-    k = rng.choice(lengths)
-    top = rng.randint(2, 9)
-    digits = [rng.randrange(top) for _ in range(k - 1)]
-    digits.insert(rng.randrange(k), top)
-    return MAX_QUESTION.format(digits=", ".join(map(str, digits))), str(top)
-
-
-def is_val_question(question: str) -> bool:
-    """Which side of the split a question is on: a tenth of all questions (by a hash of the text) belong to
-    validation and are never drawn for training. A hash rather than "whatever validation happened to draw": both
-    sides keep the task's answer distribution (excluding validation's draws would thin out the small answers,
-    whose few lists validation's rows would nearly exhaust)."""
-    return zlib.crc32(question.encode()) % 10 == 0
-
-
-def make_max_dataset(out_path: str, n_rows: int, seed: int, split="train", lengths=(3, 4, 5)) -> str:
-    """Text-only rows (problem, answer; no images column) of the text demo's task, drawn from `split`'s side of the
-    question space only (is_val_question); validation's rows are all different questions. Written atomically."""
-    import datasets
-    rng = random.Random(seed)
-    rows = {"problem": [], "answer": []}
-    while len(rows["problem"]) < n_rows:
-        question, answer = max_question(rng, lengths)
-        if is_val_question(question) == (split == "val") and not (split == "val" and question in rows["problem"]):
-            rows["problem"].append(question)
-            rows["answer"].append(answer)
-    out_path = os.path.abspath(os.path.expanduser(out_path))
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
-    os.close(fd)
-    try:
-        datasets.Dataset.from_dict(rows).to_parquet(tmp)
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out_path
-
-
-def demo_max_data(data_dir=None, n_train=4000, n_val=200):
-    """(train_path, val_path) of the text demo's task, "What is the largest of 3, 8, 1, 5?" (3 to 5 digits: 85,608
-    lists); created once. Validation and training come from disjoint tenths and nine tenths of the question space
-    (is_val_question), and every call checks it: validation measures the learned maximum on lists the policy never
-    trained on."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/max-v2")
-    train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
-    if not os.path.isfile(val):
-        make_max_dataset(val, n_val, seed=1, split="val")
-    if not os.path.isfile(train):
-        make_max_dataset(train, n_train, seed=0, split="train")
-    seen = set(load_rows(val)["problem"]) & set(load_rows(train)["problem"])  # the cached files too, every time
-    if seen:
-        raise UserError(f"{len(seen)} validation questions occur in {train} (e.g. {min(seen)!r}): validation would "
-                        f"not be unseen; delete {data_dir} to have it made again")
-    return train, val
+    import video
+    if dist.get_rank() == 0:
+        data_files(cfg)
+    dist.barrier()
+    train_files, val_files, fmt = data_files(cfg)
+    processor = load_processor(model_path, cfg.min_pixels, cfg.max_pixels)
+    kw = dict(processor_or_tokenizer=processor, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+              image_key=cfg.image_key, image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels,
+              max_pixels=cfg.max_pixels, max_prompt_length=cfg.max_prompt_length, **video.video_options(cfg),
+              filter_overlong=cfg.filter_overlong_prompts, skip_bad_rows=cfg.skip_bad_rows)
+    train = PromptDataset(train_files, option="--train-files", **kw)
+    val = PromptDataset(val_files, option="--val-files", **kw) if val_files else None
+    for note in train.notes + (val.notes if val else []):
+        say(note)
+    if len(train) < cfg.rollout_batch_size:
+        raise UserError(f"--train-files {train.source}: {len(train)} usable prompts < --rollout-batch-size "
+                        f"{cfg.rollout_batch_size}; lower --rollout-batch-size or add data")
+    return processor, train, val
 
 
 # ----------------------------------------------------------------------------- python data.py check
 DATA_OPTIONS = ("model_path", "train_files", "val_files", "prompt_key", "answer_key", "image_key", "image_dir",
-                "format_prompt", "min_pixels", "max_pixels", "max_prompt_length", "filter_overlong_prompts")
+                "format_prompt", "min_pixels", "max_pixels", "max_prompt_length", "filter_overlong_prompts",
+                "video_key", "video_fps", "max_frames", "video_min_pixels", "video_max_pixels", "demo_task")
 
 
 def check_main(argv) -> int:
     """`python data.py check [grpo.py's data options]`: reads every row of --train-files and --val-files (the demo's
     colour task when empty) and prints each bad one with its row number in the source and the reason, then the
     counts. Returns 2 when a row is bad, 0 otherwise; --model-path's tokenizer counts the prompt tokens."""
+    import video  # (it imports this module)
     import dataclasses
     from typing import Annotated
 
@@ -608,14 +549,13 @@ def check_main(argv) -> int:
         cfg = tyro.cli(Check, default=dataclasses.replace(Check(), **demo), **kw)
     check_model_path(cfg.model_path)
     import tiny_model
-    model_path = cfg.model_path or tiny_model.build_tiny_model()
-    sources, fmt = [("--train-files", cfg.train_files), ("--val-files", cfg.val_files)], cfg.format_prompt
-    if not cfg.train_files:
-        sources = list(zip(("--train-files", "--val-files"), demo_data()))
-        fmt = DEMO_FORMAT_PROMPT if fmt is None else fmt
+    model_path = cfg.model_path or tiny_model.build_tiny_model(arch=cfg.demo_model)
+    train_files, val_files, fmt = data_files(cfg)
+    sources = [("--train-files", train_files), ("--val-files", val_files)]
     proc = load_processor(model_path, cfg.min_pixels, cfg.max_pixels)
     kw = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, image_key=cfg.image_key,
-              image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+              image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+              **video.video_options(cfg))
     any_bad = False
     for option, source in sources:
         if not source:
@@ -645,5 +585,6 @@ if __name__ == "__main__":
         print("usage: python data.py check [--train-files ... --val-files ... --model-path ... (grpo.py's data "
               "options; --help lists them)]", file=sys.stderr)
         sys.exit(2)
+    from easyr1_config import one_line_errors
     with one_line_errors():
         sys.exit(check_main(sys.argv[2:]))

@@ -1,5 +1,5 @@
 """easyr1_config.py -- the command line in EasyR1's terms: its defaults (or the demo's), its nested YAML config read
-unchanged (`grpo.py --config examples/config.yaml`), then the flags.
+unchanged (`grpo.py --config examples/config.yaml`), then the flags; and the checks of the values (`check`).
 
 TABLE holds every EasyR1 key: the option it sets here (converted where the two spell a value differently), or none
 and why. A key whose value would change the result but cannot be honoured stops the run with the reason; a key with
@@ -7,11 +7,14 @@ no effect here is listed at start; an unknown key (a typo) stops the run. Flags 
 the file. Keys absent from the file keep this project's defaults (EasyR1's example values, see grpo.Config), not
 EasyR1's dataclass defaults. `python easyr1_config.py` prints the README's migration table (a test keeps it equal).
 """
+import contextlib
 import os
+import tempfile
 import typing
 
 import yaml
 
+import data
 from data import UserError
 
 
@@ -75,7 +78,19 @@ def _output_dir(v, y):  # EasyR1's rule when no path is given: checkpoints/<proj
 
 SAME = "same option"
 NO_EFFECT = "speed or memory only; nothing here to set"
-OFFLOAD = "no CPU offload: FSDP2 keeps the shards (fp32 master weights, bf16 compute: --dtype) on the GPUs"
+FSDP = "FSDP2, fully sharded over all ranks; compute in --dtype (bf16 on GPUs), gradients reduced in fp32"
+
+
+def _torch_dtype(v, y):  # EasyR1's actor storage dtype: null = fp32 master weights
+    if v in (None, "fp32", "float32"):
+        return {}
+    if v in ("bf16", "bfloat16"):
+        return {"precision": "bf16"}
+    raise ValueError("choose null, fp32 or bf16")
+
+
+def _flag(option):
+    return lambda v, y: {option: True} if v else {}
 # EasyR1 key: (our option, conversion (value, whole flat config) -> {option: value} or None, note).
 # Later entries win: algorithm.disable_kl comes after algorithm.kl_coef.
 TABLE = {
@@ -84,9 +99,9 @@ TABLE = {
     "data.prompt_key": ("prompt_key", None, SAME),
     "data.answer_key": ("answer_key", None, SAME),
     "data.image_key": ("image_key", None, SAME),
-    "data.video_key": (None, None, "videos are not supported (images only)"),
+    "data.video_key": ("video_key", None, SAME),
     "data.image_dir": ("image_dir", None, SAME),
-    "data.video_fps": (None, None, "videos are not supported (images only)"),
+    "data.video_fps": ("video_fps", None, SAME),
     "data.max_prompt_length": ("max_prompt_length", None, SAME),
     "data.max_response_length": ("max_response_length", None, SAME),
     "data.rollout_batch_size": ("rollout_batch_size", None, SAME),
@@ -142,7 +157,8 @@ TABLE = {
                                   "true = auto (on where a fast varlen kernel runs)"),
     "worker.actor.dynamic_batching": (None, None, "always on: micro-batches by padded tokens"),
     "worker.actor.ulysses_size": (None, None, "sequence parallelism is not implemented (memory only)"),
-    "worker.actor.use_torch_compile": (None, None, NO_EFFECT),
+    "worker.actor.use_torch_compile": ("torch_compile", lambda v, y: {"torch_compile": "auto" if v else "off"},
+                                       "true = auto (on for CUDA in bf16)"),
     "worker.actor.tau_positive": (None, None, "SAPO is not implemented"),
     "worker.actor.tau_negative": (None, None, "SAPO is not implemented"),
     "worker.actor.model.model_path": ("model_path", None, None),
@@ -159,15 +175,22 @@ TABLE = {
     "worker.actor.optim.weight_decay": ("weight_decay", None, None),
     "worker.actor.optim.betas": (None, _only([0.9, 0.999], why="AdamW's betas are (0.9, 0.999) here"),
                                  "must be [0.9, 0.999]"),
-    "worker.actor.optim.strategy": (None, None, "AdamW with fp32 states (adamw_bf16 runs as adamw)"),
+    "worker.actor.optim.strategy": (None, None, "AdamW (adamw_bf16 runs as adamw; --precision bf16 keeps weights and state in bf16)"),
     "worker.actor.optim.lr_warmup_ratio": ("lr_warmup_steps", _warmup_ratio, "x trainer.max_steps (0: no warm-up)"),
     "worker.actor.optim.lr_warmup_steps": ("lr_warmup_steps", lambda v, y: {"lr_warmup_steps": v} if v else {}, None),
     "worker.actor.optim.min_lr_ratio": (None, _only(None, why="the learning rate is constant after warm-up"),
                                         "must be null"),
     "worker.actor.optim.lr_scheduler_type": (None, _only("constant", why="the learning rate is constant after warm-up"),
                                              "must be constant"),
-    "worker.actor.fsdp.*": (None, None, OFFLOAD),
-    "worker.actor.offload.*": (None, None, OFFLOAD),
+    "worker.actor.fsdp.torch_dtype": ("precision", _torch_dtype, "null / fp32 -> amp (fp32 master weights); bf16 -> "
+                                      "bf16 (weights, gradients, AdamW state in bf16)"),
+    "worker.actor.fsdp.enable_cpu_offload": ("offload_params", _flag("offload_params"),
+                                             "FSDP2's CPUOffloadPolicy: weights, gradients, AdamW state on the host"),
+    "worker.actor.fsdp.*": (None, None, FSDP),
+    "worker.actor.offload.offload_params": ("offload_params", _flag("offload_params"),
+                                            "FSDP2 offloads weights, gradients and AdamW state together"),
+    "worker.actor.offload.offload_optimizer": ("offload_optimizer", _flag("offload_optimizer"),
+                                               "AdamW state on the host between optimizer steps"),
     "worker.critic.*": (None, None, "no critic (GAE is not implemented)"),
     "worker.rollout.name": ("rollout_engine", None, "vllm (or hf: transformers' generate)"),
     "worker.rollout.n": ("n", None, SAME),
@@ -191,7 +214,8 @@ TABLE = {
     "worker.rollout.val_override_config.top_p": ("val_top_p", None, None),
     "worker.rollout.val_override_config.n": (None, _only(1, why="validation scores one answer per prompt"),
                                              "must be 1"),
-    "worker.ref.*": (None, None, "the reference model: FSDP2-sharded in the compute dtype, never offloaded"),
+    "worker.ref.*": (None, None, "the reference model: FSDP2-sharded in the compute dtype; on the host between its "
+                                 "passes with --offload-params"),
     "worker.reward.reward_function": ("reward_function", _reward, "file.py:fn, built-ins math | r1v | dapo"),
     "worker.reward.reward_function_kwargs": (None, _only({}, None, why="not supported"), "must be empty"),
     "worker.reward.skip_special_tokens": (None, _only(True, why="responses are always decoded without special tokens"),
@@ -298,10 +322,11 @@ def load(path, cls):
         return translate(yaml.safe_load(f) or {}, cls)
 
 
-def cli(cls, demo, args=None, text_demo=None):
+def cli(cls, demo, args=None, text_demo=None, video_demo=None):
     """Parse the command line over the defaults in force: `cls`'s own (EasyR1's), or those changed by `demo` for the
-    demo (no --model-path; `text_demo` on top for --demo-model qwen3); --config goes between the defaults and the
-    flags. Rank 0 says which set is in force and what the file and the flags changed."""
+    demo (no --model-path; `text_demo` on top for --demo-model qwen3, `video_demo` for --demo-task video); --config
+    goes between the defaults and the flags. Rank 0 says which set is in force and what the file and the flags
+    changed."""
     import sys
     from dataclasses import asdict, replace
 
@@ -313,6 +338,8 @@ def cli(cls, demo, args=None, text_demo=None):
     is_demo = not (first.model_path or from_yaml.get("model_path"))
     if is_demo and text_demo and getattr(first, "demo_model", "") == "qwen3":
         demo = {**demo, **text_demo}
+    elif is_demo and video_demo and getattr(first, "demo_task", "") == "video":
+        demo = {**demo, **video_demo}
     defaults = replace(cls(), **{**(demo if is_demo else {}), **from_yaml})
     cfg = tyro.cli(cls, args=args, default=defaults, description=desc)
     if os.environ.get("RANK", "0") == "0":
@@ -321,6 +348,61 @@ def cli(cls, demo, args=None, text_demo=None):
               + (f"; from {first.config}: " + " ".join(f"{k}={v}" for k, v in from_yaml.items()) if from_yaml else "")
               + f"; set: {' '.join(changed) or 'nothing'}" + "".join(f"\n[config] {n}" for n in notes), flush=True)
     return cfg
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Around a command line's work: a UserError ends the process with `error: <message>` and exit code 2, no
+    traceback. The checks are deterministic, so every rank raises the same one and rank 0 speaks for them all;
+    a rank_local one (a reward only this rank computed) is printed by the rank that raised it."""
+    try:
+        yield
+    except UserError as e:
+        import sys
+        import time
+
+        import torch.distributed as dist
+        if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
+            from tqdm import tqdm
+            for bar in list(tqdm._instances):
+                bar.close()  # end the progress bar's line first
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(2)  # exiting first would let torchrun stop rank 0 before it prints
+        if dist.is_initialized() and not e.rank_local:  # (the others may be inside a collective: just go)
+            dist.destroy_process_group()
+        sys.exit(2)
+
+
+def check(cfg, world):
+    """The options' values, once parsed: what can be checked before any process group or model loads (every rank
+    raises the same UserError)."""
+    positive = {"lr": cfg.lr, "max-response-length": cfg.max_response_length,
+                "max-prompt-length": cfg.max_prompt_length, "temperature": cfg.temperature}  # log-probs divide by it
+    for opt, v in positive.items():
+        if not v > 0:
+            raise UserError(f"--{opt} {v}: must be > 0" + " (greedy is for --val-temperature)" * (opt == "temperature"))
+    for opt, v in {"rollout-n": cfg.n, "rollout-batch-size": cfg.rollout_batch_size,
+                   "global-batch-size": cfg.global_batch_size, "ppo-epochs": cfg.ppo_epochs}.items():
+        if v < 1:
+            raise UserError(f"--{opt} {v}: must be at least 1")
+    rb, gb = cfg.rollout_batch_size, cfg.global_batch_size
+    if gb > rb:
+        raise UserError(f"--global-batch-size {gb} is larger than --rollout-batch-size {rb}: an optimizer step cannot "
+                        "use more prompts than a rollout step makes; lower it")
+    if rb % gb or gb % world:  # then world divides rollout_batch_size too
+        raise UserError(f"--global-batch-size {gb} must divide --rollout-batch-size {rb} and be a multiple of the "
+                        f"number of ranks ({world})")
+    if cfg.precision == "bf16" and cfg.dtype == "fp32":
+        raise UserError("--precision bf16 computes in bf16: drop --dtype fp32 (or use --precision amp)")
+    data.check_model_path(cfg.model_path)
+    data.check_source(cfg.train_files, "--train-files")
+    data.check_source(cfg.val_files, "--val-files")
+    try:  # a run that cannot write its checkpoints should fail now, not after its first hour
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=cfg.output_dir).close()
+    except OSError as e:
+        raise UserError(f"--output-dir {cfg.output_dir}: cannot write there ({e.strerror or e})") from e
 
 
 def markdown():

@@ -9,7 +9,6 @@ Sequences are laid out as one row per sample: prompt + response, right-padded:
 
 Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch.
 """
-import contextlib
 import functools
 import inspect
 import math
@@ -23,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import memory
 import varlen
 
 
@@ -73,6 +73,7 @@ class LogProbModel(nn.Module):
         self.rope = ("mrope" if cfg.model_type in ("qwen2_vl", "qwen2_5_vl") else
                      "1d" if getattr(cfg, "vision_config", None) is None else None)
         self.packed = False  # build_actor: True when this model trains padding-free (one packed row per micro-batch)
+        self.chunk_logprobs = _chunk_logprobs  # build_actor: its compiled twin with --torch-compile
 
     def forward(self, input_ids, resp_idx, targets, mm_inputs, owner=None, position_ids=None, varlen=None,
                 temperature=1.0, chunk_size=4096):
@@ -86,10 +87,10 @@ class LogProbModel(nn.Module):
         logps, ents = [], []
         for hc, tc in zip(h.split(chunk_size), targets.split(chunk_size)):
             if torch.is_grad_enabled():  # recompute the chunk's logits in backward instead of keeping them
-                lp, ent = checkpoint(_chunk_logprobs, hc, tc, head.weight, temperature, self.forbidden,
+                lp, ent = checkpoint(self.chunk_logprobs, hc, tc, head.weight, temperature, self.forbidden,
                                      use_reentrant=False)
             else:
-                lp, ent = _chunk_logprobs(hc, tc, head.weight, temperature, self.forbidden)
+                lp, ent = self.chunk_logprobs(hc, tc, head.weight, temperature, self.forbidden)
             logps.append(lp)
             ents.append(ent)
         return torch.cat(logps), torch.cat(ents)  # [n], [n]
@@ -113,57 +114,93 @@ class LogProbModel(nn.Module):
                 kw["position_ids"] = torch.arange(input_ids.shape[1], device=input_ids.device).expand(
                     3, *input_ids.shape)
             return self.hf.model(inputs_embeds=embeds, **kw).last_hidden_state
-        owner, counts = owner  # per row: its distinct prompt; per distinct prompt: its number of images
-        if "image_grid_thw" not in mm_inputs:
-            raise NotImplementedError(f"{type(self.hf).__name__}: images are supported for Qwen-VL-style models "
-                                      f"(processor outputs pixel_values + image_grid_thw); got {sorted(mm_inputs)}")
-        grid = mm_inputs["image_grid_thw"]  # [I, 3], distinct prompts' images in order
-        grid_of = grid.split(counts)  # one [images, 3] chunk per distinct prompt
-        row_grid = torch.cat([grid_of[i] for i in owner])  # [I_rows, 3] the images as the rows show them
+        owner, counts, vcounts = owner  # per row: its distinct prompt; per distinct prompt: its images, its videos
+        if "image_grid_thw" not in mm_inputs and "video_grid_thw" not in mm_inputs:
+            raise NotImplementedError(f"{type(self.hf).__name__}: images and videos are supported for Qwen-VL-style "
+                                      "models (processor outputs pixel_values(_videos) + image/video_grid_thw); got "
+                                      f"{sorted(mm_inputs)}")
+        grids = {k: mm_inputs[k] for k in ("image_grid_thw", "video_grid_thw") if k in mm_inputs}
+        row_grids = {k: torch.cat([g.split(c)[i] for i in owner]) for (k, g), c in  # [items as the rows show them, 3]
+                     zip(grids.items(), [counts if k == "image_grid_thw" else vcounts for k in grids])}
         if self.hf.config.model_type == "qwen3_vl":
             types = mm_token_types(self.hf, input_ids, mm_inputs).get("mm_token_type_ids")
-            return self._deepstack_hidden(input_ids, mm_inputs, owner, counts, row_grid, types)
-        if position_ids is None:  # the model derives the 3-D positions from the image tokens and grids
-            kw.update(input_ids=input_ids, image_grid_thw=row_grid, **mm_token_types(self.hf, input_ids, mm_inputs))
+            return self._deepstack_hidden(input_ids, mm_inputs, owner, counts, vcounts, row_grids, types)
+        if position_ids is None:  # the model derives the 3-D positions from the vision tokens and grids
+            kw.update(input_ids=input_ids, **row_grids, **mm_token_types(self.hf, input_ids, mm_inputs))
         if self.rope == "mrope":
-            # The n samples of a prompt share its image: run the vision tower once per distinct image (not n times)
-            # and scatter its features into every row that shows it. Gradients from all rows add up in one place.
-            feats = self.hf.model.get_image_features(mm_inputs["pixel_values"], grid)
-            feats = list(getattr(feats, "pooler_output", feats))  # per image [tokens, H]
-            starts = [sum(counts[:i]) for i in range(len(counts))]
+            # The n samples of a prompt share its images and videos: run the vision tower once per distinct one
+            # (not n times) and scatter its features into every row that shows it. Gradients from all rows add up.
+            feats, _ = self._vision_once(mm_inputs)
             embeds = self.hf.model.get_input_embeddings()(input_ids)  # [B, T, H]
-            rows = torch.cat([f for i in owner for f in feats[starts[i]:starts[i] + counts[i]]]).to(embeds.dtype)
-            embeds = embeds.masked_scatter((input_ids == self.hf.config.image_token_id)[..., None], rows)
+            for tid, order in self._row_order(owner, counts, vcounts):
+                rows = torch.cat([feats[j] for j in order]).to(embeds.dtype)  # [that kind's tokens in the rows, H]
+                embeds = embeds.masked_scatter((input_ids == tid)[..., None], rows)
             return self.hf.model(inputs_embeds=embeds, **kw).last_hidden_state
-        # other VLMs (e.g. Qwen3-VL, whose vision tower also feeds deeper layers): the model's own path, with one
-        # copy of the pixels per row
+        if "video_grid_thw" in mm_inputs:
+            raise NotImplementedError(f"{type(self.hf).__name__}: videos are supported for Qwen2-VL, Qwen2.5-VL and "
+                                      "Qwen3-VL")
+        # other VLMs: the model's own path, with one copy of the pixels per row
+        grid_of = mm_inputs["image_grid_thw"].split(counts)
         pixels = mm_inputs["pixel_values"].split([int(g.prod(-1).sum()) for g in grid_of])
         kw.setdefault("input_ids", input_ids)
         return self.hf.model(pixel_values=torch.cat([pixels[i] for i in owner]), **kw).last_hidden_state
 
-    def _deepstack_hidden(self, input_ids, mm_inputs, owner, counts, row_grid, types):
-        """Qwen3-VL: the vision tower once per distinct image, as for Qwen2.5-VL. Its deepstack features (the outputs
-        of a few vision blocks, each added to one of the first LLM layers' outputs at the image positions) are
-        scattered per row the same way and handed to the language model, whose forward takes them as arguments; the
-        full model's forward would instead rerun the tower on every row's copy of the pixels."""
+    def _vision_once(self, mm_inputs):
+        """The vision tower in ONE call over the micro-batch's distinct images, then its distinct videos (each item
+        is attended to on its own, so one call equals one per item). One call whatever the micro-batch holds keeps
+        every rank running the same sharded vision blocks the same number of times: a rank with images and videos
+        next to one with only one kind (or text only: _idle_vision) never mismatches the all-gathers. Returns (per
+        item [tokens, H], the output (for Qwen3-VL's deepstack features))."""
+        keys = [(p, g) for p, g in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+                if g in mm_inputs]
+        grid = torch.cat([mm_inputs[g] for _, g in keys])  # [items, 3]
+        pixels = torch.cat([mm_inputs[p] for p, _ in keys])  # [patches, C*t*p*p]
+        out = self.hf.model.get_image_features(pixels, grid)
+        pooled = getattr(out, "pooler_output", out)
+        if isinstance(pooled, torch.Tensor):
+            pooled = pooled.split((grid.prod(-1) // self.hf.model.visual.spatial_merge_size ** 2).tolist())
+        return list(pooled), out
+
+    def _row_order(self, owner, counts, vcounts):
+        """[(pad token id, the indices of _vision_once's items in the order the rows show them)] for images, videos."""
+        cfg, out, base = self.hf.config, [], 0
+        for tid, c in ((cfg.image_token_id, counts), (cfg.video_token_id, vcounts)):
+            if sum(c):
+                starts = [base + sum(c[:i]) for i in range(len(c))]
+                out.append((tid, [j for i in owner for j in range(starts[i], starts[i] + c[i])]))
+            base += sum(c)
+        return out
+
+    def _deepstack_hidden(self, input_ids, mm_inputs, owner, counts, vcounts, row_grids, types):
+        """Qwen3-VL: the vision tower once per distinct image and video, as for Qwen2.5-VL. Its deepstack features (the
+        outputs of a few vision blocks, each added to one of the first LLM layers' outputs at the vision positions)
+        are scattered per row the same way and handed to the language model, whose forward takes them as arguments;
+        the full model's forward would instead rerun the tower on every row's copy of the pixels."""
         m = self.hf.model
-        grid = mm_inputs["image_grid_thw"]  # [I, 3]
-        out = m.get_image_features(mm_inputs["pixel_values"], grid)
-        sizes = (grid.prod(-1) // m.visual.spatial_merge_size ** 2).tolist()  # tokens per distinct image
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        order = [j for i in owner for j in range(starts[i], starts[i] + counts[i])]  # the images as the rows show them
-
-        def per_row(x):  # distinct images' tokens ([N, H], or split per image) -> the rows' image tokens [N_rows, H]
-            x = x.split(sizes) if isinstance(x, torch.Tensor) else x  # transformers 5.17 returns deepstack unsplit
-            return torch.cat([x[j] for j in order])
-
+        feats, out = self._vision_once(mm_inputs)
+        sizes = [len(f) for f in feats]  # tokens per distinct item
         embeds = m.get_input_embeddings()(input_ids)  # [B, T, H]
-        mask = input_ids == self.hf.config.image_token_id  # [B, T]
-        embeds = embeds.masked_scatter(mask[..., None], per_row(out.pooler_output).to(embeds.dtype))
-        deep = [per_row(d).to(embeds.dtype) for d in out.deepstack_features]  # per deepstack layer [N_rows, H]
-        pos, _ = m.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=row_grid)  # [3, B, T]
+        visual = torch.zeros_like(input_ids, dtype=torch.bool)  # [B, T] every image or video token
+        deep_rows = [[] for _ in out.deepstack_features]
+        deep = [d.split(sizes) if isinstance(d, torch.Tensor) else d  # transformers 5.17 returns deepstack unsplit
+                for d in out.deepstack_features]
+        kinds = self._row_order(owner, counts, vcounts)
+        for tid, order in kinds:
+            mask = input_ids == tid
+            visual |= mask
+            embeds = embeds.masked_scatter(mask[..., None], torch.cat([feats[j] for j in order]).to(embeds.dtype))
+        for layer, d in enumerate(deep):  # deepstack rows in sequence order of all vision tokens, as the model's own
+            per_kind = [torch.cat([d[j] for j in order]).to(embeds.dtype) for _, order in kinds]  # [N_kind, H] each
+            if len(kinds) == 1:  # one kind (the usual case): already in order, and no host sync for the count
+                deep_rows[layer] = per_kind[0]
+                continue
+            joint = embeds.new_zeros(int(visual.sum()), embeds.shape[-1])  # [N_visual, H] images and videos interleaved
+            for (tid, _), x in zip(kinds, per_kind):
+                joint[(input_ids == tid)[visual]] = x
+            deep_rows[layer] = joint
+        pos, _ = m.get_rope_index(input_ids, mm_token_type_ids=types, **row_grids)  # [3, B, T]
         return m.language_model(inputs_embeds=embeds, position_ids=pos, attention_mask=None, use_cache=False,
-                                visual_pos_masks=mask, deepstack_visual_embeds=deep).last_hidden_state
+                                visual_pos_masks=visual, deepstack_visual_embeds=deep_rows).last_hidden_state
 
     def _idle_vision(self, like):
         """0 x (the vision tower's output for one blank image of the smallest grid): a zero that is in the graph."""
@@ -216,15 +253,20 @@ def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
 
 
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
-                trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto"):
+                trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto",
+                torch_compile="off", offload=False):
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
-    r, alpha, target_modules, exclude_modules, modules_to_save (see add_lora). padding_free / vision_varlen:
+    r, alpha, target_modules, exclude_modules, modules_to_save (see memory.add_lora). padding_free / vision_varlen:
     "auto" (on where a fast variable-length kernel runs: CUDA, bf16/fp16), "on" (also on CPU, through the plain
-    reference path: for tests) or "off" (transformers' own attention)."""
+    reference path: for tests) or "off" (transformers' own attention). torch_compile: fused elementwise kernels
+    (varlen.compile_elementwise), "auto" = on for CUDA in bf16/fp16 and a hidden size of at least 1024. offload:
+    FSDP2's CPUOffloadPolicy, which keeps the sharded weights, their gradients and hence the optimizer state and
+    step on the host (FSDP2 offers the three only together), each unit's shard copied in just before its
+    all-gather; a frozen model is kept on the host whole instead."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
     hf.config.use_cache = False
     use_varlen = varlen.use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free,
@@ -243,63 +285,39 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
             if ".visual." in f".{name}":
                 p.requires_grad_(False)
     if lora:
-        add_lora(hf, **lora)
+        memory.add_lora(hf, **lora)
+        if dtype == torch.bfloat16:  # pure bf16: peft keeps the adapters in fp32 next to a bf16 base
+            hf.to(dtype)
     model = LogProbModel(hf)
     model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
+    # auto: on a GPU in bf16/fp16, for a model wide enough that fused kernels pay for the compilation (~100 s at
+    # 3B); a tiny model's steps are launch-bound and would only wait for the compiler
+    wide = getattr(getattr(hf.config, "text_config", hf.config), "hidden_size", 0) >= 1024
+    if torch_compile == "on" or (torch_compile == "auto" and device.type == "cuda" and wide
+                                 and param_dtype in (torch.bfloat16, torch.float16)):
+        model.chunk_logprobs, _ = varlen.compile_elementwise(hf, _chunk_logprobs)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # a frozen reference is not offloaded by FSDP2: it waits whole on the host and visits the GPU for its pass
+    # (memory.resident); only a trainable policy gets the offload policy
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda")
+              if offload and trainable else OffloadPolicy())
     blocks = set(getattr(hf, "_no_split_modules", None) or [])
     for m in hf.modules():
         if type(m).__name__ in blocks:
-            fully_shard(m, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    if device.type == "cuda":
+            fully_shard(m, **kw)
+    fully_shard(model, **kw)
+    if device.type == "cuda" and not offload:
         model.to(device)
+    elif not trainable:
+        pass  # the reference stays on the host until its pass
+    elif device.type == "cuda":  # the weights stay on the host; buffers (rotary frequencies) go to the GPU
+        for m in model.modules():
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = b.to(device)
     model.train(trainable)
     return model
-
-
-def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visual.*", modules_to_save=""):
-    """LoRA through peft, in place: the wrapped Linear layers keep their weight as `<name>.base_layer.weight`
-    next to `<name>.lora_A/B.default.weight`, and every parameter outside the adapters is frozen (the vision
-    tower too, unless targeted: vLLM takes no LoRA on the vision encoder, so it is excluded by default). The
-    PeftModel wrapper is dropped: the trainer keeps calling the HF model, whose layers now carry the adapters.
-    `modules_to_save` (peft's): modules trained in full next to the adapters, e.g. lm_head."""
-    from peft import LoraConfig, get_peft_model
-
-    from data import UserError
-    targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
-    peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
-                                               exclude_modules=exclude_modules or None,
-                                               modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
-    if not any(p.requires_grad for p in hf.parameters()):
-        raise UserError(f"--lora-target-modules {target_modules!r} matched no layer")
-    return peft_model  # (merge.py saves adapter folders through it)
-
-
-def lora_layers(model):
-    """{module name: LoRA scale} of the LoRA-wrapped layers ({} without LoRA)."""
-    from peft.tuners.lora import LoraLayer
-    hf = getattr(model, "hf", model)
-    return {n: m.scaling["default"] for n, m in hf.named_modules() if isinstance(m, LoraLayer)}
-
-
-@contextlib.contextmanager
-def adapters_disabled(model):
-    """The base model, i.e. the reference policy of a LoRA run: no second copy of the weights."""
-    from peft.tuners.lora import LoraLayer
-    from peft.utils.other import ModulesToSaveWrapper
-    layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
-    # the flag peft's own enable_adapters(False) sets, without its requires_grad switch: FSDP2 fixes each unit's
-    # gradient dtypes at its first forward, and the reference pass is often the first (seen on GPU: a bf16
-    # gradient then met fp32 master weights)
-    for m in layers:
-        m._disable_adapters = True
-    try:
-        yield model
-    finally:
-        for m in layers:
-            m._disable_adapters = False
 
 
 # ----------------------------------------------------------------------------------------------- batches
@@ -337,6 +355,7 @@ def collate(samples, pad_id, device, model=None):
     for key in keys:
         mm[key] = to_device(torch.cat([p["mm_inputs"][key] for p in prompts if key in p["mm_inputs"]]), device)
     counts = [len(p["mm_inputs"].get("image_grid_thw", ())) for p in prompts]  # images per distinct prompt
+    vcounts = [len(p["mm_inputs"].get("video_grid_thw", ())) for p in prompts]  # videos per distinct prompt
     position_ids, varlen = None, None
     if model is not None and model.rope is not None:
         pos = _positions(model.hf, samples, prompts, owner, model.rope)  # per sample [3, L] (M-RoPE) or [L]
@@ -353,8 +372,8 @@ def collate(samples, pad_id, device, model=None):
         varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
     resp_len = torch.tensor([len(s["response_ids"]) for s in samples])
     return dict(input_ids=to_device(input_ids, device), resp_idx=to_device(resp_idx, device),
-                targets=to_device(targets, device), mm_inputs=mm, owner=(owner, counts), position_ids=position_ids,
-                varlen=varlen), resp_len
+                targets=to_device(targets, device), mm_inputs=mm, owner=(owner, counts, vcounts),
+                position_ids=position_ids, varlen=varlen), resp_len
 
 
 def _positions(hf, samples, prompts, owner, rope):
@@ -382,6 +401,8 @@ def _rope_index(hf, ids, mm):
     if not grids:
         return torch.arange(ids.shape[1]).expand(3, -1)
     kw = dict(input_ids=ids, attention_mask=None, **grids)
+    if "second_per_grid_ts" in mm:  # Qwen2.5-VL's video time axis: positions count tokens_per_second x seconds
+        kw["second_per_grid_ts"] = mm["second_per_grid_ts"]
     if "mm_token_type_ids" in _params(type(hf.model).get_rope_index):
         kw.update(mm_token_types(hf, ids, mm))
     return hf.model.get_rope_index(**kw)[0][:, 0]
@@ -490,24 +511,35 @@ def compute_logprobs(model, samples, pad_id, device, temperature, max_tokens, ma
 
 
 # ----------------------------------------------------------------------------------------------- optimizer
-def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device):
+def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device, bf16_rounding=None, seed=0):
+    """AdamW over the trainable parameters (fp32 master weights), or, with `bf16_rounding`, memory.py's AdamW
+    for pure-bf16 weights and state."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
-                            fused=device.type == "cuda" or None)
+    on_gpu = memory.local(params[0]).device.type == "cuda"  # offloaded weights step on the host
+    if bf16_rounding:
+        opt = memory.BF16AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, rounding=bf16_rounding,
+                               seed=seed)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=on_gpu or None)
     # linear warmup from lr/warmup to lr, then constant (EasyR1's default schedule)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
     return opt, sched
 
 
-def optimizer_step(model, opt, sched, max_grad_norm):
+def optimizer_step(model, opt, sched, max_grad_norm, offload_state=False):
     """Clip, step, and skip the step when the gradient norm is not finite (a NaN/inf batch must not poison the
-    weights). Returns the pre-clip grad norm (float)."""
+    weights). offload_state: the optimizer state lives on the host between steps (--offload-optimizer): in for
+    the step, out after it. Returns the pre-clip grad norm (float)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     norm = float(norm)
     if math.isfinite(norm):
+        if offload_state:
+            memory.move_optimizer_state(opt, memory.local(params[0]).device)
         opt.step()
+        if offload_state:
+            memory.move_optimizer_state(opt, torch.device("cpu"))
     opt.zero_grad(set_to_none=True)
     with warnings.catch_warnings():  # a skipped first step makes torch warn about the order; the step is counted
         warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
@@ -522,7 +554,7 @@ def iter_full_params(model, dtype=None, lora_only=False):
     With LoRA the engine gets the merged weight W + scale * B @ A under the base model's name; `lora_only`
     yields only those (everything else never changes, so it goes to the engine once)."""
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    scales = lora_layers(model)
+    scales = memory.lora_layers(model)
     sd = getattr(model, "hf", model).state_dict()
     for name, p in sd.items():
         if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:  # (modules_to_save: the copy)
@@ -536,66 +568,3 @@ def iter_full_params(model, dtype=None, lora_only=False):
             a, b = full(sd[f"{layer}.lora_A.default.weight"]), full(sd[f"{layer}.lora_B.default.weight"])
             t = t.float() + scales[layer] * (b.float() @ a.float())
         yield name.replace(".base_layer.", "."), (t.to(dtype) if dtype is not None else t).detach()
-
-
-# ----------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
-    """Sharded model + optimizer via torch.distributed.checkpoint (every rank writes its shard: on several nodes
-    the folder must be on a shared file system). Written to `<path>.tmp` and renamed when complete, so a crash
-    mid-save never leaves a checkpoint that looks whole; then only the newest `keep` are kept (0 = all), and step
-    `protect` (the best so far) besides."""
-    import json
-    import shutil
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    tmp = path + ".tmp"
-    if dist.get_rank() == 0 and os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    dist.barrier(group=_cpu_group())
-    msd, osd = get_state_dict(model, opt, options=_state_dict_options(model))
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
-    if dist.get_rank() == 0:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({**extra, "scheduler": sched.state_dict()}, f)
-        if os.path.exists(path):  # a re-run of the same step
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        root = os.path.dirname(path)
-        while keep and len(steps := [s for s in _saved_steps(root) if s != protect]) > keep:  # after the new one
-            shutil.rmtree(os.path.join(root, f"step_{steps[0]}"))
-    dist.barrier(group=_cpu_group())
-
-
-def load_checkpoint(path, model, opt, sched):
-    import json
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    options = _state_dict_options(model)
-    msd, osd = get_state_dict(model, opt, options=options)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        extra = json.load(f)
-    sched.load_state_dict(extra.pop("scheduler"))
-    return extra
-
-
-def _state_dict_options(model):
-    """A LoRA checkpoint holds the adapters and their optimizer state only (megabytes): the frozen base weights
-    are the model_path's. Full training saves every weight."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    lora = bool(lora_layers(model))
-    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
-
-
-def _saved_steps(save_dir):
-    """Steps of the complete checkpoints in save_dir, oldest first (a `.tmp` folder is an unfinished save)."""
-    if not os.path.isdir(save_dir):
-        return []
-    return sorted(int(d[5:]) for d in os.listdir(save_dir) if d.startswith("step_") and d[5:].isdigit())
-
-
-def latest_checkpoint(save_dir):
-    steps = _saved_steps(save_dir)
-    return os.path.join(save_dir, f"step_{steps[-1]}") if steps else None

@@ -7,28 +7,25 @@ One step:  sync -> sample -> score -> advantage -> (old / ref log-probs) -> clip
 The algorithm lives in the middle section (advantages, KL estimators, policy losses, loss aggregation); the rest
 is plumbing. dapo.py imports this file and swaps in dynamic sampling and overlong shaping.
 """
-import contextlib
-import functools
-import json
 import math
 import os
 import random
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Annotated, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 import tyro
 
 import data
-import flops
-import fsdp_actor as A
-from data import UserError
+import easyr1_config
+import fsdp_actor as actor
+import memory
+import rollout
 import rundir
+import tiny_model
+from data import UserError
 
 
 # ================================================================================================ config
@@ -36,22 +33,27 @@ import rundir
 class Config:
     # --- model and data (empty model_path / train_files = the built-in demo) ---
     model_path: str = ""  # HF hub name or local folder; "" builds the tiny demo VLM in code
-    # the tiny model built when model_path is "" (and its task when train_files is ""): qwen2_5_vl and qwen3_vl
-    # answer the colour task, the text-only qwen3 the largest-digit task (with TEXT_DEMO's settings)
+    # the demo's tiny model (no model_path): qwen2_5_vl / qwen3_vl (colour or video task), qwen3 (largest digit)
     demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3"] = "qwen2_5_vl"
+    demo_task: Literal["color", "video"] = "color"  # the VL demos' task: a picture's colour, or a clip's last colour
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)
     prompt_key: str = "problem"  # column with the question text (<image> marks where each image goes)
     answer_key: str = "answer"  # column with the ground truth the reward function compares against
     image_key: str = "images"  # column with the list of images (bytes, paths or PIL images)
-    image_dir: str | None = None  # folder that relative image paths in the data start from
+    image_dir: str | None = None  # folder that relative image (and video) paths in the data start from
+    video_key: str = "videos"  # column with the list of videos (each a video file path or a list of frames)
+    video_fps: float = 2.0  # frames per second taken from a video file; a list of frames is taken to be this far apart
+    max_frames: int = 768  # frames per video at most (evenly spread over it when it has more)
+    video_min_pixels: int | None = None  # pixels per frame at least (Qwen3-VL: per clip); None = min_pixels
+    video_max_pixels: int | None = None  # pixels per frame at most (Qwen3-VL: per clip); None = max_pixels (EasyR1)
     format_prompt: str | None = None  # jinja template (string or .jinja file) around {{ content }}
     reward_function: str = "math"  # math | r1v | color | dapo | path/to/file.py:fn (an EasyR1 reward file)
     reward_function_kwargs: str = ""  # JSON object of keyword arguments for the reward function, as EasyR1's
     max_prompt_length: int = 2048  # prompt tokens, image tokens included
     max_response_length: int = 2048  # generated tokens per sample at most
-    min_pixels: int = 262144  # smaller images are scaled up to this many pixels (keeping their aspect)
-    max_pixels: int = 4194304  # larger images are scaled down to this many pixels
+    min_pixels: int = data.MIN_PIXELS  # smaller images are scaled up to this many pixels (keeping their aspect)
+    max_pixels: int = data.MAX_PIXELS  # larger images are scaled down to this many pixels
     filter_overlong_prompts: bool = True  # drop (and list) prompts over max_prompt_length; off: they are bad rows
     skip_bad_rows: bool = False  # drop rows the data check rejects (and list them) instead of stopping
     # --- rollout ---
@@ -68,6 +70,7 @@ class Config:
     enforce_eager: bool = False  # vLLM without CUDA graphs (slower, starts faster)
     sleep_level: int = 1  # 1: engine weights wait in CPU memory while training; 2: dropped, re-sent before generating
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
+    limit_videos: int = 0  # videos per prompt the engine accepts; 0 = the most any training or validation row has
     # --- batch arithmetic (EasyR1's names: batch sizes count prompts, micro-batches count samples) ---
     rollout_batch_size: int = 512  # prompts per step, over all ranks
     global_batch_size: int = 128  # prompts per optimizer step; rollout_batch_size / global_batch_size updates per step
@@ -100,6 +103,10 @@ class Config:
     rollout_correction_cap: float = 2.0  # weights above it are truncated to it (veRL's rollout_is_threshold)
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
+    precision: Literal["amp", "bf16"] = "amp"  # amp: fp32 master weights, compute in --dtype; bf16: weights, gradients and AdamW state in bf16 (half the bytes; README: Memory modes)
+    bf16_rounding: Literal["kahan", "stochastic", "nearest"] = "kahan"  # how --precision bf16 keeps updates below half a bf16 ulp (nearest loses them; README: Memory modes)
+    offload_params: bool = False  # policy weights, gradients and AdamW state on the host (FSDP2's CPUOffloadPolicy; the step runs there), and the reference model between its uses
+    offload_optimizer: bool = False  # AdamW state on the host between optimizer steps (in for the step, out after it)
     freeze_vision_tower: bool = False  # train the language model only (the vision tower keeps its weights)
     lora_rank: int = 0  # LoRA (peft) rank; 0 = full fine-tuning. With LoRA only adapters train: the vision tower is frozen unless targeted
     lora_alpha: int = 64  # LoRA scale = alpha / rank (EasyR1's default)
@@ -110,6 +117,7 @@ class Config:
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     padding_free: Literal["auto", "on", "off"] = "auto"  # one packed row per micro-batch (varlen attention); auto: where a fast kernel runs
     vision_varlen: Literal["auto", "on", "off"] = "auto"  # the vision tower's windows in one attention call per layer
+    torch_compile: Literal["auto", "on", "off"] = "auto"  # fused norm/MLP/rotary/log-prob kernels; auto: CUDA, bf16, hidden >= 1024
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)
     peak_tflops: float = 989.0  # per GPU, for perf/mfu_*: H100/H200 dense bf16 (the figure veRL and EasyR1 use)
     # --- trainer ---
@@ -133,16 +141,9 @@ class Config:
     debug_skip_sync: bool = False  # never send new weights to the engine: rollout/logprob_diff_* must then grow
 
 
-# The defaults above are EasyR1's (examples/config.yaml). The demo (no --model-path) trains a tiny model from scratch
-# on one-word answers about small pictures, so it gets its own; a value given on the command line wins in both.
-DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=4, min_pixels=56 * 56,
-            max_pixels=112 * 112, n=16, rollout_batch_size=16, global_batch_size=16, lr=1e-3, max_steps=150,
-            val_freq=10, save_freq=10, output_dir="outputs/demo")
-# The text demo (--demo-model qwen3) changes five more: its own reward; answers of one digit, i.e. one token; groups
-# of 32; half the colour demo's lr; rollouts sampled at temperature 1.5. A digit the policy stops sampling is never
-# learned: at lr 1e-3 (groups of 64; lists of different digits) it stopped answering 2 and 8, validation stuck at
-# 0.765; at lr 5e-4 and temperature 1 it lost only the 2 (0.94); at 1.5 it kept every digit (1.0; README).
-TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4, temperature=1.5)
+# The defaults above are EasyR1's (examples/config.yaml); the demos (no --model-path) have their own, where a flag
+# does not say otherwise: tiny_model.DEMO, and TEXT_DEMO / VIDEO_DEMO on top for the text and the video demo.
+from tiny_model import DEMO, TEXT_DEMO, VIDEO_DEMO  # noqa: E402
 
 
 # ================================================================================================ algorithm
@@ -169,11 +170,11 @@ def compute_advantages(rewards, estimator="grpo", lengths=None, eps=1e-6):
         if estimator == "reinforce_plus_plus_baseline" and n > 1:
             x = x - x.mean(dim=1, keepdim=True)
         w = torch.ones_like(x) if lengths is None else torch.as_tensor(lengths, dtype=torch.float64).view(G, n)
-        cnt, s = A.all_reduce_cpu([w.sum(), (w * x).sum()]).tolist()
+        cnt, s = actor.all_reduce_cpu([w.sum(), (w * x).sum()]).tolist()
         if cnt <= 1:  # one token or none: nothing to whiten (veRL raises)
             return torch.zeros_like(rewards)
         mean = s / cnt  # veRL adds 1e-8 to this denominator; left out so that equal rewards give exactly 0
-        var = float(A.all_reduce_cpu((w * (x - mean).square()).sum())) / (cnt - 1)  # Bessel over tokens
+        var = float(actor.all_reduce_cpu((w * (x - mean).square()).sum())) / (cnt - 1)  # Bessel over tokens
         return ((x - mean) / math.sqrt(var + 1e-8)).to(rewards.dtype)
     raise ValueError(f"adv_estimator={estimator!r}: choose grpo, dr_grpo, rloo, reinforce_plus_plus or "
                      "reinforce_plus_plus_baseline")
@@ -237,173 +238,118 @@ def agg_loss(loss, mask, mode="token", num_tokens=None, num_seqs=None, max_len=N
     raise ValueError(f"loss_avg_mode={mode!r}: choose token, seq or seq-mean-token-sum-norm")
 
 
-def rollout_correction_weights(old_logp, rollout_logp, mask, level="token", cap=2.0):
-    """Truncated importance sampling (TIS) for the trainer/engine mismatch: the engine sampled from pi_rollout, the
-    loss assumes pi_old (the trainer's log-probs at the same weights). Weights pi_old / pi_rollout per token (or
-    their product per sequence), truncated at `cap`, no gradient; they multiply the per-token policy loss. The
-    formula of veRL (compute_rollout_correction_weights: exp of the log-ratio clamped to +-20, masked, clamp(max=cap),
-    detached) and TRL (token_truncate / sequence_truncate). Returns (weights [B, R], stats: sums and counts)."""
-    log_ratio = (old_logp - rollout_logp) * mask  # [B, R]
-    if level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True)  # [B, 1]
-    elif level != "token":
-        raise ValueError(f"rollout_correction_level={level!r}: choose token or sequence")
-    raw = log_ratio.clamp(-20, 20).exp()  # [B, R] or [B, 1]
-    units = mask if level == "token" else mask.any(-1, keepdim=True)  # tokens, or sequences with a token
-    w = (raw.clamp(max=cap) * mask).detach()  # [B, R]
-    units_f = units.to(raw.dtype)
-    stats = {"mean": ((w * mask).sum(), mask.sum()), "capped_frac": (((raw > cap) * units_f).sum(), units_f.sum()),
-             "max": raw.detach().masked_fill(~units, 0).max()}
-    return w, stats
-
-
 # ================================================================================================ setup
-def check_config(cfg: Config, world: int):
-    """What can be checked before any process group or model loads: every rank raises the same UserError."""
-    positive = {"lr": cfg.lr, "max-response-length": cfg.max_response_length,
-                "max-prompt-length": cfg.max_prompt_length, "temperature": cfg.temperature}  # log-probs divide by it
-    for opt, v in positive.items():
-        if not v > 0:
-            raise UserError(f"--{opt} {v}: must be > 0" + " (greedy is for --val-temperature)" * (opt == "temperature"))
-    for opt, v in {"rollout-n": cfg.n, "rollout-batch-size": cfg.rollout_batch_size,
-                   "global-batch-size": cfg.global_batch_size, "ppo-epochs": cfg.ppo_epochs}.items():
-        if v < 1:
-            raise UserError(f"--{opt} {v}: must be at least 1")
-    rb, gb = cfg.rollout_batch_size, cfg.global_batch_size
-    if gb > rb:
-        raise UserError(f"--global-batch-size {gb} is larger than --rollout-batch-size {rb}: an optimizer step cannot "
-                        "use more prompts than a rollout step makes; lower it")
-    if rb % gb or gb % world:  # then world divides rollout_batch_size too
-        raise UserError(f"--global-batch-size {gb} must divide --rollout-batch-size {rb} and be a multiple of the "
-                        f"number of ranks ({world})")
-    data.check_model_path(cfg.model_path)
-    data.check_source(cfg.train_files, "--train-files")
-    data.check_source(cfg.val_files, "--val-files")
-    try:  # a run that cannot write its checkpoints should fail now, not after its first hour
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        tempfile.TemporaryFile(dir=cfg.output_dir).close()
-    except OSError as e:
-        raise UserError(f"--output-dir {cfg.output_dir}: cannot write there ({e.strerror or e})") from e
+@dataclass
+class State:
+    """What one run holds: set up by setup(), read by every stage. cursor, engine_stale and the skip counters
+    change as it trains; the rest stays."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    reward_fn: Callable  # list of {"response", "response_length", "ground_truth"} -> list of score dicts
+    ckpt: str | None  # the checkpoint this run resumes from
+    model_path: str  # the policy's starting weights (the demo's tiny model when --model-path is empty)
+    processor: Any = None  # the HF processor of a VLM, or the tokenizer of a text LLM
+    tokenizer: Any = None
+    pad_id: int = 0
+    train: Any = None  # data.PromptDataset: encoded prompts, checked row by row
+    val: Any = None
+    done: bool = False  # the resumed run was already complete
+    compute_dtype: torch.dtype = torch.float32  # what the matmuls run in (bf16 on GPUs)
+    lora: dict | None = None  # the LoRA settings, or None for full fine-tuning
+    model: Any = None  # fsdp_actor.LogProbModel: the policy, FSDP2-sharded, fp32 master weights
+    ref: Any = None  # the frozen reference; None when kl_coef is 0 or with LoRA (the policy, adapters off)
+    opt: Any = None
+    sched: Any = None
+    rollout: Any = None  # the generation engine (rollout.VLLMRollout or rollout.HFRollout)
+    start_step: int = 0
+    cursor: int = 0  # position in the endless stream of prompts (a checkpoint saves it: exact resume)
+    engine_stale: bool = True  # the engine's weights are older than the policy's (synced before it generates)
+    skipped_run: int = 0  # optimizer steps skipped in a row (non-finite gradient norm)
+    skipped_total: int = 0
+    best: tuple | None = None  # (step, val/mean) of the best checkpoint, never deleted
+
+    def say(self, *a):  # rank 0 prints
+        rundir.log0(self, *a)
 
 
 def setup(cfg: Config):
-    """Everything the loop needs, in one namespace: distributed state, data, reward, policy, reference, engine."""
-    import data
+    """Everything the loop needs: distributed state, data, reward, policy, reference, engine."""
     import rewards
-    import rollout
-    check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    text_demo = not cfg.model_path and not cfg.train_files and cfg.demo_model == "qwen3"  # the largest-digit task
+    import video
+    easyr1_config.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
-    rank, world, device = A.init_distributed()
+    rank, world, device = actor.init_distributed()
     ckpt, state = rundir.find_resume(cfg)  # refuses a changed config before anything loads
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    ctx = SimpleNamespace(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn, ckpt=ckpt,
-                          start_step=0, cursor=0, skipped_run=0, skipped_total=0)
-    ctx.model_path = cfg.model_path
-    if not ctx.model_path:  # the demo: rank 0 builds (cached), the others wait and read it
-        import tiny_model
-        if rank == 0:
-            tiny_model.build_tiny_model(arch=cfg.demo_model)
-        dist.barrier()
-        ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model)
-    train_files, val_files = cfg.train_files, cfg.val_files
-    fmt = cfg.format_prompt
-    if not train_files:
-        make = data.demo_max_data if text_demo else data.demo_data
-        if rank == 0:
-            make()
-        dist.barrier()
-        train_files, val_files = make()
-        fmt = fmt if fmt is not None else data.NUMBER_FORMAT_PROMPT if text_demo else data.DEMO_FORMAT_PROMPT
-    ctx.processor = data.load_processor(ctx.model_path, cfg.min_pixels, cfg.max_pixels)
+    ctx = State(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn, ckpt=ckpt,
+                model_path=cfg.model_path)
+    if not ctx.model_path:  # the demo: rank 0 builds the tiny model (cached), the others wait and read it
+        ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model, rank=rank)
+    ctx.processor, ctx.train, ctx.val = data.load_datasets(cfg, ctx.model_path, say=ctx.say)
     ctx.tokenizer = getattr(ctx.processor, "tokenizer", ctx.processor)
     ctx.pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
-    data_kw = dict(processor_or_tokenizer=ctx.processor, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
-                   image_key=cfg.image_key, image_dir=cfg.image_dir, format_prompt=fmt,
-                   min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_prompt_length=cfg.max_prompt_length,
-                   filter_overlong=cfg.filter_overlong_prompts, skip_bad_rows=cfg.skip_bad_rows)
-    # every row is checked here, before the model loads; the same on every rank, so all raise together
-    ctx.train = data.PromptDataset(train_files, option="--train-files", **data_kw)
-    ctx.val = data.PromptDataset(val_files, option="--val-files", **data_kw) if val_files else None
-    for note in ctx.train.notes + (ctx.val.notes if ctx.val else []):
-        log0(ctx, note)
-    if len(ctx.train) < cfg.rollout_batch_size:
-        raise UserError(f"--train-files {train_files}: {len(ctx.train)} usable prompts < --rollout-batch-size "
-                        f"{cfg.rollout_batch_size}; lower --rollout-batch-size or add data")
     if cfg.max_steps <= 0:  # EasyR1's total_epochs: an epoch is as many steps as whole rollout batches fit in the data
         cfg.max_steps = cfg.total_epochs * (len(ctx.train) // cfg.rollout_batch_size)
     ctx.done = bool(state and state["step"] >= cfg.max_steps)
     if ctx.done:
-        log0(ctx, f"[resume] {ckpt} is step {state['step']} of --max-steps {cfg.max_steps}: the run is already "
+        ctx.say(f"[resume] {ckpt} is step {state['step']} of --max-steps {cfg.max_steps}: the run is already "
                   "complete, nothing to do (raise --max-steps to train on, or start a new run in another --output-dir)")
         return ctx
-    # --- policy (fp32 master weights), reference (frozen, compute dtype), rollout engine (its own weights) ---
-    use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+    # --- policy (fp32 master weights, or bf16), reference (frozen, compute dtype), rollout engine (its own weights) ---
+    pure_bf16 = cfg.precision == "bf16"
+    use_bf16 = pure_bf16 or cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     ctx.lora = dict(r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
                     exclude_modules=cfg.lora_exclude_modules, modules_to_save=cfg.lora_modules_to_save
                     ) if cfg.lora_rank > 0 else None
-    ctx.model = A.build_actor(ctx.model_path, device, torch.float32, ctx.compute_dtype,
-                              cfg.gradient_checkpointing, cfg.attn_implementation,
+    ctx.model = actor.build_actor(ctx.model_path, device, torch.bfloat16 if pure_bf16 else torch.float32,
+                              ctx.compute_dtype, cfg.gradient_checkpointing, cfg.attn_implementation,
                               freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora,
-                              padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen)
+                              padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
+                              torch_compile=cfg.torch_compile, offload=cfg.offload_params)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
-        ctx.ref = A.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
+        ctx.ref = actor.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
                                 attn_implementation=cfg.attn_implementation, trainable=False,
-                                padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen)
-    ctx.opt, ctx.sched = A.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
-                                           device)
-    ctx.rollout = rollout.make_rollout(cfg.rollout_engine, model_path=ctx.model_path, device=device,
-                                       dtype=ctx.compute_dtype, cfg=cfg)
+                                padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
+                                torch_compile=cfg.torch_compile, offload=cfg.offload_params)
+    ctx.opt, ctx.sched = actor.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
+                                           device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
+                                           seed=cfg.seed)
+    videos = max(video.most_videos(d) for d in (ctx.train, ctx.val) if d is not None)
+    allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    ctx.rollout = rollout.make_rollout(cfg.rollout_engine, ctx.model_path, device, ctx.compute_dtype,
+                                       **rollout.engine_options(cfg, limit_videos=videos))
+    memory.engine_built(ctx.rollout, allocated)  # the engine's memory outside its pool: not the trainer's
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
     if ckpt:
-        state = A.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
+        state = rundir.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
         ctx.start_step, ctx.cursor = state["step"], state["cursor"]  # the engine is synced before step 1 anyway
-        log0(ctx, f"resumed from {ckpt} at step {ctx.start_step}")
+        ctx.say(f"resumed from {ckpt} at step {ctx.start_step}")
     return ctx
 
 
-def log0(ctx, *a):
-    if ctx.rank == 0:
-        print(*a, flush=True)
-
-
-def print_batch_arithmetic(ctx):
-    cfg, w = ctx.cfg, ctx.world
-    updates = cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs
-    log0(ctx, f"[batch] {w} rank(s); per step: {cfg.rollout_batch_size} prompts x n={cfg.n} = "
-              f"{cfg.rollout_batch_size * cfg.n} samples ({cfg.rollout_batch_size * cfg.n // w} per rank); "
-              f"{updates} optimizer step(s) per rollout step ({cfg.rollout_batch_size // cfg.global_batch_size} "
-              f"mini-batches x {cfg.ppo_epochs} epoch(s)) of {cfg.global_batch_size} prompts = "
-              f"{cfg.global_batch_size * cfg.n // w} samples per rank, in micro-batches of <= "
-              f"{cfg.micro_batch_size_per_device} samples and <= {cfg.max_token_len_per_device} tokens; "
-              f"old log-probs {'recomputed' if updates > 1 else 'taken from the first forward (on-policy)'}; "
-              f"reference model {'on, kl_coef=' + str(cfg.kl_coef) if cfg.kl_coef > 0 else 'off'}")
-
-
 # ================================================================================================ the step
-def draw_prompts(ctx, cursor, count):
-    """`count` prompts (all ranks together) from an endless stream of seeded epoch shuffles, starting at `cursor`.
-    Returns this rank's share as (stream position, record): a pure function of the cursor, so resume is exact
-    and the seed of each prompt does not depend on the number of ranks."""
-    N, per = len(ctx.train), count // ctx.world
-    out = []
-    for pos in range(cursor + ctx.rank * per, cursor + (ctx.rank + 1) * per):
-        epoch, k = divmod(pos, N)
-        perm = _epoch_perm(N, ctx.cfg.seed + epoch)
-        out.append((pos, ctx.train[int(perm[k])]))
-    return out
-
-
-@functools.lru_cache(maxsize=2)  # the current epoch (and the next, while a batch straddles them)
-def _epoch_perm(N, seed):
-    return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
+# A sample is one response to one prompt, a dict that the stages below fill in as the step goes:
+#   prompt         the prompt record (data.encode_prompt), shared by the n samples of the prompt
+#   response_ids   the generated tokens (cut after EOS); finished: stopped by EOS rather than by the length cap
+#   rollout_logp   the engine's log-prob of each sampled token (None when the engine gives none)
+#   text, scores, reward   the decoded response, the reward function's dict for it and its "overall" value
+#   adv            the advantage (one number for every token of the response)
+#   old_logp, ref_logp     per-token log-probs of the policy before this step's update (only when it takes several
+#                  optimizer steps) and of the reference (kl_coef > 0), both 1-D like response_ids
+#   loss_mask      0 leaves the sample out of the loss and its normalisers (DAPO's overlong filtering sets it)
+# Samples travel as a flat list, n per prompt in prompt order: by_prompt() gives the groups.
+def by_prompt(samples, n):
+    """The groups of a flat sample list (n samples per prompt, in prompt order)."""
+    return [samples[i:i + n] for i in range(0, len(samples), n)]
 
 
 def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None):
-    """Sample n responses per prompt and score them. Returns a flat list of sample dicts, grouped by prompt.
+    """Sample n responses per prompt and score them. Returns the flat list of sample dicts (n per prompt).
     lengths (bench.py's realistic workload): per prompt, n forced response lengths (EOS ignored)."""
     cfg = ctx.cfg
     prompts = [rec for _, rec in drawn]
@@ -412,8 +358,7 @@ def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None):
                                 max_tokens=cfg.max_response_length, seeds=seeds,
                                 **({"lengths": lengths} if lengths is not None else {}))
     samples = [dict(prompt=p, response_ids=list(o["response_ids"]), finished=o["finished"],
-                    rollout_logp=o.get("logprobs"), group=g)
-               for g, (p, group) in enumerate(zip(prompts, outs)) for o in group]
+                    rollout_logp=o.get("logprobs")) for p, group in zip(prompts, outs) for o in group]
     texts = ctx.tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
     items = [{"response": t, "response_length": len(s["response_ids"]), "ground_truth": s["prompt"]["answer"]}
              for t, s in zip(texts, samples)]
@@ -427,31 +372,21 @@ def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None):
 
 def collect_rollouts(ctx, step, metrics):
     """GRPO's batch: rollout_batch_size prompts x n samples. (dapo.py replaces this with dynamic sampling.)"""
-    drawn = draw_prompts(ctx, ctx.cursor, ctx.cfg.rollout_batch_size)
+    drawn = data.draw_prompts(ctx.train, ctx.cursor, ctx.cfg.rollout_batch_size, ctx.rank, ctx.world, ctx.cfg.seed)
     ctx.cursor += ctx.cfg.rollout_batch_size
     return generate_and_score(ctx, drawn, ctx.cfg.n, ctx.cfg.temperature)
 
 
-def update_policy(ctx, samples):
+def update_policy(ctx, samples, step):
     """rollout_batch_size/global_batch_size mini-batches x ppo_epochs optimizer steps over this rank's samples."""
     cfg, dev = ctx.cfg, ctx.device
     n_mini = cfg.rollout_batch_size // cfg.global_batch_size
     per_mini = len(samples) // n_mini
-    # metric -> [sum, count] over all micro-batches, all-reduced at the end; max metric -> running max. Values stay
-    # tensors on the device until then: a float() per micro-batch would make the host wait for the GPU each time.
-    sums, maxes, skipped = {}, {}, 0
-
-    def add(k, v, c=1.0):
-        s = sums.setdefault(k, [0.0, 0.0])
-        s[0], s[1] = s[0] + (v.detach().double() if torch.is_tensor(v) else v), s[1] + c
-
-    def add_max(k, v):
-        maxes[k] = torch.maximum(maxes[k], v.detach().double()) if k in maxes else v.detach().double()
-
+    log, skipped = rundir.MetricSums(), 0
     if cfg.rollout_correction == "tis" and any(s.get("rollout_logp") is None for s in samples):
         raise ValueError("--rollout-correction tis needs the engine's log-probs of its samples, and this rollout "
                          "returned none; use --rollout-correction none")
-    g = torch.Generator().manual_seed(cfg.seed * 7919 + ctx.step)
+    g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     for epoch in range(cfg.ppo_epochs):
         shuffle = n_mini > 1 or epoch > 0  # mini-batches see a fresh mix of samples
         order = torch.randperm(len(samples), generator=g).tolist() if shuffle else list(range(len(samples)))
@@ -459,193 +394,146 @@ def update_policy(ctx, samples):
             mini = [samples[i] for i in order[m * per_mini:(m + 1) * per_mini]]
             # global normalisers: the mini-batch's loss is the same whatever the micro-batching and rank count
             # (a sample with loss_mask 0, e.g. DAPO's truncated ones, takes no part in the loss or its normalisers)
-            num_tokens, num_seqs = A.all_reduce_cpu([sum(len(s["response_ids"]) * s.get("loss_mask", 1) for s in mini),
+            num_tokens, num_seqs = actor.all_reduce_cpu([sum(len(s["response_ids"]) * s.get("loss_mask", 1) for s in mini),
                                                      sum(s.get("loss_mask", 1) for s in mini)]).clamp(min=1).tolist()
+            norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
             lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in mini]
-            for idx in A.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device,
+            for idx in actor.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device,
                                             [id(s["prompt"]) for s in mini], packed=ctx.model.packed):
                 mb = [mini[i] for i in idx]
-                batch, resp_len = A.collate(mb, ctx.pad_id, dev, ctx.model)
-                add("perf/pad_fraction", batch["input_ids"].numel() - sum(lengths[i] for i in idx),
-                    batch["input_ids"].numel())
+                batch, resp_len = actor.collate(mb, ctx.pad_id, dev, ctx.model)
+                log.add("perf/pad_fraction", batch["input_ids"].numel() - sum(lengths[i] for i in idx),
+                        batch["input_ids"].numel())
                 lp, ent = ctx.model(**batch, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)  # [N]
-                logp, mask = A.pad_responses(lp, resp_len)  # [b, R]
-                mask = mask & A.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]
-                R = logp.shape[1]
-                if mb[0].get("old_logp") is not None:
-                    old = A.stack_padded([s["old_logp"] for s in mb], R, dev)
-                else:  # on-policy: the first forward *is* the old policy
-                    old = logp.detach()
-                adv = A.to_device(torch.tensor([s["adv"] for s in mb], dtype=logp.dtype), dev)  # [b]
-                tok_loss, clip = policy_loss(logp, old, adv, mask, cfg.loss_type, cfg.clip_ratio_low,
-                                             cfg.clip_ratio_high, cfg.clip_ratio_dual, cfg.gspo_dual_clip,
-                                             cfg.cispo_clip_low)
-                roll = None
-                if all(s.get("rollout_logp") is not None for s in mb):
-                    roll = A.stack_padded([s["rollout_logp"] for s in mb], R, dev)  # [b, R] the engine's
-                if cfg.rollout_correction == "tis":
-                    w, st = rollout_correction_weights(old, roll, mask, cfg.rollout_correction_level,
-                                                       cfg.rollout_correction_cap)
-                    tok_loss = tok_loss * w
-                    add("rollout_corr/weight_mean", *st["mean"])
-                    add("rollout_corr/capped_frac", *st["capped_frac"])
-                    add_max("rollout_corr/weight_max", st["max"])
-                norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
-                pg_loss = agg_loss(tok_loss, mask, cfg.loss_avg_mode, **norm)
-                loss = pg_loss
-                if cfg.kl_coef > 0:
-                    ref = A.stack_padded([s["ref_logp"] for s in mb], R, dev)
-                    kl = kl_penalty(logp, ref, cfg.kl_penalty)
-                    loss = loss + cfg.kl_coef * agg_loss(kl, mask, cfg.loss_avg_mode, **norm)
-                    add("actor/kl", (kl.detach() * mask).sum(), mask.sum())
+                logp, mask = actor.pad_responses(lp, resp_len)  # [b, R]
+                loss, mask = micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass=epoch == 0 and m == 0)
                 # FSDP averages gradients over ranks; the normalisers are already global, so undo the average
                 (loss * ctx.world).backward()
-                add("actor/pg_loss", pg_loss, 0.0)  # already a share of the global loss: just sum
-                add("actor/loss", loss, 0.0)
-                ent_p, _ = A.pad_responses(ent, resp_len)
-                add("actor/entropy", (ent_p * mask).sum(), mask.sum())
-                add("actor/clipfrac", (clip["clipfrac"] * mask).sum(), mask.sum())
-                add("actor/dual_clipfrac", (clip["dual_clipfrac"] * mask).sum(), mask.sum())
-                if epoch == 0 and m == 0 and roll is not None:
-                    # trainer/rollout mismatch at the weights that generated the samples (before any update)
-                    diff = ((logp.detach() - roll).abs() * mask)
-                    add("rollout/logprob_diff_mean", diff.sum(), mask.sum())
-                    add_max("rollout/logprob_diff_max", diff.max())
-            grad_norm = A.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm)  # the same on every rank
-            add("actor/grad_norm", grad_norm)
-            add("actor/lr", ctx.sched.get_last_lr()[0])
+                ent_p, _ = actor.pad_responses(ent, resp_len)
+                log.add("actor/entropy", (ent_p * mask).sum(), mask.sum())
+            grad_norm = actor.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm,  # the same on every rank
+                                         offload_state=cfg.offload_optimizer and not cfg.offload_params)
+            log.add("actor/grad_norm", grad_norm)
+            log.add("actor/lr", ctx.sched.get_last_lr()[0])
             skipped += not math.isfinite(grad_norm)
             ctx.skipped_run = 0 if math.isfinite(grad_norm) else ctx.skipped_run + 1
             if cfg.max_skipped_steps and ctx.skipped_run >= cfg.max_skipped_steps:  # before any checkpoint is saved
-                raise UserError(f"stopped at step {ctx.step + 1}: the last {ctx.skipped_run} optimizer steps were "
+                raise UserError(f"stopped at step {step + 1}: the last {ctx.skipped_run} optimizer steps were "
                                 f"skipped (gradient norm {grad_norm}); nothing of this step was saved. Check the data "
                                 "and reward, lower --lr, or raise --max-skipped-steps (0 = never stop)")
-    # losses are already global fractions: sum them over ranks and micro-batches, mean over optimizer steps
-    keys, mkeys = sorted(sums), sorted(maxes)
-    local = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev) for k in keys for x in sums[k]]
-                        + [maxes[k] for k in mkeys]).cpu()  # the one wait for the GPU
-    red = A.all_reduce_cpu(local[:2 * len(keys)].view(-1, 2))
-    out = {}
-    n_steps = n_mini * cfg.ppo_epochs
-    for k, (v, c) in zip(keys, red.tolist()):
-        if k in ("actor/pg_loss", "actor/loss"):
-            out[k] = v / n_steps
-        elif k in ("actor/grad_norm", "actor/lr"):
-            out[k] = v / c  # same on every rank
-        else:
-            out[k] = v / max(c, 1)
-    if mkeys:
-        out.update(zip(mkeys, A.all_reduce_cpu(local[2 * len(keys):], op=dist.ReduceOp.MAX).tolist()))
+    out = log.reduce(dev, n_steps=n_mini * cfg.ppo_epochs)
     ctx.skipped_total += skipped
     out["actor/skipped_steps"], out["actor/skipped_steps_total"] = skipped, ctx.skipped_total
     return out
 
 
+# ------------------------------------------------------------------------------------------ the loss (algorithm)
+def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
+    """The loss of one micro-batch: logp [b, R] the policy's log-probs of the sampled tokens now (with gradient),
+    mask [b, R] its response tokens, mb its samples (advantage; old, reference and engine log-probs where taken),
+    norm the mini-batch's global normalisers. Returns the loss (a share of the mini-batch's) and the mask of the
+    tokens that took part."""
+    dev, R = logp.device, logp.shape[1]
+    mask = mask & actor.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]  # [b, R]
+    if mb[0].get("old_logp") is not None:
+        old = actor.stack_padded([s["old_logp"] for s in mb], R, dev)  # [b, R]
+    else:  # on-policy: the first forward *is* the old policy
+        old = logp.detach()
+    adv = actor.to_device(torch.tensor([s["adv"] for s in mb], dtype=logp.dtype), dev)  # [b]
+    tok_loss, clip = policy_loss(logp, old, adv, mask, cfg.loss_type, cfg.clip_ratio_low, cfg.clip_ratio_high,
+                                 cfg.clip_ratio_dual, cfg.gspo_dual_clip, cfg.cispo_clip_low)  # [b, R]
+    roll = None
+    if all(s.get("rollout_logp") is not None for s in mb):
+        roll = actor.stack_padded([s["rollout_logp"] for s in mb], R, dev)  # [b, R] the engine's
+    if cfg.rollout_correction == "tis":
+        w, st = rollout.correction_weights(old, roll, mask, cfg.rollout_correction_level, cfg.rollout_correction_cap)
+        tok_loss = tok_loss * w
+        log.add("rollout_corr/weight_mean", *st["mean"])
+        log.add("rollout_corr/capped_frac", *st["capped_frac"])
+        log.add_max("rollout_corr/weight_max", st["max"])
+    pg_loss = agg_loss(tok_loss, mask, cfg.loss_avg_mode, **norm)
+    loss = pg_loss
+    if cfg.kl_coef > 0:
+        ref = actor.stack_padded([s["ref_logp"] for s in mb], R, dev)  # [b, R]
+        kl = kl_penalty(logp, ref, cfg.kl_penalty)  # [b, R]
+        loss = loss + cfg.kl_coef * agg_loss(kl, mask, cfg.loss_avg_mode, **norm)
+        log.add("actor/kl", (kl.detach() * mask).sum(), mask.sum())
+    log.add("actor/pg_loss", pg_loss, 0.0)  # already a share of the global loss: just sum
+    log.add("actor/loss", loss, 0.0)
+    log.add("actor/clipfrac", (clip["clipfrac"] * mask).sum(), mask.sum())
+    log.add("actor/dual_clipfrac", (clip["dual_clipfrac"] * mask).sum(), mask.sum())
+    if first_pass and roll is not None:  # trainer/engine mismatch at the weights that generated the samples
+        diff = ((logp.detach() - roll).abs() * mask)
+        log.add("rollout/logprob_diff_mean", diff.sum(), mask.sum())
+        log.add_max("rollout/logprob_diff_max", diff.max())
+    return loss, mask
+# ------------------------------------------------------------------------------------------ (end of the loss)
+
+
 def train_step(ctx, step, collect=collect_rollouts):
     cfg, T, metrics = ctx.cfg, {}, {}
-    ctx.step = step
     t_step = time.time()
+    peaks = {"start": memory.phase_peak_gb()}  # (the last step's validation and checkpoint: not this step's)
     # ---- 0. sync: the engine gets the weights of the last update (streamed, one tensor at a time) ----
     T["sync"] = sync_engine(ctx)
     # ---- 1. sample (generate n responses per prompt) and 2. score ----
     t = time.time()
     ctx.rollout.wake()
     samples = collect(ctx, step, metrics)
-    free_awake = cuda_free_gb()
-    ctx.rollout.sleep()
-    metrics["memory/free_engine_awake_gb"], metrics["memory/free_engine_asleep_gb"] = free_awake, cuda_free_gb()
+    metrics.update(memory.sleep(ctx.rollout))  # (and the GPU memory free with the engine awake and asleep)
     T["gen"] = time.time() - t
+    peaks["gen"] = memory.phase_peak_gb(ctx.rollout)
     # ---- 3. advantages: normalise within each group of n ----
-    rewards = torch.tensor([s["reward"] for s in samples]).view(-1, cfg.n)  # [G, n]
-    lengths = torch.tensor([len(s["response_ids"]) for s in samples]).view(-1, cfg.n)  # [G, n]
+    groups = by_prompt(samples, cfg.n)
+    rewards = torch.tensor([[s["reward"] for s in g] for g in groups])  # [G, n]
+    lengths = torch.tensor([[len(s["response_ids"]) for s in g] for g in groups])  # [G, n]
     adv = compute_advantages(rewards, cfg.adv_estimator, lengths)  # [G, n]
     for s, a in zip(samples, adv.flatten().tolist()):
         s["adv"] = a
     # ---- 4. log-probs of the old policy (only when it differs from the first forward) and of the reference ----
-    mb_kw = dict(pad_id=ctx.pad_id, device=ctx.device, temperature=cfg.temperature,
-                 max_tokens=cfg.max_token_len_per_device, max_samples=cfg.micro_batch_size_per_device,
-                 chunk_size=cfg.logprob_chunk_size)
+    mb_kw = dict(pad_id=ctx.pad_id, device=ctx.device, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
+                 max_tokens=cfg.max_token_len_per_device, max_samples=cfg.micro_batch_size_per_device)
     if cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs > 1:
         t = time.time()
-        old, _ = A.compute_logprobs(ctx.model, samples, **mb_kw)
+        old, _ = actor.compute_logprobs(ctx.model, samples, **mb_kw)
         for s, o in zip(samples, old):
             s["old_logp"] = o
         T["old_logprob"] = time.time() - t
     if cfg.kl_coef > 0:
         t = time.time()
-        with A.adapters_disabled(ctx.model) if ctx.lora else contextlib.nullcontext():
-            ref, _ = A.compute_logprobs(ctx.ref or ctx.model, samples, **mb_kw)
+        # LoRA: the policy with its adapters off; else the reference model (on the GPU for this pass if offloaded)
+        ref_model = memory.adapters_disabled(ctx.model) if ctx.lora else memory.resident(ctx.ref, ctx.device,
+                                                                                     cfg.offload_params)
+        with ref_model as m:
+            ref, _ = actor.compute_logprobs(m, samples, **mb_kw)
         for s, r in zip(samples, ref):
             s["ref_logp"] = r
         T["ref_logprob"] = time.time() - t
+    if "old_logprob" in T or "ref_logprob" in T:
+        peaks["ref"] = memory.phase_peak_gb(ctx.rollout)  # old and reference log-probs
     # ---- 5. update the policy (the engine is now one update behind: synced before its next generation) ----
     t = time.time()
-    metrics.update(update_policy(ctx, samples))
+    metrics.update(update_policy(ctx, samples, step))
     ctx.engine_stale = True
     T["update"] = time.time() - t
+    peaks["update"] = memory.phase_peak_gb(ctx.rollout)
     T["step"] = time.time() - t_step
-    # ---- metrics ----
-    metrics.update(sample_metrics(ctx, samples, "reward"))
-    n_tok = float(A.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
-    metrics.update({f"timing/{k}": v for k, v in T.items()})
-    metrics["throughput/tokens_per_s"] = n_tok / T["step"] / ctx.world  # per device, like EasyR1
-    metrics["throughput/tokens_per_s_total"] = n_tok / T["step"]
-    # MFU: model FLOPs of the step's real tokens (veRL's convention, flops.py) over the phase's seconds x peak
-    fwd = float(A.all_reduce_cpu(flops.forward_flops(ctx.model.hf.config, samples)))  # one pass, all ranks
-    peak = cfg.peak_tflops * 1e12 * ctx.world
-    metrics["perf/mfu_update"] = 3 * cfg.ppo_epochs * fwd / (T["update"] * peak)  # forward + backward per epoch
-    if "ref_logprob" in T:
-        metrics["perf/mfu_ref"] = fwd / (T["ref_logprob"] * peak)
-    metrics.update(memory_metrics(ctx))
+    # ---- metrics: rewards, lengths, seconds, throughput, MFU, memory ----
+    metrics.update(rundir.step_metrics(ctx, samples, T, peaks, metrics))
     metrics["step"] = step + 1
     return metrics, samples
 
 
 def sync_engine(ctx):
-    """Stream the policy's weights into the engine if it is behind (or dropped them in a level-2 sleep). Returns
-    the seconds spent. Every rank takes part: each DTensor is all-gathered."""
+    """Stream the policy's weights into the engine if it is behind (or dropped them in a level-2 sleep); every rank
+    takes part (each DTensor is all-gathered). With LoRA only the merged LoRA layers change. Returns the seconds."""
     if ctx.cfg.debug_skip_sync or not (ctx.engine_stale or getattr(ctx.rollout, "weights_lost", False)):
         return 0.0
     t = time.time()
-    # LoRA: the engine loaded the base weights itself; only the merged LoRA layers change (unless a level-2
-    # sleep dropped everything)
     lora_only = bool(ctx.lora) and not getattr(ctx.rollout, "weights_lost", False)
-    ctx.rollout.sync_weights(A.iter_full_params(ctx.model, ctx.compute_dtype, lora_only=lora_only))
+    ctx.rollout.sync_weights(actor.iter_full_params(ctx.model, ctx.compute_dtype, lora_only=lora_only))
     ctx.engine_stale = False
     return time.time() - t
-
-
-def cuda_free_gb():
-    return torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 0.0
-
-
-def memory_metrics(ctx):
-    """Peaks since the last call (GPU allocated by torch, GPU reserved by torch's caching allocator; vLLM's pool
-    is separate) and the process's peak resident host memory."""
-    import resource
-    out = {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if torch.cuda.is_available():
-        out["memory/gpu_peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        out["memory/gpu_reserved_gb"] = torch.cuda.memory_reserved() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-    return out
-
-
-def sample_metrics(ctx, samples, prefix):
-    """Rewards and their parts, prompt and response lengths, truncation rate: means over all ranks."""
-    keys = sorted(samples[0]["scores"])
-    rows = [[s["scores"][k] for k in keys] + [len(s["response_ids"]), 0.0 if s["finished"] else 1.0,
-                                               len(s["prompt"]["prompt_ids"]), 1.0] for s in samples]
-    tot = A.all_reduce_cpu(torch.tensor(rows, dtype=torch.float64).sum(0))
-    mx = A.all_reduce_cpu(max(len(s["response_ids"]) for s in samples), op=dist.ReduceOp.MAX)
-    cnt = float(tot[-1])
-    out = {f"{prefix}/{'mean' if k == 'overall' else k}": float(v) / cnt for k, v in zip(keys, tot[:len(keys)])}
-    out["response_length/mean" if prefix == "reward" else f"{prefix}/response_length"] = float(tot[len(keys)]) / cnt
-    if prefix == "reward":
-        out["response_length/max"] = float(mx)
-        out["response_length/clip_ratio"] = float(tot[len(keys) + 1]) / cnt
-        out["prompt_length/mean"] = float(tot[len(keys) + 2]) / cnt  # image tokens included
-    return out
 
 
 def validate(ctx):
@@ -660,7 +548,7 @@ def validate(ctx):
         drawn = [(-1 - j, ctx.val[j]) for j in mine[i:i + 64]]
         samples += generate_and_score(ctx, drawn, 1, cfg.val_temperature, cfg.val_top_p)
     ctx.rollout.sleep()
-    return sample_metrics(ctx, samples, "val")
+    return rundir.sample_metrics(ctx, samples, "val")
 
 
 # ================================================================================================ main loop
@@ -668,28 +556,19 @@ def train(cfg: Config, collect=collect_rollouts):
     ctx = setup(cfg)
     if ctx.done:
         return ctx
-    print_batch_arithmetic(ctx)
+    rundir.print_batch_arithmetic(ctx)
     dist.barrier()  # every rank has read the folder (find_resume) before rank 0 changes it
     if ctx.rank == 0:  # logs cut back to the resumed step, config.json for a new run
         rundir.prepare(cfg, ctx.start_step, ctx.ckpt)
     dist.barrier()
     ctx.best = rundir.find_best(cfg.output_dir)  # (step, val/mean) of the best checkpoint: never deleted
-    metrics_f = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") if ctx.rank == 0 else None
-    samples_f = open(os.path.join(cfg.output_dir, "samples.jsonl"), "a") if ctx.rank == 0 else None
-    bar = None
     if ctx.rank == 0:
-        from tqdm import tqdm
         rundir.write_best(cfg.output_dir, ctx.best)
-        track, close_trackers = rundir.open_trackers(cfg, ctx.start_step)
-        bar = tqdm(total=cfg.max_steps, initial=ctx.start_step, dynamic_ncols=True,
-                   desc=os.path.basename(sys.argv[0]).removesuffix(".py") or "train")
+    log = rundir.RunLog(cfg, ctx.rank, ctx.start_step)  # metrics.jsonl, samples.jsonl, trackers, console, reward.png
     if cfg.val_freq and cfg.val_before_train and ctx.val is not None and ctx.start_step == 0:
         val = validate(ctx)
-        log0(ctx, "[val] step 0 " + " ".join(f"{k}={v:.3f}" for k, v in val.items()))
-        if metrics_f:
-            metrics_f.write(json.dumps({"step": 0, **val}) + "\n")
-            metrics_f.flush()
-            track(val, 0)
+        ctx.say("[val] step 0 " + " ".join(f"{k}={v:.3f}" for k, v in val.items()))
+        log.write({"step": 0, **val})
     for step in range(ctx.start_step, cfg.max_steps):
         metrics, samples = train_step(ctx, step, collect)
         last = step + 1 == cfg.max_steps
@@ -699,45 +578,19 @@ def train(cfg: Config, collect=collect_rollouts):
             metrics["timing/val"] = time.time() - t
         if cfg.save_freq >= 0 and ((cfg.save_freq and (step + 1) % cfg.save_freq == 0) or last):
             t = time.time()
-            rundir.save(ctx, step + 1, metrics, say=bar.write if bar else print)  # keeps the best by val/mean
+            rundir.save(ctx, step + 1, metrics, say=log.say)  # keeps the best by val/mean
             metrics["timing/save"] = time.time() - t
-        if ctx.rank == 0:
-            metrics_f.write(json.dumps(metrics) + "\n")
-            metrics_f.flush()
-            for s in samples[:cfg.log_samples]:
-                samples_f.write(json.dumps({"step": step + 1, "prompt": s["prompt"]["prompt_text"],
-                                            "response": s["text"], "answer": s["prompt"]["answer"],
-                                            "reward": s["reward"]}) + "\n")
-            samples_f.flush()
-            track(metrics, step + 1)
-            if "val/mean" in metrics or (step + 1) % 10 == 0 or last:
-                rundir.plot_rewards(cfg)  # ~0.3 s: reward.png follows the run
-            bar.update(1)
-            if "console" in cfg.logger:
-                bar.write(format_line(metrics))
-    if bar:
-        bar.close()
-        close_trackers()
+        log.write(metrics, samples, last)
+    log.close()
     dist.barrier()
     return ctx
 
 
-def format_line(m):
-    keys = [("reward/mean", "reward"), ("reward/accuracy", "acc"), ("val/mean", "val"),
-            ("response_length/mean", "len"), ("actor/kl", "kl"), ("actor/entropy", "ent"),
-            ("actor/grad_norm", "gnorm"), ("rollout/logprob_diff_mean", "lpdiff"),
-            ("dapo/tries", "tries"), ("dapo/generated_accuracy", "gen_acc"),
-            ("timing/gen", "t_gen"), ("timing/update", "t_upd"), ("timing/step", "t_step"),
-            ("throughput/tokens_per_s", "tok/s/dev")]
-    return f"step {m['step']:4d} | " + " ".join(f"{n}={m[k]:.3g}" for k, n in keys if k in m)
-
-
-def main(config_cls=Config, collect=collect_rollouts, demo=DEMO, text_demo=TEXT_DEMO):
+def main(config_cls=Config, collect=collect_rollouts, demo=DEMO, text_demo=TEXT_DEMO, video_demo=VIDEO_DEMO):
     """The command line: defaults (EasyR1's, or the demo's), an EasyR1 --config, the flags; then train. A UserError
     (a bad option, file, row or reward) ends the run with one `error:` line and exit code 2."""
-    from easyr1_config import cli
-    with data.one_line_errors():
-        train(cli(config_cls, demo, text_demo=text_demo), collect)
+    with easyr1_config.one_line_errors():
+        train(easyr1_config.cli(config_cls, demo, text_demo=text_demo, video_demo=video_demo), collect)
     dist.destroy_process_group()
 
 

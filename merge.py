@@ -53,15 +53,16 @@ def base_model_path(checkpoint, model_path=None):
 def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
     import torch.distributed.checkpoint as dcp
 
-    import fsdp_actor as A
+    import fsdp_actor as actor
+    import memory
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
         raise FileNotFoundError(f"{checkpoint}: not a checkpoint folder (no .metadata); pass checkpoints/step_N")
     path = base_model_path(checkpoint, model_path)
-    hf = A.load_hf_model(path, dtype=torch.float32)
+    hf = actor.load_hf_model(path, dtype=torch.float32)
     cfg = json.load(open(os.path.join(checkpoint, "trainer_state.json"))).get("config", {})
     lora = cfg.get("lora_rank", 0) > 0
     if lora:  # the checkpoint holds the adapters only: rebuild them on the base model, then read them in
-        peft_model = A.add_lora(hf, cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_target_modules"],
+        peft_model = memory.add_lora(hf, cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_target_modules"],
                                 cfg["lora_exclude_modules"], cfg.get("lora_modules_to_save", ""))
     elif adapter_only:
         raise ValueError(f"{checkpoint}: --adapter-only needs a LoRA checkpoint (trained with --lora-rank > 0)")
@@ -77,8 +78,8 @@ def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
         peft_model.to(dtype).save_pretrained(tmp)
     else:
         if lora:  # dense: W + scale * B @ A under the base model's names
-            merged = dict(A.iter_full_params(hf))
-            hf = A.load_hf_model(path, dtype=torch.float32)
+            merged = dict(actor.iter_full_params(hf))
+            hf = actor.load_hf_model(path, dtype=torch.float32)
             hf.load_state_dict(merged)
         hf.to(dtype).save_pretrained(tmp)
         copy_tokenizer_files(path, tmp)

@@ -20,7 +20,7 @@ import traceback
 
 from math_verify import parse, verify
 
-import data
+import tiny_model
 from data import UserError
 
 # math_verify logs every unparsable string; rollouts produce plenty of those.
@@ -29,7 +29,7 @@ logging.getLogger("math_verify").setLevel(logging.CRITICAL)
 MATH_FORMAT_WEIGHT = 0.1  # EasyR1 examples/reward_function/math.py default
 R1V_FORMAT_WEIGHT = 0.5  # EasyR1 examples/reward_function/r1v.py default
 MAX_ANSWER_CHARS = 1000  # longer "answers" are garbage; keep sympy from chewing on them
-COLORS = tuple(data.COLORS)  # the demo task's answers
+COLORS = tuple(tiny_model.COLORS)  # the demo task's answers
 FLOAT32_MAX = 3.4028234663852886e38  # rewards become a float32 tensor: anything past this is inf there
 
 

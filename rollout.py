@@ -1,6 +1,8 @@
 """Rollout engines: sample n responses per prompt with the current policy weights.
 
-Two engines with one interface (see the spec's "Rollout engine interface"):
+Two engines with one interface: generate(prompts, n, temperature, top_p, max_tokens, seeds) -> per prompt, n dicts
+{"response_ids", "finished" (stopped by EOS), "logprobs" (of the sampled tokens, or None)}; sync_weights(iterable of
+(HF name, tensor)); sleep() / wake() around the trainer's phases.
   HFRollout    plain transformers `generate` on its own unsharded copy of the policy (CPU tests, small GPU runs)
   VLLMRollout  vLLM colocated with the trainer, SPMD under torchrun (one engine per rank, no Ray)
   make_rollout picks one ("auto": vLLM when it imports and CUDA is there, else HF).
@@ -13,7 +15,6 @@ a trainer computing log_softmax(logits / T)). With top_p == 1 (the GRPO default)
 log_softmax(logits / T) with the same tokens forbidden (fsdp_actor masks them too); with top_p < 1 it is the nucleus-renormalised value.
 Greedy (temperature == 0): log_softmax of the untempered logits.
 """
-import contextlib
 import dataclasses
 import os
 import warnings
@@ -57,7 +58,7 @@ def special_token_ids(model_path):
 
 
 def _to_result(ids, logprobs, eos):
-    """Cut after the first EOS (kept) and build the spec's dict. `finished` means "stopped by EOS", the same test
+    """Cut after the first EOS (kept) and build the result dict of the interface above. `finished` means "stopped by EOS", the same test
     in both engines (vLLM's finish_reason would also say "stop" for stop strings, which we never set)."""
     ids = list(ids)
     cut = next((i + 1 for i, t in enumerate(ids) if t in eos), None)
@@ -172,6 +173,9 @@ class HFRollout:
     def sleep(self):  # the HF engine keeps its weights; nothing to release
         pass
 
+    def pool_bytes(self):  # the HF engine's weights are ordinary allocations: the trainer's peaks include them
+        return 0
+
     def wake(self, tags=None):
         pass
 
@@ -213,6 +217,16 @@ def _init_world_for_external_dp():
     dist.init_process_group("cuda:nccl,cpu:gloo")  # gloo too: object collectives and vLLM's CPU groups
 
 
+def _hashable(d):
+    """vLLM keeps its HF processors in an lru_cache keyed by the processor keywords: a plain dict inside a keyword's
+    list would not hash (vLLM wraps only the outer list and dicts)."""
+    try:
+        from vllm.transformers_utils.processor import HashableDict
+    except ImportError:  # another vLLM layout: the keywords then go as they are
+        return d
+    return HashableDict(d)
+
+
 def _engine_arg_names():
     from vllm.engine.arg_utils import EngineArgs
     return {f.name for f in dataclasses.fields(EngineArgs)}
@@ -249,8 +263,14 @@ class VLLMRollout:
                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                   max_num_batched_tokens=max_num_batched_tokens, enable_sleep_mode=enable_sleep_mode, seed=seed,
                   enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", disable_log_stats=True)
-        if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):  # text-only models reject these
+        hf_config = AutoConfig.from_pretrained(model_path)
+        self.model_type = hf_config.model_type
+        if hasattr(hf_config, "vision_config"):  # text-only models reject these
             kw["limit_mm_per_prompt"] = limit_mm_per_prompt or {"image": 1, "video": 0}
+            if kw["limit_mm_per_prompt"].get("video"):
+                # vLLM caches processed items one by one and processes only the missing ones, while a Qwen2(.5)-VL
+                # prompt's video_metadata keyword covers all its videos: no cache, so the two always match
+                kw["mm_processor_cache_gb"] = 0
         else:
             engine_kwargs.pop("mm_processor_kwargs", None)
         if world > 1 or dist.is_initialized():  # SPMD whenever a trainer set up torch.distributed, even 1 rank
@@ -282,12 +302,27 @@ class VLLMRollout:
         return SamplingParams(n=rows, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                               max_tokens=max_tokens, seed=seed, logprobs=0, logit_bias=bias, detokenize=False, **stop)
 
-    @staticmethod
-    def _vllm_prompt(p):
-        # one <|image_pad|> per image: vLLM's own multimodal processor expands it
+    def _vllm_prompt(self, p):
+        """One <|image_pad|> per image and <|video_pad|> per video: vLLM's own multimodal processor expands them.
+        Videos go as the trainer's frames ([T, H, W, 3] uint8, already sampled and resized: vLLM's HF processor
+        leaves them as they are) with their frame rate, which sets the time axis: Qwen3-VL's parser takes (frames,
+        metadata) pairs and writes the "<t seconds>" text from them; Qwen2(.5)-VL's drops pair metadata, so its HF
+        processor gets video_metadata as a call keyword (without it transformers assumes 24 frames per second and
+        second_per_grid_ts, hence the M-RoPE time positions, would differ from the trainer's)."""
         out = {"prompt_token_ids": list(p["raw_prompt_ids"])}
+        mm = {}
         if p.get("images"):
-            out["multi_modal_data"] = {"image": list(p["images"])}
+            mm["image"] = list(p["images"])
+        if p.get("videos"):
+            meta = [{"total_num_frames": len(v), "fps": f} for v, f in zip(p["videos"], p["video_fps"])]
+            if self.model_type == "qwen3_vl":
+                mm["video"] = [(v, {**m, "frames_indices": list(range(len(v))), "duration": len(v) / m["fps"],
+                                    "do_sample_frames": False}) for v, m in zip(p["videos"], meta)]
+            else:
+                mm["video"] = list(p["videos"])
+                out["mm_processor_kwargs"] = {"video_metadata": [_hashable(m) for m in meta]}
+        if mm:
+            out["multi_modal_data"] = mm
         return out
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None):
@@ -372,6 +407,15 @@ class VLLMRollout:
         self._reset_caches()
 
     # ---- memory
+    def pool_bytes(self):
+        """Bytes of vLLM's sleep-mode pool (CuMemAllocator: the weights and KV cache, whether mapped now or not;
+        torch's allocator counts them as allocated either way). 0 without sleep mode: then the engine allocates
+        from torch's default pool and cannot be told apart from the trainer."""
+        if not self.sleep_mode:
+            return 0
+        from vllm.device_allocator.cumem import CuMemAllocator
+        return CuMemAllocator.get_instance().get_current_usage()
+
     def sleep(self):
         """Release the GPU memory for training. The encoder cache is dropped every step (stale after the next
         sync anyway); the prefix cache goes with the KV cache."""
@@ -410,27 +454,65 @@ def _vllm_usable():
         return False
 
 
-def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, cfg=None, **overrides):
-    """engine: "auto" | "vllm" | "hf". vLLM settings come from cfg (grpo.Config) where it has them, then overrides."""
+def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tensor_parallel_size=1,
+                 gpu_memory_utilization=0.6, max_model_len=None, max_num_batched_tokens=None, limit_images=1,
+                 limit_videos=0, seed=0, enforce_eager=False, sleep_level=1, min_pixels=None, max_pixels=None,
+                 video_min_pixels=None, video_max_pixels=None, **overrides):
+    """engine: "auto" (vLLM when it imports and CUDA is there) | "vllm" | "hf". The rest are vLLM's settings
+    (engine_options(cfg) gives grpo.Config's); overrides go to VLLMRollout as they are."""
     if engine == "auto":
         engine = "vllm" if _vllm_usable() else "hf"
     if engine == "hf":
         return HFRollout(model_path, device=device, dtype=dtype)
     if engine != "vllm":
         raise ValueError(f"unknown rollout engine {engine!r}: choose auto, vllm or hf")
-    get = lambda k, d: getattr(cfg, k, d) if cfg is not None else d  # noqa: E731
-    max_len = None
-    if get("max_prompt_length", None) and get("max_response_length", None):
-        max_len = get("max_prompt_length", 0) + get("max_response_length", 0)
-    kw = dict(tensor_parallel_size=get("tensor_parallel_size", 1),
-              gpu_memory_utilization=get("gpu_memory_utilization", 0.6), max_model_len=max_len,
-              max_num_batched_tokens=get("max_num_batched_tokens", None),
-              limit_mm_per_prompt={"image": get("limit_images", 1), "video": 0},
-              enable_sleep_mode=get("enable_sleep_mode", True),
-              seed=get("seed", 0), dtype=dtype, enforce_eager=get("enforce_eager", False),
-              sleep_level=get("sleep_level", 1))
-    if get("min_pixels", None) and get("max_pixels", None):
-        # vLLM runs the HF image processor itself: give it the trainer's pixel bounds so both make the same grid
-        kw["mm_processor_kwargs"] = {"min_pixels": get("min_pixels", 0), "max_pixels": get("max_pixels", 0)}
+    lo, hi = min_pixels, max_pixels
+    vlo, vhi = video_min_pixels or lo, video_max_pixels or hi
+    if limit_videos and lo and hi and not lo <= vlo <= vhi <= hi:
+        from data import UserError
+        raise UserError(f"--video-min-pixels {vlo} / --video-max-pixels {vhi}: with vLLM they must lie within "
+                        f"--min-pixels {lo} and --max-pixels {hi} (vLLM's video processor gets the image bounds and "
+                        "would resize frames outside them)")
+    kw = dict(tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+              max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+              limit_mm_per_prompt={"image": limit_images, "video": limit_videos}, seed=seed, dtype=dtype,
+              enforce_eager=enforce_eager, sleep_level=sleep_level)
+    if lo and hi:
+        # vLLM runs the HF image processor itself: give it the trainer's pixel bounds so both make the same grid.
+        # (They reach its video processor too; the trainer's frames already have a size within the video bounds
+        # that the processor keeps, as long as those lie within these: checked above.)
+        kw["mm_processor_kwargs"] = {"min_pixels": lo, "max_pixels": hi}
     kw.update(overrides)
     return VLLMRollout(model_path, **kw)
+
+
+def engine_options(cfg, limit_videos=0):
+    """The engine's settings from grpo.Config, every option it reads named here. limit_videos: videos per prompt
+    when --limit-videos is 0 (setup passes the most any row has)."""
+    return dict(tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                max_model_len=cfg.max_prompt_length + cfg.max_response_length,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, limit_images=cfg.limit_images,
+                limit_videos=cfg.limit_videos or limit_videos, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
+                sleep_level=cfg.sleep_level, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+                video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels)
+
+
+# ------------------------------------------------------------------------------------------------ rollout correction
+def correction_weights(old_logp, rollout_logp, mask, level="token", cap=2.0):
+    """Truncated importance sampling (TIS) for the trainer/engine mismatch: the engine sampled from pi_rollout, the
+    loss assumes pi_old (the trainer's log-probs at the same weights). Weights pi_old / pi_rollout per token (or
+    their product per sequence), truncated at `cap`, no gradient; they multiply the per-token policy loss. The
+    formula of veRL (compute_rollout_correction_weights: exp of the log-ratio clamped to +-20, masked, clamp(max=cap),
+    detached) and TRL (token_truncate / sequence_truncate). Returns (weights [B, R], stats: sums and counts)."""
+    log_ratio = (old_logp - rollout_logp) * mask  # [B, R]
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True)  # [B, 1]
+    elif level != "token":
+        raise ValueError(f"rollout_correction_level={level!r}: choose token or sequence")
+    raw = log_ratio.clamp(-20, 20).exp()  # [B, R] or [B, 1]
+    units = mask if level == "token" else mask.any(-1, keepdim=True)  # tokens, or sequences with a token
+    w = (raw.clamp(max=cap) * mask).detach()  # [B, R]
+    units_f = units.to(raw.dtype)
+    stats = {"mean": ((w * mask).sum(), mask.sum()), "capped_frac": (((raw > cap) * units_f).sum(), units_f.sum()),
+             "max": raw.detach().masked_fill(~units, 0).max()}
+    return w, stats

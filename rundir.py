@@ -1,5 +1,6 @@
-"""rundir.py -- the output folder of a run: resume or refuse, logs cut back to the resumed step, the best
-checkpoint, experiment trackers, reward.png.
+"""rundir.py -- the output folder of a run and what goes into it: checkpoints (sharded, atomic), resume or refuse,
+logs cut back to the resumed step, the best checkpoint, the metrics of a step, metrics.jsonl, samples.jsonl,
+experiment trackers, the console line, reward.png.
 
     output_dir/config.json          the config of the run (written when it starts fresh)
     output_dir/metrics.jsonl        one row per step (and a step-0 validation row); samples.jsonl: a few generations
@@ -13,8 +14,14 @@ import json
 import os
 import shutil
 from dataclasses import asdict
+from typing import Annotated
 
-import fsdp_actor as A
+import torch
+import torch.distributed as dist
+import tyro
+
+import fsdp_actor as actor
+import memory
 from data import UserError
 
 # options that may change when a run is resumed: when to stop, validate, save and log, and engine / memory knobs that
@@ -24,7 +31,7 @@ RESUMABLE_CHANGES = {
     "config", "log_samples", "logger", "project_name", "experiment_name",
     "micro_batch_size_per_device", "max_token_len_per_device", "logprob_chunk_size", "gradient_checkpointing",
     "attn_implementation", "gpu_memory_utilization", "max_num_batched_tokens", "enforce_eager", "sleep_level",
-    "tensor_parallel_size"}
+    "tensor_parallel_size", "torch_compile", "offload_params", "offload_optimizer"}
 
 
 def _read_json(path):
@@ -53,13 +60,13 @@ def find_resume(cfg):
     ckpts = os.path.join(cfg.output_dir, "checkpoints")
     logs = [f for f in ("config.json", "metrics.jsonl") if os.path.isfile(os.path.join(cfg.output_dir, f))]
     if cfg.resume == "never":
-        held = A.latest_checkpoint(ckpts) or (logs and os.path.join(cfg.output_dir, logs[0]))
+        held = latest_checkpoint(ckpts) or (logs and os.path.join(cfg.output_dir, logs[0]))
         if held:
             raise UserError(
                 f"--resume never: {cfg.output_dir} already holds a run ({held}); choose a new --output-dir (or "
                 "delete that folder), or continue it with --resume auto")
         return None, None
-    ckpt = A.latest_checkpoint(ckpts) if cfg.resume == "auto" else cfg.resume.rstrip("/")
+    ckpt = latest_checkpoint(ckpts) if cfg.resume == "auto" else cfg.resume.rstrip("/")
     state = _read_json(os.path.join(ckpt, "trainer_state.json")) if ckpt else None
     if ckpt and state is None:
         raise UserError(
@@ -93,7 +100,7 @@ def prepare(cfg, start_step, ckpt, say=print):
         if dropped := truncate_jsonl(os.path.join(cfg.output_dir, name), start_step):
             say(f"[resume] {name}: dropped {dropped} row(s) after step {start_step} (those steps run again)")
     root = os.path.join(cfg.output_dir, "checkpoints")
-    for s in A._saved_steps(root):
+    for s in _saved_steps(root):
         if s > start_step:
             old = os.path.join(root, f"step_{s}")
             shutil.rmtree(old + ".abandoned", ignore_errors=True)
@@ -107,7 +114,7 @@ def prepare(cfg, start_step, ckpt, say=print):
 def find_best(output_dir):
     """(step, val/mean) of the best saved checkpoint by validation reward (the earliest of equals), or None."""
     root, best = os.path.join(output_dir, "checkpoints"), None
-    for s in A._saved_steps(root):
+    for s in _saved_steps(root):
         v = (_read_json(os.path.join(root, f"step_{s}", "trainer_state.json")) or {}).get("val/mean")
         if v is not None and (best is None or v > best[1]):
             best = (s, v)
@@ -120,7 +127,7 @@ def save(ctx, step, metrics, say=print):
     cfg, val, best = ctx.cfg, metrics.get("val/mean"), ctx.best
     if val is not None and (best is None or val > best[1]):
         ctx.best = (step, val)
-    A.save_checkpoint(os.path.join(cfg.output_dir, "checkpoints", f"step_{step}"), ctx.model, ctx.opt, ctx.sched,
+    save_checkpoint(os.path.join(cfg.output_dir, "checkpoints", f"step_{step}"), ctx.model, ctx.opt, ctx.sched,
                       {"step": step, "cursor": ctx.cursor, "config": asdict(cfg), "val/mean": val,
                        "compute_dtype": str(ctx.compute_dtype).removeprefix("torch.")},
                       keep=cfg.save_limit, protect=ctx.best and ctx.best[0])
@@ -173,8 +180,258 @@ def plot_rewards(cfg):
         import matplotlib  # noqa: F401
     except ImportError:
         return False
-    import plot
-    plot.plot([os.path.join(cfg.output_dir, "metrics.jsonl")], os.path.join(cfg.output_dir, "reward.png"),
-              labels=[os.path.basename(os.path.abspath(cfg.output_dir))],
-              title="reward (train: sampled; val: validation set)", chance=None if cfg.train_files else 0.25)
+    plot([os.path.join(cfg.output_dir, "metrics.jsonl")], os.path.join(cfg.output_dir, "reward.png"),
+         labels=[os.path.basename(os.path.abspath(cfg.output_dir))],
+         title="reward (train: sampled; val: validation set)", chance=None if cfg.train_files else 0.25)
     return True
+
+
+def plot(files: Annotated[list[str], tyro.conf.Positional], out: str = "reward.png", labels: tuple[str, ...] = (),
+         title: str = "", chance: float | None = None) -> str:
+    """Reward curves (train, and validation where logged) of metrics.jsonl files into the picture `out` (atomic)."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, path in enumerate(files):
+        rows = [json.loads(x) for x in open(path) if x.strip()]
+        label = labels[i] if i < len(labels) else path
+        train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
+        val = [(r["step"], r["val/mean"]) for r in rows if "val/mean" in r]
+        line, = ax.plot(*(zip(*train) if train else ([], [])), lw=1, alpha=0.8, label=f"{label} train")
+        if val:
+            ax.plot(*zip(*val), "o-", color=line.get_color(), ms=3, label=f"{label} val")
+    if chance is not None:
+        ax.axhline(chance, color="grey", ls=":", lw=1, label="chance")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    tmp = out + ".tmp.png"  # written whole, then renamed: a viewer never reads half a file
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
+    """Sharded model + optimizer via torch.distributed.checkpoint (every rank writes its shard: on several nodes
+    the folder must be on a shared file system). Written to `<path>.tmp` and renamed when complete, so a crash
+    mid-save never leaves a checkpoint that looks whole; then only the newest `keep` are kept (0 = all), and step
+    `protect` (the best so far) besides."""
+    import json
+    import shutil
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    tmp = path + ".tmp"
+    if dist.get_rank() == 0 and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    dist.barrier(group=actor._cpu_group())
+    msd, osd = get_state_dict(model, opt, options=_state_dict_options(model))
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    if dist.get_rank() == 0:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({**extra, "scheduler": sched.state_dict()}, f)
+        if os.path.exists(path):  # a re-run of the same step
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        root = os.path.dirname(path)
+        while keep and len(steps := [s for s in _saved_steps(root) if s != protect]) > keep:  # after the new one
+            shutil.rmtree(os.path.join(root, f"step_{steps[0]}"))
+    dist.barrier(group=actor._cpu_group())
+
+
+def load_checkpoint(path, model, opt, sched):
+    import json
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    options = _state_dict_options(model)
+    msd, osd = get_state_dict(model, opt, options=options)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        extra = json.load(f)
+    sched.load_state_dict(extra.pop("scheduler"))
+    return extra
+
+
+def _state_dict_options(model):
+    """A LoRA checkpoint holds the adapters and their optimizer state only (megabytes): the frozen base weights
+    are the model_path's. Full training saves every weight."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    lora = bool(memory.lora_layers(model))
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
+def _saved_steps(save_dir):
+    """Steps of the complete checkpoints in save_dir, oldest first (a `.tmp` folder is an unfinished save)."""
+    if not os.path.isdir(save_dir):
+        return []
+    return sorted(int(d[5:]) for d in os.listdir(save_dir) if d.startswith("step_") and d[5:].isdigit())
+
+
+def latest_checkpoint(save_dir):
+    steps = _saved_steps(save_dir)
+    return os.path.join(save_dir, f"step_{steps[-1]}") if steps else None
+
+
+# ----------------------------------------------------------------------------------------------- logging
+def log0(ctx, *a):
+    if ctx.rank == 0:
+        print(*a, flush=True)
+
+
+def print_batch_arithmetic(ctx):
+    cfg, w = ctx.cfg, ctx.world
+    updates = cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs
+    log0(ctx, f"[batch] {w} rank(s); per step: {cfg.rollout_batch_size} prompts x n={cfg.n} = "
+              f"{cfg.rollout_batch_size * cfg.n} samples ({cfg.rollout_batch_size * cfg.n // w} per rank); "
+              f"{updates} optimizer step(s) per rollout step ({cfg.rollout_batch_size // cfg.global_batch_size} "
+              f"mini-batches x {cfg.ppo_epochs} epoch(s)) of {cfg.global_batch_size} prompts = "
+              f"{cfg.global_batch_size * cfg.n // w} samples per rank, in micro-batches of <= "
+              f"{cfg.micro_batch_size_per_device} samples and <= {cfg.max_token_len_per_device} tokens; "
+              f"old log-probs {'recomputed' if updates > 1 else 'taken from the first forward (on-policy)'}; "
+              f"reference model {'on, kl_coef=' + str(cfg.kl_coef) if cfg.kl_coef > 0 else 'off'}")
+
+
+def cuda_free_gb():
+    return torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def step_metrics(ctx, samples, T, peaks, so_far):
+    """A training step's metrics beside the update's: rewards and lengths, seconds per phase (T), tokens per second,
+    MFU (model FLOPs of the step's real tokens, veRL's convention in flops.py, over the phase's seconds x peak) and
+    memory (memory.metrics: peaks per phase, the engine's share; so_far: the step's metrics until now)."""
+    import flops
+    import memory
+    cfg, out = ctx.cfg, sample_metrics(ctx, samples, "reward")
+    n_tok = float(actor.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
+    out.update({f"timing/{k}": v for k, v in T.items()})
+    out["throughput/tokens_per_s"] = n_tok / T["step"] / ctx.world  # per device, like EasyR1
+    out["throughput/tokens_per_s_total"] = n_tok / T["step"]
+    fwd = float(actor.all_reduce_cpu(flops.forward_flops(ctx.model.hf.config, samples)))  # one pass, all ranks
+    peak = cfg.peak_tflops * 1e12 * ctx.world
+    out["perf/mfu_update"] = 3 * cfg.ppo_epochs * fwd / (T["update"] * peak)  # forward + backward per epoch
+    if "ref_logprob" in T:
+        out["perf/mfu_ref"] = fwd / (T["ref_logprob"] * peak)
+    out.update(memory.metrics(ctx.rollout, peaks, {**so_far, **out}))
+    return out
+
+
+def sample_metrics(ctx, samples, prefix):
+    """Rewards and their parts, prompt and response lengths, truncation rate: means over all ranks."""
+    keys = sorted(samples[0]["scores"])
+    rows = [[s["scores"][k] for k in keys] + [len(s["response_ids"]), 0.0 if s["finished"] else 1.0,
+                                               len(s["prompt"]["prompt_ids"]), 1.0] for s in samples]
+    tot = actor.all_reduce_cpu(torch.tensor(rows, dtype=torch.float64).sum(0))
+    mx = actor.all_reduce_cpu(max(len(s["response_ids"]) for s in samples), op=dist.ReduceOp.MAX)
+    cnt = float(tot[-1])
+    out = {f"{prefix}/{'mean' if k == 'overall' else k}": float(v) / cnt for k, v in zip(keys, tot[:len(keys)])}
+    out["response_length/mean" if prefix == "reward" else f"{prefix}/response_length"] = float(tot[len(keys)]) / cnt
+    if prefix == "reward":
+        out["response_length/max"] = float(mx)
+        out["response_length/clip_ratio"] = float(tot[len(keys) + 1]) / cnt
+        out["prompt_length/mean"] = float(tot[len(keys) + 2]) / cnt  # image tokens included
+    return out
+
+
+# the console line's metrics and their short names (dapo.py adds its own)
+CONSOLE = [("reward/mean", "reward"), ("reward/accuracy", "acc"), ("val/mean", "val"), ("response_length/mean", "len"),
+           ("actor/kl", "kl"), ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"),
+           ("rollout/logprob_diff_mean", "lpdiff"), ("timing/gen", "t_gen"), ("timing/update", "t_upd"),
+           ("timing/step", "t_step"), ("throughput/tokens_per_s", "tok/s/dev")]
+
+
+def format_line(m, keys=CONSOLE):
+    return f"step {m['step']:4d} | " + " ".join(f"{n}={m[k]:.3g}" for k, n in keys if k in m)
+
+
+class MetricSums:
+    """Metric -> [sum, count] over micro-batches (means), or a running max, all-reduced over ranks once at the end.
+    Values stay tensors on the device until then: a float() per micro-batch would make the host wait each time."""
+
+    def __init__(self):
+        self.sums, self.maxes = {}, {}
+
+    def add(self, k, v, c=1.0):  # c = 0: a share of a global total (losses), summed and not averaged
+        s = self.sums.setdefault(k, [0.0, 0.0])
+        s[0], s[1] = s[0] + (v.detach().double() if torch.is_tensor(v) else v), s[1] + c
+
+    def add_max(self, k, v):
+        self.maxes[k] = torch.maximum(self.maxes[k], v.detach().double()) if k in self.maxes else v.detach().double()
+
+    def reduce(self, dev, n_steps):
+        """Means over all ranks; losses (count 0) summed over ranks and micro-batches, averaged over n_steps
+        optimizer steps; grad_norm and lr (the same on every rank) averaged over the steps."""
+        keys, mkeys = sorted(self.sums), sorted(self.maxes)
+        local = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev) for k in keys for x in self.sums[k]]
+                            + [self.maxes[k] for k in mkeys]).cpu()  # the one wait for the GPU
+        red = actor.all_reduce_cpu(local[:2 * len(keys)].view(-1, 2))
+        out = {}
+        for k, (v, c) in zip(keys, red.tolist()):
+            if k in ("actor/pg_loss", "actor/loss"):
+                out[k] = v / n_steps
+            elif k in ("actor/grad_norm", "actor/lr"):
+                out[k] = v / c  # same on every rank
+            else:
+                out[k] = v / max(c, 1)
+        if mkeys:
+            out.update(zip(mkeys, actor.all_reduce_cpu(local[2 * len(keys):], op=dist.ReduceOp.MAX).tolist()))
+        return out
+
+
+class RunLog:
+    """Rank 0's record of a run: metrics.jsonl (one row per step), samples.jsonl (a few generations per step), the
+    trackers, the progress bar with a console line per step, and reward.png. Other ranks keep none of it."""
+
+    def __init__(self, cfg, rank, start_step):
+        self.cfg, self.on = cfg, rank == 0
+        if self.on:
+            import sys
+
+            from tqdm import tqdm
+            self.metrics_f = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a")
+            self.samples_f = open(os.path.join(cfg.output_dir, "samples.jsonl"), "a")
+            self.track, self.close_trackers = open_trackers(cfg, start_step)
+            self.bar = tqdm(total=cfg.max_steps, initial=start_step, dynamic_ncols=True,
+                            desc=os.path.basename(sys.argv[0]).removesuffix(".py") or "train")
+
+    def say(self, *a):
+        if self.on:
+            self.bar.write(" ".join(map(str, a)))
+
+    def write(self, metrics, samples=None, last=False):
+        """One row (a step's metrics, or the step-0 validation when samples is None)."""
+        if not self.on:
+            return
+        step, cfg = metrics["step"], self.cfg
+        self.metrics_f.write(json.dumps(metrics) + "\n")
+        self.metrics_f.flush()
+        self.track(metrics, step)
+        if samples is None:
+            return
+        for s in samples[:cfg.log_samples]:
+            self.samples_f.write(json.dumps({"step": step, "prompt": s["prompt"]["prompt_text"], "response": s["text"],
+                                             "answer": s["prompt"]["answer"], "reward": s["reward"]}) + "\n")
+        self.samples_f.flush()
+        if "val/mean" in metrics or step % 10 == 0 or last:
+            plot_rewards(cfg)  # ~0.3 s: reward.png follows the run
+        self.bar.update(1)
+        if "console" in cfg.logger:
+            self.bar.write(format_line(metrics))
+
+    def close(self):
+        if self.on:
+            self.bar.close()
+            self.close_trackers()
+            self.metrics_f.close()
+            self.samples_f.close()
+
+
+if __name__ == "__main__":  # python rundir.py a/metrics.jsonl b/metrics.jsonl --labels cpu gpu --out compare.png
+    out = tyro.cli(plot, description="Reward curves of metrics.jsonl files (grpo.py keeps <output_dir>/reward.png "
+                   "up to date itself); --chance draws a dotted line at the reward of guessing (the demo: 0.25).")
+    print(f"wrote {out}")

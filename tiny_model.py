@@ -10,13 +10,16 @@ Both save with save_pretrained (model, tokenizer, processor, generation_config) 
 marker file is written last inside a temp dir that is then renamed into place, so a crashed build
 never looks complete.
 """
+import io
 import json
 import os
 import random
 import shutil
 import tempfile
+import zlib
 
 import torch
+from PIL import Image, ImageDraw
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
@@ -297,8 +300,14 @@ def _atomic_build(out_dir, build_fn, meta):
     return out_dir
 
 
-def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0) -> str:
-    """Build (or reuse) the tiny random model; returns its folder (pass it to from_pretrained)."""
+def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
+    """Build (or reuse) the tiny random model; returns its folder (pass it to from_pretrained). rank: under
+    torch.distributed, rank 0 builds and the others wait for it."""
+    if rank is not None:
+        import torch.distributed as dist
+        if rank == 0:
+            build_tiny_model(out_dir, arch, seed)
+        dist.barrier()
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v2")
@@ -362,3 +371,160 @@ def count_params(cfg, arch=None) -> int:
 if __name__ == "__main__":
     import sys
     print(build_tiny_model(*(sys.argv[1:2] or [None])))
+
+
+# ================================================================================ the demos' settings
+# The demo settings, over grpo.Config's defaults (EasyR1's). The demo (no --model-path) trains a tiny model from scratch
+# on one-word answers about small pictures, so it gets its own; a value given on the command line wins in both.
+DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=4, min_pixels=56 * 56,
+            max_pixels=112 * 112, n=16, rollout_batch_size=16, global_batch_size=16, lr=1e-3, max_steps=150,
+            val_freq=10, save_freq=10, output_dir="outputs/demo")
+# The text demo (--demo-model qwen3) changes five more: its own reward; answers of one digit, i.e. one token; groups
+# of 32; half the colour demo's lr; rollouts sampled at temperature 1.5. A digit the policy stops sampling is never
+# learned: at lr 1e-3 (groups of 64; lists of different digits) it stopped answering 2 and 8, validation stuck at
+# 0.765; at lr 5e-4 and temperature 1 it lost only the 2 (0.94); at 1.5 it kept every digit (1.0; README).
+TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4, temperature=1.5)
+# The video demo (--demo-task video): answers of one token and groups of 32. With 4 tokens and groups of 16 the policy
+# stopped saying "green" before it could tell the clip's halves apart, and never learned it (greedy validation stuck
+# at 0.74: every clip ending green was answered "blue").
+VIDEO_DEMO = dict(max_response_length=1, n=32)
+
+
+# ================================================================================ the demos' synthetic tasks
+COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220),
+          "white": (235, 235, 235)}  # four colours far apart in RGB: a close pair (red/yellow) gets confused
+SHAPES = ("circle", "square", "triangle")
+COLOR_QUESTION = "<image>What is the main color of the picture?"
+DEMO_FORMAT_PROMPT = "{{ content }} Answer with one word."
+MAX_QUESTION = "What is the largest of {digits}?"
+NUMBER_FORMAT_PROMPT = "{{ content }} Answer with a number."
+
+
+def draw_color_image(rng: random.Random):
+    """A picture filled with one saturated colour (jittered) and 1-3 small grey shapes as distractors.
+    Returns (image, colour name, shape name). The colour covers most of the picture: a tiny random vision tower
+    then sees it clearly, so RL from scratch learns the task in minutes on a CPU."""
+    w, h = rng.randint(56, 112), rng.randint(56, 112)
+    color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
+    fill = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLORS[color])
+    img = Image.new("RGB", (w, h), fill)
+    draw = ImageDraw.Draw(img)
+    for _ in range(rng.randint(1, 3)):
+        s = rng.randint(int(0.15 * min(w, h)), int(0.3 * min(w, h)))
+        x, y = rng.randint(0, w - s), rng.randint(0, h - s)
+        grey = (rng.randint(90, 170),) * 3
+        if shape == "circle":
+            draw.ellipse([x, y, x + s - 1, y + s - 1], fill=grey)
+        elif shape == "square":
+            draw.rectangle([x, y, x + s - 1, y + s - 1], fill=grey)
+        else:
+            draw.polygon([(x + s // 2, y), (x, y + s - 1), (x + s - 1, y + s - 1)], fill=grey)
+    return img, color, shape
+
+
+def make_color_dataset(out_path: str, n_rows: int, seed: int) -> str:
+    """EasyR1-format parquet (problem, answer, images=[{"bytes": png}]); written atomically."""
+    import datasets
+    rng = random.Random(seed)
+    rows = {"problem": [], "answer": [], "images": []}
+    for _ in range(n_rows):
+        img, color, _ = draw_color_image(rng)
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        rows["problem"].append(COLOR_QUESTION)
+        rows["answer"].append(color)
+        rows["images"].append([{"bytes": buf.getvalue(), "path": None}])
+    features = datasets.Features({"problem": datasets.Value("string"),
+                                  "answer": datasets.Value("string"),
+                                  "images": datasets.List(datasets.Image())})
+    out_path = os.path.abspath(os.path.expanduser(out_path))
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
+    os.close(fd)
+    try:
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp)
+        os.replace(tmp, out_path)  # readers never see a half-written file
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out_path
+
+
+def demo_data(data_dir=None, n_train=2000, n_val=200):
+    """(train_path, val_path) of the colour task; created once. Different seeds -> unseen val."""
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/color-v3")
+    train = os.path.join(data_dir, f"train-{n_train}.parquet")
+    val = os.path.join(data_dir, f"val-{n_val}.parquet")
+    if not os.path.isfile(train):
+        make_color_dataset(train, n_train, seed=0)
+    if not os.path.isfile(val):
+        make_color_dataset(val, n_val, seed=1)
+    return train, val
+
+
+
+def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:
+    """One question of the text demo's task and its answer: the largest of k digits (k drawn from lengths), which
+    occurs once. The answer is drawn first, uniformly from 2 to 9, so no constant answer pays more than 1/8; the
+    other digits are drawn below it (repeats allowed: even the answer 2 then has 124 lists, enough to hold some out
+    for validation), and the largest sits at a uniform place, so copying any one place pays 1/k."""
+    k = rng.choice(lengths)
+    top = rng.randint(2, 9)
+    digits = [rng.randrange(top) for _ in range(k - 1)]
+    digits.insert(rng.randrange(k), top)
+    return MAX_QUESTION.format(digits=", ".join(map(str, digits))), str(top)
+
+
+def is_val_question(question: str) -> bool:
+    """Which side of the split a question is on: a tenth of all questions (by a hash of the text) belong to
+    validation and are never drawn for training. A hash rather than "whatever validation happened to draw": both
+    sides keep the task's answer distribution (excluding validation's draws would thin out the small answers,
+    whose few lists validation's rows would nearly exhaust)."""
+    return zlib.crc32(question.encode()) % 10 == 0
+
+
+def make_max_dataset(out_path: str, n_rows: int, seed: int, split="train", lengths=(3, 4, 5)) -> str:
+    """Text-only rows (problem, answer; no images column) of the text demo's task, drawn from `split`'s side of the
+    question space only (is_val_question); validation's rows are all different questions. Written atomically."""
+    import datasets
+    rng = random.Random(seed)
+    rows = {"problem": [], "answer": []}
+    while len(rows["problem"]) < n_rows:
+        question, answer = max_question(rng, lengths)
+        if is_val_question(question) == (split == "val") and not (split == "val" and question in rows["problem"]):
+            rows["problem"].append(question)
+            rows["answer"].append(answer)
+    out_path = os.path.abspath(os.path.expanduser(out_path))
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
+    os.close(fd)
+    try:
+        datasets.Dataset.from_dict(rows).to_parquet(tmp)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out_path
+
+
+def demo_max_data(data_dir=None, n_train=4000, n_val=200):
+    """(train_path, val_path) of the text demo's task, "What is the largest of 3, 8, 1, 5?" (3 to 5 digits: 85,608
+    lists); created once. Validation and training come from disjoint tenths and nine tenths of the question space
+    (is_val_question), and every call checks it: validation measures the learned maximum on lists the policy never
+    trained on."""
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/max-v2")
+    train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
+    if not os.path.isfile(val):
+        make_max_dataset(val, n_val, seed=1, split="val")
+    if not os.path.isfile(train):
+        make_max_dataset(train, n_train, seed=0, split="train")
+    seen = set(_data().load_rows(val)["problem"]) & set(_data().load_rows(train)["problem"])  # the cached files too, every time
+    if seen:
+        raise _data().UserError(f"{len(seen)} validation questions occur in {train} (e.g. {min(seen)!r}): validation would "
+                        f"not be unseen; delete {data_dir} to have it made again")
+    return train, val
+
+
+def _data():  # data.py imports this file's tasks lazily; importing it here at the top would be circular
+    import data
+    return data

@@ -172,3 +172,31 @@ def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, H, D]
     out = varlen_attention(q, k, v, cu.to(torch.int32), int(max_len), causal, scaling)
     return out[None], None
+
+
+# ----------------------------------------------------------------------------------------------- fused elementwise
+# A profile of the 3B update put ~35% of the GPU's time in memory-bound elementwise kernels: transformers' RMSNorm
+# is 6 kernels (fp32 cast, square, mean, rsqrt, scale, cast back), the gated MLP's act(gate) * up 2 more, the
+# rotary embedding ~8 (two products, a cat of halves, a negation, a sum, for q and k), each re-reading the tensor
+# from memory. torch.compile turns each of these modules or functions into one or two fused kernels (the matmuls
+# stay cuBLAS calls), forward and backward. It wraps them in place: the same modules, the same math, the same
+# parameters (FSDP2 still shards them; the decoder layers stay FSDP units, outside the compiled regions).
+def compile_elementwise(hf, log_probs_fn):
+    """Compile hf's norms, gated MLPs and its modeling module's rotary functions in place, and return the
+    compiled version of `log_probs_fn` (the per-chunk log-prob and entropy, also elementwise over [n, vocab])."""
+    import sys
+    n = 0
+    for m in hf.modules():
+        name = type(m).__name__
+        if name.endswith("RMSNorm") or name.endswith("MLP"):
+            m.compile(dynamic=True)  # token counts change every micro-batch: one graph with a symbolic length
+            n += 1
+    mod = sys.modules[type(hf).__module__]
+    # Not the vision tower's rotary function: its cos/sin are fp32 and FSDP2 casts a unit's inputs to bf16 in forward
+    # but not in checkpointing's recompute, so a compiled graph would save bf16 tensors once and fp32 the next time
+    # (torch.utils.checkpoint refuses that: "Recomputed values ... have different metadata"; seen on the H200).
+    for fn in ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb"):
+        f = getattr(mod, fn, None)
+        if f is not None and not hasattr(f, "_torchdynamo_orig_callable"):  # a module-level function, read at
+            setattr(mod, fn, torch.compile(f, dynamic=True))               # call time by attention: swap it once
+    return torch.compile(log_probs_fn, dynamic=True), n

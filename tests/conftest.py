@@ -14,10 +14,15 @@ DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 def clean_env(**extra):
     """os.environ for a child: without the torch.distributed variables (a test that set up a 1-rank group in this
-    process must not leak it into the children), one thread per process (the CPU is shared), unbuffered output."""
+    process must not leak it into the children), one thread per process (the CPU is shared), unbuffered output.
+    extra: more variables; a None value removes that variable."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update({k: str(v) for k, v in extra.items()})
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = str(v)
     return env
 
 
@@ -68,11 +73,11 @@ def _stop(p, grace=10.0):
     p.wait()
 
 
-@pytest.fixture
-def launch():
+def _launcher():
     """launch.start(cmd, log, **env) -> Popen: cmd runs in ROOT in a session of its own, stdout and stderr to the
-    file `log`, env = clean_env(**env). launch.wait(p or [p, ...], timeout) waits for them all and fails the test
-    (with the log's tail) on a timeout or a non-zero exit. launch.run(cmd, log, timeout, **env) is both.
+    file `log`, env = clean_env(**env). launch.wait(p or [p, ...], timeout, expect=0) waits for them all and fails
+    the test (with the log's tail) on a timeout or an exit code other than `expect` (2: grpo.py's `error:` exit).
+    launch.run(cmd, log, timeout, expect=0, **env) is both, and returns the process with its log's text as p.out.
     Whatever is still running when the test ends (passed, failed or timed out) is stopped with all its
     descendants."""
     started = []
@@ -89,26 +94,40 @@ def launch():
         with open(p.log, errors="replace") as f:
             return f.read()[-n:]
 
-    def wait(ps, timeout):
+    def wait(ps, timeout, expect=0):
         ps = ps if isinstance(ps, (list, tuple)) else [ps]
         deadline = time.time() + timeout
         while True:  # poll them all: one failing ends the wait at once (its peers would block on it)
             for p in ps:
                 rc = p.poll()
-                assert rc in (None, 0), f"{p.args[:4]}... exited {rc}; its log ends:\n{tail(p)}"
-            if all(p.poll() == 0 for p in ps):
+                assert rc in (None, expect), f"{p.args[:4]}... exited {rc}, not {expect}; its log ends:\n{tail(p)}"
+            if all(p.poll() == expect for p in ps):
                 return
             if time.time() > deadline:
                 late = [p for p in ps if p.poll() is None]
                 pytest.fail(f"{late[0].args[:4]}... still running after {timeout} s; its log ends:\n{tail(late[0])}")
             time.sleep(0.2)
 
-    def run(cmd, log, timeout=600, **env):
+    def run(cmd, log, timeout=600, expect=0, **env):
         p = start(cmd, log, **env)
-        wait(p, timeout)
+        wait(p, timeout, expect)
+        with open(p.log, errors="replace") as f:
+            p.out = f.read()
         return p
 
     yield SimpleNamespace(start=start, wait=wait, run=run, tail=tail)
     for p, f in started:
         _stop(p)
         f.close()
+
+
+@pytest.fixture
+def launch():
+    """The launcher: start, wait, run, tail (see _launcher)."""
+    yield from _launcher()
+
+
+@pytest.fixture(scope="module")
+def launch_module():
+    """launch for a module-scoped fixture: one run that several tests read."""
+    yield from _launcher()

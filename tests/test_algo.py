@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from grpo import agg_loss, compute_advantages, kl_penalty, policy_loss, sample_metrics
+from grpo import agg_loss, compute_advantages, kl_penalty, policy_loss
+from rundir import sample_metrics
 
 S = 1 / math.sqrt(1 / 3)  # 1/std of [1,0,0,1] (unbiased std = sqrt(1/3))
 

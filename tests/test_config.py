@@ -17,7 +17,10 @@ EXAMPLE = os.path.join(ROOT, "tests", "easyr1_config.yaml")
 # where the defaults differ from EasyR1's example on purpose (README, Options): files, model and reward are the
 # user's; one GPU must work out of the box (TP 1); validation is greedy; logs go where this project puts them
 DELIBERATE = {"train_files", "val_files", "model_path", "format_prompt", "reward_function", "tensor_parallel_size",
-              "val_temperature", "val_top_p", "logger", "project_name", "experiment_name", "output_dir"}
+              "val_temperature", "val_top_p", "logger", "project_name", "experiment_name", "output_dir",
+              # EasyR1's example offloads the actor to the host; off here by default: an H200 holds a 7B policy
+              # sharded over 2+ GPUs, and host offload costs seconds per step (README: Memory modes)
+              "offload_params", "offload_optimizer"}
 
 
 def leaves(d, prefix=""):
@@ -121,3 +124,18 @@ def test_easyr1_lora_block_maps_to_our_lora_options():
     opts, _ = E.translate(y, grpo.Config)
     assert (opts["lora_rank"], opts["lora_alpha"], opts["lora_target_modules"], opts["lora_exclude_modules"]) == (
         8, 64, "q_proj,v_proj", ".*visual.*")
+
+
+def test_easyr1_precision_and_offload_map_to_ours():
+    y = yaml.safe_load(open(EXAMPLE))
+    actor = y["worker"]["actor"]
+    actor["fsdp"].update(torch_dtype="bf16", enable_cpu_offload=False)
+    actor["offload"].update(offload_params=False, offload_optimizer=True)
+    opts, _ = E.translate(y, grpo.Config)
+    assert (opts["precision"], opts.get("offload_params", False), opts["offload_optimizer"]) == ("bf16", False, True)
+    actor["fsdp"].update(torch_dtype=None, enable_cpu_offload=True)
+    opts, _ = E.translate(y, grpo.Config)
+    assert "precision" not in opts and opts["offload_params"] is True
+    actor["fsdp"]["torch_dtype"] = "fp16"
+    with pytest.raises(Exception, match="torch_dtype='fp16': choose null, fp32 or bf16"):
+        E.translate(y, grpo.Config)

@@ -2,15 +2,13 @@ import io
 import json
 import os
 import random
-import sys
 
 import pytest
 import torch
 from PIL import Image
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
-import tiny_model  # noqa: E402
+import data
+import tiny_model
 
 PX = dict(min_pixels=56 * 56, max_pixels=112 * 112)
 
@@ -24,7 +22,7 @@ def proc(tmp_path_factory):
 @pytest.fixture(scope="session")
 def image_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("imgs")
-    img, _, _ = data.draw_color_image(random.Random(7))
+    img, _, _ = tiny_model.draw_color_image(random.Random(7))
     img.save(d / "a.png")
     return d, "a.png"
 
@@ -69,7 +67,7 @@ def test_bad_images_raise_clear_errors(image_file):
 
 def test_pad_counts_single_and_multi_image(proc):
     rng = random.Random(1)
-    imgs = [data.draw_color_image(rng)[0] for _ in range(2)]
+    imgs = [tiny_model.draw_color_image(rng)[0] for _ in range(2)]
     pad = proc.image_token_id
     one = data.encode_prompt({"problem": "<image>Which?", "answer": "red", "images": imgs[:1]},
                              proc, **PX)
@@ -92,7 +90,7 @@ def test_pad_counts_single_and_multi_image(proc):
 
 
 def test_images_without_placeholder_are_prepended(proc):
-    img = data.draw_color_image(random.Random(2))[0]
+    img = tiny_model.draw_color_image(random.Random(2))[0]
     rec = data.encode_prompt({"problem": "What color?", "answer": "red", "images": [img]},
                              proc, **PX)
     text = proc.tokenizer.decode(rec["raw_prompt_ids"])
@@ -113,7 +111,7 @@ def test_text_only_rows(proc):
 
 
 def test_placeholder_mismatch_errors(proc, tmp_path):
-    img = data.draw_color_image(random.Random(3))[0]
+    img = tiny_model.draw_color_image(random.Random(3))[0]
     with pytest.raises(data.BadRow, match="2 '<image>' placeholder.*but 1 images"):
         data.encode_prompt({"problem": "<image><image>Q", "answer": "a", "images": [img]},
                            proc, **PX)
@@ -133,8 +131,8 @@ def test_placeholder_mismatch_errors(proc, tmp_path):
 
 def test_format_prompt_string_and_file(proc, tmp_path):
     row = {"problem": "<image>What color?", "answer": "red",
-           "images": [data.draw_color_image(random.Random(4))[0]]}
-    rec = data.encode_prompt(row, proc, format_prompt=data.DEMO_FORMAT_PROMPT, **PX)
+           "images": [tiny_model.draw_color_image(random.Random(4))[0]]}
+    rec = data.encode_prompt(row, proc, format_prompt=tiny_model.DEMO_FORMAT_PROMPT, **PX)
     assert rec["prompt_text"] == "<image>What color? Answer with one word."
     f = tmp_path / "fmt.jinja"
     f.write_text("{{ content | trim }} Think step by step.\n")
@@ -194,7 +192,7 @@ def test_sources_parquet_json_jsonl_and_folder(proc, image_file, tmp_path):
 
 
 def test_color_dataset_answers_match_pixels(tmp_path):
-    path = data.make_color_dataset(str(tmp_path / "c.parquet"), 40, seed=3)
+    path = tiny_model.make_color_dataset(str(tmp_path / "c.parquet"), 40, seed=3)
     rows = data.load_rows(path)
     assert set(rows.column_names) == {"problem", "answer", "images"}
     seen = set()
@@ -207,16 +205,16 @@ def test_color_dataset_answers_match_pixels(tmp_path):
         assert n_fg > 0.5 * img.width * img.height
         greys = [c for n, c in img.getcolors(1 << 16) if c != fg]
         assert greys and all(max(c) - min(c) == 0 for c in greys)
-        nearest = min(data.COLORS, key=lambda c: sum((a - b) ** 2 for a, b in zip(fg, data.COLORS[c])))
+        nearest = min(tiny_model.COLORS, key=lambda c: sum((a - b) ** 2 for a, b in zip(fg, tiny_model.COLORS[c])))
         assert nearest == row["answer"]
         seen.add(row["answer"])
-    assert seen == set(data.COLORS)
+    assert seen == set(tiny_model.COLORS)
 
 
 def test_demo_data_is_cached_and_val_differs(tmp_path):
-    train, val = data.demo_data(str(tmp_path), n_train=30, n_val=10)
+    train, val = tiny_model.demo_data(str(tmp_path), n_train=30, n_val=10)
     mtime = os.path.getmtime(train)
-    assert data.demo_data(str(tmp_path), n_train=30, n_val=10) == (train, val)
+    assert tiny_model.demo_data(str(tmp_path), n_train=30, n_val=10) == (train, val)
     assert os.path.getmtime(train) == mtime
     tr, va = data.load_rows(train), data.load_rows(val)
     assert len(tr) == 30 and len(va) == 10
@@ -225,15 +223,15 @@ def test_demo_data_is_cached_and_val_differs(tmp_path):
 
 
 def test_prompt_dataset_filters_overlong(proc, tmp_path):
-    train, _ = data.demo_data(str(tmp_path), n_train=20, n_val=5)
-    full = data.PromptDataset(train, proc, format_prompt=data.DEMO_FORMAT_PROMPT, **PX)
+    train, _ = tiny_model.demo_data(str(tmp_path), n_train=20, n_val=5)
+    full = data.PromptDataset(train, proc, format_prompt=tiny_model.DEMO_FORMAT_PROMPT, **PX)
     lengths = [len(full[i]["prompt_ids"]) for i in range(len(full))]
     cut = sorted(lengths)[len(lengths) // 2]
     short = data.PromptDataset(train, proc, max_prompt_length=cut,
-                               format_prompt=data.DEMO_FORMAT_PROMPT, **PX)
+                               format_prompt=tiny_model.DEMO_FORMAT_PROMPT, **PX)
     assert len(short) == sum(n <= cut for n in lengths) < len(full)
     assert all(len(short[i]["prompt_ids"]) <= cut for i in range(len(short)))
-    assert short[0]["answer"] in data.COLORS
+    assert short[0]["answer"] in tiny_model.COLORS
 
 
 def test_load_processor_pixel_budget(proc):
@@ -248,7 +246,7 @@ def test_load_processor_pixel_budget(proc):
 # ---------------------------------------------------------------- the data check
 def _bad_rows(tmp_path):
     """Two good rows around one of each kind of bad row, as a parquet of {"bytes", "path"} image structs."""
-    good = png_bytes(data.draw_color_image(random.Random(5))[0])
+    good = png_bytes(tiny_model.draw_color_image(random.Random(5))[0])
     ok = {"problem": "<image>What color?", "answer": "red", "images": [{"bytes": good, "path": None}]}
     rows = [ok,
             {**ok, "answer": None},  # 1: would train as the string 'None'
@@ -312,6 +310,6 @@ def test_prompt_length_matches_the_encoding(proc):
 
 
 def test_image_columns_stay_undecoded_until_encoding(tmp_path):
-    path = data.make_color_dataset(str(tmp_path / "c.parquet"), 3, seed=0)
+    path = tiny_model.make_color_dataset(str(tmp_path / "c.parquet"), 3, seed=0)
     row = data.load_rows(path)[0]
     assert set(row["images"][0]) == {"bytes", "path"}  # a bad image is then a row's problem, not the loader's

@@ -9,42 +9,37 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import warnings
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import data  # noqa: E402
-import dapo  # noqa: E402
-import grpo  # noqa: E402
+import easyr1_config
+import tiny_model
+import dapo
+import grpo
 
 SMALL = ["--rollout-batch-size", "2", "--global-batch-size", "2", "--rollout-n", "2", "--val-freq", "0"]
 
 
-def run(args, nproc=1, script="grpo.py", timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)  # a pytest process that set up a 1-rank group must not leak it into the children
+def run(launch, log, args, nproc=1, script="grpo.py", timeout=600):
+    """The script as the user runs it; it must exit 2 (torchrun itself exits 1 when a worker fails)."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={nproc}"]
-    return subprocess.run(launcher + [os.path.join(ROOT, script)] + args, cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return launch.run(launcher + [script] + args, log, timeout, expect=2 if nproc == 1 else 1)
 
 
 def grpo_main(argv):
     """grpo.py's __main__ (grpo.main), in this process."""
     from easyr1_config import cli
-    with data.one_line_errors():
+    with easyr1_config.one_line_errors():
         grpo.train(cli(grpo.Config, grpo.DEMO, args=argv))
 
 
 def error_of(p):
-    """The one error message of a finished run: exit code 2, a single `error:` and no Python traceback of ours."""
-    out = p.stdout + p.stderr
-    assert p.returncode != 0, out[-3000:]
+    """The one error message of a finished run (its exit code checked by run): a single `error:` and no Python
+    traceback of ours."""
+    out = p.out
     assert out.count("error: ") == 1, out[-3000:]
     assert "Traceback" not in out.split("error: ")[0] and 'grpo.py", line' not in out, out[-3000:]
     return out.split("error: ", 1)[1]
@@ -99,7 +94,7 @@ def test_every_option_has_its_own_help():
 
 def _png(seed):
     buf = io.BytesIO()
-    data.draw_color_image(random.Random(seed))[0].save(buf, format="PNG")
+    tiny_model.draw_color_image(random.Random(seed))[0].save(buf, format="PNG")
     return {"bytes": buf.getvalue(), "path": None}
 
 
@@ -119,7 +114,7 @@ def bad_parquet(path, n_good=4):
 
 def test_bad_rows_stop_training_before_the_model_loads(tmp_path, monkeypatch, capsys):
     src = bad_parquet(tmp_path / "bad.parquet")
-    monkeypatch.setattr(grpo.A, "build_actor", None)  # the check must come first: loading a model would crash here
+    monkeypatch.setattr(grpo.actor, "build_actor", None)  # the check must come first: loading a model would crash here
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         grpo_main(["--train-files", src, "--output-dir", str(tmp_path / "o")] + SMALL)
@@ -133,15 +128,15 @@ def test_bad_rows_stop_training_before_the_model_loads(tmp_path, monkeypatch, ca
     assert "row 7" not in msg  # overlong: dropped by --filter-overlong-prompts, not an error
 
 
-def test_data_py_check_lists_every_bad_row(tmp_path):
+def test_data_py_check_lists_every_bad_row(tmp_path, launch):
     src = bad_parquet(tmp_path / "bad.parquet")
-    p = run(["check", "--train-files", src, "--no-filter-overlong-prompts"], script="data.py")
-    assert p.returncode == 2, p.stdout + p.stderr
-    lines = p.stdout.splitlines()
+    p = run(launch, tmp_path / "check.log", ["check", "--train-files", src, "--no-filter-overlong-prompts"],
+            script="data.py")
+    lines = p.out[p.out.index("--train-files"):].splitlines()  # (after the datasets library's progress bar)
     assert lines[0] == f"--train-files {src}: 8 rows, 4 bad (row numbers count from 0 in the source)"
     assert [ln.split(":")[0].strip() for ln in lines[1:5]] == ["row 4", "row 5", "row 6", "row 7"]
-    assert "row 7: prompt too long: " in p.stdout and " tokens > --max-prompt-length 512" in p.stdout
-    assert "counts: no answer 1, placeholders != images 1, bad image 1, prompt too long 1" in p.stdout
+    assert "row 7: prompt too long: " in p.out and " tokens > --max-prompt-length 512" in p.out
+    assert "counts: no answer 1, placeholders != images 1, bad image 1, prompt too long 1" in p.out
 
 
 NAN_REWARD = """
@@ -151,13 +146,14 @@ def score(item):
 """
 
 
-def test_skip_bad_rows_then_a_nan_reward_names_the_sample(tmp_path):
+def test_skip_bad_rows_then_a_nan_reward_names_the_sample(tmp_path, launch):
     src = bad_parquet(tmp_path / "bad.parquet")
     (tmp_path / "r.py").write_text(NAN_REWARD)
     out = tmp_path / "o"
-    p = run(["--train-files", src, "--skip-bad-rows", "--reward-function", f"{tmp_path / 'r.py'}:score",
-             "--output-dir", str(out), "--save-freq", "1"] + SMALL)
-    log = p.stdout + p.stderr
+    p = run(launch, tmp_path / "run.log", ["--train-files", src, "--skip-bad-rows", "--reward-function",
+                                           f"{tmp_path / 'r.py'}:score", "--output-dir", str(out), "--save-freq", "1"]
+            + SMALL)
+    log = p.out
     assert "skipped 3 bad rows (--skip-bad-rows; no answer 1, placeholders != images 1, bad image 1): rows 4, 5, 6" \
         in log
     assert "dropped 1 prompts longer than --max-prompt-length 512 (--filter-overlong-prompts): rows 7" in log
@@ -168,12 +164,12 @@ def test_skip_bad_rows_then_a_nan_reward_names_the_sample(tmp_path):
     assert not os.path.exists(out / "checkpoints")  # the run exits 2 and saves nothing
 
 
-def test_a_run_of_skipped_steps_stops_training(tmp_path):
+def test_a_run_of_skipped_steps_stops_training(tmp_path, launch):
     # lr 1e30 turns the weights to ~1e28 after one step; from then on the loss is NaN and every step is skipped.
     # --debug-skip-sync keeps the engine on the first weights, so generation itself still works.
     out = tmp_path / "o"
-    p = run(["--output-dir", str(out), "--lr", "1e30", "--debug-skip-sync", "--max-skipped-steps", "2",
-             "--max-steps", "6", "--save-freq", "1"] + SMALL)
+    p = run(launch, tmp_path / "run.log", ["--output-dir", str(out), "--lr", "1e30", "--debug-skip-sync",
+                                           "--max-skipped-steps", "2", "--max-steps", "6", "--save-freq", "1"] + SMALL)
     msg = error_of(p)
     assert msg.startswith("stopped at step 3: the last 2 optimizer steps were skipped (gradient norm nan)")
     m = [json.loads(x) for x in open(out / "metrics.jsonl")]
@@ -181,8 +177,9 @@ def test_a_run_of_skipped_steps_stops_training(tmp_path):
     assert sorted(os.listdir(out / "checkpoints")) == ["step_1", "step_2"]  # nothing saved from the stopped step
 
 
-def test_torchrun_prints_the_error_once_and_no_rank_hangs(tmp_path):
+def test_torchrun_prints_the_error_once_and_no_rank_hangs(tmp_path, launch):
     # the data check runs after the process group and the demo model's barrier: every rank must raise it
     src = bad_parquet(tmp_path / "bad.parquet")
-    p = run(["--train-files", src, "--output-dir", str(tmp_path / "o")] + SMALL, nproc=2, timeout=300)
+    p = run(launch, tmp_path / "run.log", ["--train-files", src, "--output-dir", str(tmp_path / "o")] + SMALL,
+            nproc=2, timeout=300)
     assert error_of(p).startswith(f"--train-files {src}: 3 of 8 rows cannot be used")

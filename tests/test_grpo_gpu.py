@@ -1,47 +1,38 @@
 """The trainer with the colocated vLLM engine (GPU only): after every sync the engine and the trainer agree on the
 log-probs of the engine's samples, and a skipped sync is caught.  python3 -m pytest -q -m gpu tests"""
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(tmp_path, *extra):
+def run(launch, tmp_path, *extra):
     pytest.importorskip("vllm")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), "--rollout-engine", "vllm", "--enforce-eager",
-                        "--gpu-memory-utilization", "0.2", "--max-steps", "4", "--val-freq", "0",
-                        "--output-dir", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    launch.run([sys.executable, "grpo.py", "--rollout-engine", "vllm", "--enforce-eager", "--gpu-memory-utilization",
+                "0.2", "--max-steps", "4", "--val-freq", "0", "--output-dir", out, *extra], tmp_path / "run.log", 900)
     return [json.loads(x) for x in open(out / "metrics.jsonl")]
 
 
-def test_engine_agrees_with_trainer_after_every_sync(tmp_path):
-    rows = run(tmp_path)
+def test_engine_agrees_with_trainer_after_every_sync(tmp_path, launch):
+    rows = run(launch, tmp_path)
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     assert len(diffs) == 4 and max(diffs) < 0.01, diffs  # bf16 on both sides: ~1e-3 seen on an H200
     assert all(r["memory/free_engine_asleep_gb"] > r["memory/free_engine_awake_gb"] + 1 for r in rows)
 
 
-def test_a_skipped_sync_is_caught(tmp_path):
-    rows = run(tmp_path, "--debug-skip-sync")
+def test_a_skipped_sync_is_caught(tmp_path, launch):
+    rows = run(launch, tmp_path, "--debug-skip-sync")
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     assert diffs[0] < 0.01 and min(diffs[1:]) > 0.05, diffs  # stale after the first update (0.3 seen)
 
 
-def test_lora_engine_agrees_after_every_sync(tmp_path):
+def test_lora_engine_agrees_after_every_sync(tmp_path, launch):
     """LoRA: the engine gets merged weights (W + scale B A) under the base names; after the first step only the
     LoRA-wrapped layers (and modules trained in full) are re-sent, and the engine still matches the trainer."""
-    rows = run(tmp_path, "--lora-rank", "16", "--lora-modules-to-save", "lm_head")
+    rows = run(launch, tmp_path, "--lora-rank", "16", "--lora-modules-to-save", "lm_head")
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     assert len(diffs) == 4 and max(diffs) < 0.01, diffs
     assert rows[-1]["actor/kl"] > 0  # the adapters moved the policy away from the reference (adapters off)

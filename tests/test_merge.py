@@ -4,29 +4,30 @@ import os
 
 import torch
 
-import fsdp_actor as A
+import fsdp_actor as actor
+import rundir
 import merge
 import tiny_model
 
 
 def test_checkpoint_to_hf_folder(tmp_path):
-    A.init_distributed()
+    actor.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path / "tiny"))
-    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
-    opt, sched = A.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+    opt, sched = actor.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     for p in model.parameters():  # one real optimizer step, so the weights differ from the base model
         p.grad = torch.distributed.tensor.distribute_tensor(torch.randn(p.shape, generator=g), p.device_mesh,
                                                              p.placements)
-    A.optimizer_step(model, opt, sched, 1e9)
-    trained = {k: v.clone() for k, v in A.iter_full_params(model)}
+    actor.optimizer_step(model, opt, sched, 1e9)
+    trained = {k: v.clone() for k, v in actor.iter_full_params(model)}
     ckpt = str(tmp_path / "ckpt" / "step_1")
     os.makedirs(os.path.dirname(ckpt))
-    A.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
+    rundir.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
     out = merge.merge(ckpt, str(tmp_path / "hf"), dtype="float32")
     assert not os.path.exists(out + ".tmp")
-    merged = A.load_hf_model(out).state_dict()
-    base = A.load_hf_model(path).state_dict()
+    merged = actor.load_hf_model(out).state_dict()
+    base = actor.load_hf_model(path).state_dict()
     assert merged.keys() == trained.keys()
     for k in trained:
         assert torch.equal(merged[k], trained[k]), k
@@ -36,36 +37,31 @@ def test_checkpoint_to_hf_folder(tmp_path):
     assert json.load(open(os.path.join(out, "config.json")))["architectures"]
 
 
-def test_docstring_usage_runs_as_written(tmp_path):
+def test_docstring_usage_runs_as_written(tmp_path, launch):
     """Each `python merge.py ...` line of merge.py's docstring, with its paths pointed at a real checkpoint; the
     default dtype is the compute dtype the checkpoint records (bfloat16 here, as a GPU run records it)."""
     import shlex
-    import subprocess
     import sys
-    A.init_distributed()
+    actor.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path / "tiny"))
-    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
-    opt, sched = A.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+    opt, sched = actor.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
     ckpt = str(tmp_path / "ckpt" / "step_1")
     os.makedirs(os.path.dirname(ckpt))
-    A.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path},
+    rundir.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path},
                                                 "compute_dtype": "bfloat16"})
-    trained = {k: v.clone() for k, v in A.iter_full_params(model)}
+    trained = {k: v.clone() for k, v in actor.iter_full_params(model)}
     lines = [shlex.split(x.strip()) for x in merge.__doc__.splitlines() if x.strip().startswith("python merge.py")]
     assert len(lines) == 2
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
     for i, argv in enumerate(lines):
         out = str(tmp_path / f"hf{i}")
         argv = [sys.executable, argv[1], ckpt, out] + argv[4:]
         if "--model-path" in argv:  # a hub name in the docstring; no hub here: the same tiny base model
             argv[argv.index("--model-path") + 1] = path
-        p = subprocess.run(argv, cwd=os.path.dirname(merge.__file__), env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        p = launch.run(argv, tmp_path / f"merge{i}.log")
         want = getattr(torch, argv[argv.index("--dtype") + 1]) if "--dtype" in argv else torch.bfloat16
-        assert f"in {str(want).removeprefix('torch.')}" in p.stdout
-        merged = A.load_hf_model(out, dtype="auto").state_dict()  # as saved
+        assert f"in {str(want).removeprefix('torch.')}" in p.out
+        merged = actor.load_hf_model(out, dtype="auto").state_dict()  # as saved
         for k in trained:
             assert merged[k].dtype == want, k
             assert torch.equal(merged[k], trained[k].to(want)), k
@@ -73,4 +69,4 @@ def test_docstring_usage_runs_as_written(tmp_path):
     state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
     json.dump({**state, "compute_dtype": "float32"}, open(os.path.join(ckpt, "trainer_state.json"), "w"))
     out = merge.merge(ckpt, str(tmp_path / "hf_cpu"))
-    assert all(v.dtype == torch.float32 for v in A.load_hf_model(out, dtype="auto").state_dict().values())
+    assert all(v.dtype == torch.float32 for v in actor.load_hf_model(out, dtype="auto").state_dict().values())

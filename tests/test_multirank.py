@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+import tiny_model
+
 # a reward that varies within every group from the first step (the demo's colour reward starts at ~0)
 REWARD = """
 def varied(items):
@@ -31,9 +33,8 @@ def metrics(out):
 def task(tmp_path):
     """Reward file and 32 rows of the demo's colour task (the demo's 2000 rows would be encoded by each of the eight
     ranks, most of this test's time)."""
-    import data
     (tmp_path / "r.py").write_text(REWARD)
-    data.make_color_dataset(str(tmp_path / "train.parquet"), 32, seed=0)
+    tiny_model.make_color_dataset(str(tmp_path / "train.parquet"), 32, seed=0)
     return ["--train-files", tmp_path / "train.parquet", "--reward-function", f"{tmp_path / 'r.py'}:varied"]
 
 
@@ -41,8 +42,7 @@ def test_eight_ranks_take_the_same_first_step_as_one_process(tmp_path, task, lau
     # 8 prompts x n 4: one prompt per rank. One mini-batch, two epochs over it: the second epoch's loss is off-policy
     # (recomputed old log-probs, ratios != 1, KL > 0), so pg_loss, loss and the second grad norm are not ~0 by
     # construction, and all of it rests on the first update being the same on 1 and 8 ranks.
-    import data
-    args = ["--format-prompt", data.DEMO_FORMAT_PROMPT, "--val-freq", "0", "--rollout-batch-size", "8",
+    args = ["--format-prompt", tiny_model.DEMO_FORMAT_PROMPT, "--val-freq", "0", "--rollout-batch-size", "8",
             "--rollout-n", "4", "--global-batch-size", "8", "--ppo-epochs", "2", "--max-response-length", "4",
             "--max-steps", "2", "--save-freq", "-1", "--log-samples", "1"] + task
     t = time.time()

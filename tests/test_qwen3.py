@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import data
-import fsdp_actor as A
+import fsdp_actor as actor
+import rundir
 import rollout
 import tiny_model
 from test_actor import reference_logprobs
@@ -18,11 +19,11 @@ PX = dict(min_pixels=56 * 56, max_pixels=112 * 112)
 
 @pytest.fixture(scope="module")
 def qwen3_vl(tmp_path_factory):
-    A.init_distributed()
+    actor.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp("q3vl") / "m"), arch="qwen3_vl")
     proc = data.load_processor(path)
     rng = random.Random(0)
-    imgs = [data.draw_color_image(rng)[0] for _ in range(4)]
+    imgs = [tiny_model.draw_color_image(rng)[0] for _ in range(4)]
     one = [data.encode_prompt({"problem": "<image>What is the main color?", "answer": "red", "images": [im]}, proc,
                               **PX) for im in imgs[:3]]
     two = data.encode_prompt({"problem": "<image> and <image>: same colour?", "answer": "no", "images": imgs[2:]},
@@ -57,16 +58,16 @@ def test_qwen3_vl_logprobs_match_plain_hf_forward(qwen3_vl, monkeypatch):
     """Images, a two-image row and a text-only row in one batch, 2 samples per prompt: equal to the model's own
     forward (float64 reference), with the vision tower run once over the distinct images."""
     path, proc, samples = qwen3_vl
-    model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
+    model = actor.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
     seen = []
     vis = model.hf.model.visual
     monkeypatch.setattr(vis, "forward", lambda pixel_values, grid_thw, **kw: (
         seen.append(len(grid_thw)), type(vis).forward(vis, pixel_values, grid_thw=grid_thw, **kw))[1])
     ref = reference_logprobs(path, samples, proc.tokenizer.pad_token_id)
     for max_tokens in (10_000, 60):  # one micro-batch (5 prompts, 5 distinct images), then several
-        lps, _ = A.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, CPU, 1.0, max_tokens=max_tokens,
+        lps, _ = actor.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, CPU, 1.0, max_tokens=max_tokens,
                                     max_samples=16)
-        for a, b in zip(lps, ref):
+        for a, b in zip(lps, ref, strict=True):
             assert a.shape == b.shape
             assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
     assert seen[0] == 5  # the first (single) micro-batch: each distinct image once, not once per sample
@@ -77,10 +78,11 @@ def test_qwen3_vl_text_only_micro_batch(qwen3_vl):
     FSDP units) and gives the plain forward's log-probs; the deepstack mergers get a (zero) gradient too."""
     path, proc, samples = qwen3_vl
     text = [s for s in samples if not s["prompt"]["mm_inputs"]]
-    model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False)
-    batch, resp_len = A.collate(text, proc.tokenizer.pad_token_id, CPU)
+    model = actor.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False)
+    batch, resp_len = actor.collate(text, proc.tokenizer.pad_token_id, CPU)
     lp, _ = model(**batch)
-    for a, b in zip(lp.split(resp_len.tolist()), reference_logprobs(path, text, proc.tokenizer.pad_token_id)):
+    ref = reference_logprobs(path, text, proc.tokenizer.pad_token_id)
+    for a, b in zip(lp.split(resp_len.tolist()), ref, strict=True):
         assert torch.allclose(a.double(), b, atol=2e-5)
     lp.sum().backward()
     grads = {n: q.grad for n, q in model.named_parameters() if ".deepstack_merger_list." in n}
@@ -95,12 +97,12 @@ def test_qwen3_vl_hf_engine_generates_what_the_trainer_scores(qwen3_vl):
     prompts = [samples[0]["prompt"], samples[2]["prompt"]]  # one image; two images
     T = 0.25  # a peaked distribution: wrong positions or features then change the numbers visibly
     out = eng.generate(prompts, n=3, temperature=T, top_p=1.0, max_tokens=12, seeds=[1, 2])
-    model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
+    model = actor.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
     gen = [dict(prompt=p, response_ids=o["response_ids"]) for p, g in zip(prompts, out) for o in g]
     assert all(len(s["response_ids"]) > 0 for s in gen)
-    lps, _ = A.compute_logprobs(model, gen, proc.tokenizer.pad_token_id, CPU, T, max_tokens=10_000, max_samples=8)
+    lps, _ = actor.compute_logprobs(model, gen, proc.tokenizer.pad_token_id, CPU, T, max_tokens=10_000, max_samples=8)
     eng_lp = [torch.tensor(o["logprobs"]) for g in out for o in g]
-    for a, b in zip(lps, eng_lp):
+    for a, b in zip(lps, eng_lp, strict=True):
         assert torch.allclose(a, b, atol=1e-4), (a, b)
     g = eng.generate(prompts[1:], n=2, temperature=0, top_p=1.0, max_tokens=8, seeds=[0])[0]
     assert g[0] == g[1] and len(g[0]["response_ids"]) > 0
@@ -108,7 +110,7 @@ def test_qwen3_vl_hf_engine_generates_what_the_trainer_scores(qwen3_vl):
 
 def reference_text_logprobs(path, samples):
     """Plain HF forward of a causal LM, one sample at a time, float64 log_softmax over the full logits."""
-    hf = A.load_hf_model(path, dtype=torch.float32).eval()
+    hf = actor.load_hf_model(path, dtype=torch.float32).eval()
     out = []
     for s in samples:
         ids = torch.tensor([s["prompt"]["prompt_ids"] + s["response_ids"]])
@@ -123,41 +125,41 @@ def test_qwen3_text_model_end_to_end_pieces(tmp_path):
     """The text-only path: AutoModelForCausalLM, the tokenizer as processor, rows without an images column, FSDP
     units from _no_split_modules, log-probs equal to the plain forward, the HF engine, and merge.py."""
     import merge
-    A.init_distributed()
+    actor.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path / "q3"), arch="qwen3")
     tok = data.load_processor(path)
     assert not hasattr(tok, "image_processor")  # a tokenizer: no vision inputs anywhere
-    train, _ = data.demo_max_data(str(tmp_path / "max"), n_train=6, n_val=2)
+    train, _ = tiny_model.demo_max_data(str(tmp_path / "max"), n_train=6, n_val=2)
     assert data.load_rows(train).column_names == ["problem", "answer"]  # no images column
-    ds = data.PromptDataset(train, tok, format_prompt=data.NUMBER_FORMAT_PROMPT)
+    ds = data.PromptDataset(train, tok, format_prompt=tiny_model.NUMBER_FORMAT_PROMPT)
     eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
     prompts = [ds[0], ds[1], ds[2]]
     out = eng.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=5, seeds=[0, 1, 2])
     samples = [dict(prompt=p, response_ids=o["response_ids"]) for p, g in zip(prompts, out) for o in g]
-    model = A.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
+    model = actor.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
     assert type(model.hf).__name__.endswith("Qwen3ForCausalLM")
     units = [type(m).__name__ for m in model.hf.modules() if type(m).__name__.startswith("FSDP")]
     assert units.count("FSDPQwen3DecoderLayer") == 2, units  # each decoder layer its own FSDP unit
-    lps, _ = A.compute_logprobs(model, samples, tok.pad_token_id, CPU, 1.0, max_tokens=10_000, max_samples=8)
-    for a, b, o in zip(lps, reference_text_logprobs(path, samples), [o for g in out for o in g]):
+    lps, _ = actor.compute_logprobs(model, samples, tok.pad_token_id, CPU, 1.0, max_tokens=10_000, max_samples=8)
+    for a, b, o in zip(lps, reference_text_logprobs(path, samples), [o for g in out for o in g], strict=True):
         assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
         assert torch.allclose(a, torch.tensor(o["logprobs"]), atol=1e-4)  # what the engine reported sampling
     # a trained checkpoint of the text demo merges into its own base model (the tiny Qwen3, not the default VLM)
-    model = A.build_actor(path, CPU, torch.float32, torch.float32)
-    opt, sched = A.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, CPU)
+    model = actor.build_actor(path, CPU, torch.float32, torch.float32)
+    opt, sched = actor.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, CPU)
     for p in model.parameters():  # one optimizer step (dcp saves an optimizer with state)
         p.grad = torch.distributed.tensor.distribute_tensor(torch.ones(p.shape), p.device_mesh, p.placements)
-    A.optimizer_step(model, opt, sched, 1e9)
-    trained = dict(A.iter_full_params(model))
+    actor.optimizer_step(model, opt, sched, 1e9)
+    trained = dict(actor.iter_full_params(model))
     ckpt = str(tmp_path / "ckpt" / "step_1")
     os.makedirs(os.path.dirname(ckpt))
-    A.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
-    merged = A.load_hf_model(merge.merge(ckpt, str(tmp_path / "hf"), dtype="float32"))
+    rundir.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
+    merged = actor.load_hf_model(merge.merge(ckpt, str(tmp_path / "hf"), dtype="float32"))
     assert type(merged).__name__ == "Qwen3ForCausalLM"
     assert all(torch.equal(v, trained[k]) for k, v in merged.state_dict().items())
     assert os.path.basename(merge.base_model_path(ckpt)) == "q3"
     demo = {"step": 1, "cursor": 0, "config": {"model_path": "", "demo_model": "qwen3"}}
-    A.save_checkpoint(ckpt, model, opt, sched, demo)
+    rundir.save_checkpoint(ckpt, model, opt, sched, demo)
     assert merge.base_model_path(ckpt) == tiny_model.build_tiny_model(arch="qwen3")
 
 
@@ -198,7 +200,7 @@ def test_max_task_rows(tmp_path):
     not pay), the questions are too many to learn as a table, and no validation question occurs in training."""
     import collections
     import re
-    train, val = data.demo_max_data(str(tmp_path), n_train=3000, n_val=300)
+    train, val = tiny_model.demo_max_data(str(tmp_path), n_train=3000, n_val=300)
     rows = {p: list(data.load_rows(p)) for p in (train, val)}
     where, lengths = collections.Counter(), collections.Counter()
     for path, rs in rows.items():
@@ -218,8 +220,8 @@ def test_max_task_rows(tmp_path):
     assert len(set(val_q)) == len(val_q)  # validation: different questions
     assert len(train_q) > 0.6 * len(rows[train])  # mostly different questions: no table to learn
     assert not train_q & set(val_q)  # validation is unseen
-    assert all(map(data.is_val_question, val_q)) and not any(map(data.is_val_question, train_q))
+    assert all(map(tiny_model.is_val_question, val_q)) and not any(map(tiny_model.is_val_question, train_q))
     # checked whenever the files are used, cached ones too: a training file holding validation questions is refused
-    data.make_max_dataset(train, 50, seed=1, split="val")  # validation's own questions
+    tiny_model.make_max_dataset(train, 50, seed=1, split="val")  # validation's own questions
     with pytest.raises(data.UserError, match="validation questions occur in"):
-        data.demo_max_data(str(tmp_path), n_train=3000, n_val=300)
+        tiny_model.demo_max_data(str(tmp_path), n_train=3000, n_val=300)

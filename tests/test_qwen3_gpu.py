@@ -1,20 +1,18 @@
 """vLLM with the tiny Qwen3-VL and the tiny text Qwen3 (GPU only; skipped elsewhere).
 
     pytest -m gpu tests/test_qwen3_gpu.py -s        # each engine check runs in its own process (one vLLM per process)
-    python tests/test_qwen3_gpu.py qwen3_vl         # the same checks by hand: qwen3_vl | qwen3
+    PYTHONPATH=. python tests/test_qwen3_gpu.py qwen3_vl    # the same checks by hand: qwen3_vl | qwen3
 """
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import rollout  # noqa: E402
-from test_grpo_gpu import run  # noqa: E402
-from test_vllm_gpu import greedy, perturb, ref_logprobs, sharpen  # noqa: E402
+import rollout
+import tiny_model
+from test_grpo_gpu import run
+from test_vllm_gpu import greedy, perturb, ref_logprobs, sharpen
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +25,7 @@ def vl_prompts(path):
     from PIL import Image, ImageDraw
     proc = data.load_processor(path)
     ims = []
-    for i, rgb in enumerate(data.COLORS.values()):
+    for i, rgb in enumerate(tiny_model.COLORS.values()):
         im = Image.new("RGB", (84 + 28 * i, 56 + 14 * i), (255, 255, 255))
         ImageDraw.Draw(im).rectangle([10, 10, 50, 40], fill=rgb)
         ims.append(im)
@@ -40,8 +38,8 @@ def text_prompts(path):
     import data
     tok = data.load_processor(path)
     lists = ((3, 4, 1), (9, 8, 0, 2), (0, 5, 7, 1, 3), (6, 2, 4))  # the text demo's task: the largest digit
-    return [data.encode_prompt({"problem": data.MAX_QUESTION.format(digits=", ".join(map(str, d))),
-                                "answer": str(max(d))}, tok, format_prompt=data.NUMBER_FORMAT_PROMPT) for d in lists]
+    return [data.encode_prompt({"problem": tiny_model.MAX_QUESTION.format(digits=", ".join(map(str, d))),
+                                "answer": str(max(d))}, tok, format_prompt=tiny_model.NUMBER_FORMAT_PROMPT) for d in lists]
 
 
 def mean_logprob_diff(eng, ref, recs, temperature=0.7):
@@ -98,27 +96,26 @@ def check(arch):
     print(f"QWEN3_GPU_OK {arch} vllm={eng.version}", flush=True)
 
 
-def _in_own_process(arch):
+def _in_own_process(launch, tmp_path, arch):
     pytest.importorskip("vllm")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), arch], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
-    print(p.stdout[-2000:])
-    assert p.returncode == 0 and f"QWEN3_GPU_OK {arch}" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    # run as a script, its folder (tests/) comes first on sys.path; the repo's modules come from PYTHONPATH
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    p = launch.run([sys.executable, os.path.abspath(__file__), arch], tmp_path / f"{arch}.log", 600, PYTHONPATH=path)
+    print(p.out[-2000:])
+    assert f"QWEN3_GPU_OK {arch}" in p.out, p.out[-3000:]
 
 
-def test_vllm_qwen3_vl_engine_and_deepstack_sync():
-    _in_own_process("qwen3_vl")
+def test_vllm_qwen3_vl_engine_and_deepstack_sync(launch, tmp_path):
+    _in_own_process(launch, tmp_path, "qwen3_vl")
 
 
-def test_vllm_text_qwen3_engine_and_sync():
-    _in_own_process("qwen3")
+def test_vllm_text_qwen3_engine_and_sync(launch, tmp_path):
+    _in_own_process(launch, tmp_path, "qwen3")
 
 
 @pytest.mark.parametrize("demo", ["qwen3_vl", "qwen3"])
-def test_demo_engine_agrees_with_trainer_after_every_sync(tmp_path, demo):
-    rows = run(tmp_path, "--demo-model", demo)
+def test_demo_engine_agrees_with_trainer_after_every_sync(tmp_path, demo, launch):
+    rows = run(launch, tmp_path, "--demo-model", demo)
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     assert len(diffs) == 4 and max(diffs) < 0.01, diffs
 

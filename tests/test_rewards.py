@@ -1,15 +1,12 @@
 import json
 import math
-import os
 import re
-import sys
 import threading
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import rewards  # noqa: E402
-from rewards import get_reward_fn, last_boxed, overlong_penalty  # noqa: E402
+import rewards
+from rewards import get_reward_fn, last_boxed, overlong_penalty
 
 
 def score(name, response, gt, length=10):

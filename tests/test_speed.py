@@ -1,19 +1,16 @@
 """The speed issue's pieces that are not attention: FLOPs for MFU, the realistic benchmark workload (forced
 response lengths), truncated importance sampling (rollout correction)."""
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
-import flops  # noqa: E402
-import fsdp_actor as A  # noqa: E402
-import grpo  # noqa: E402
-import rollout  # noqa: E402
-import tiny_model  # noqa: E402
+import bench
+import flops
+import fsdp_actor as actor
+import grpo
+import rollout
+import tiny_model
 
 
 # ------------------------------------------------------------------------------------------------------- FLOPs
@@ -92,14 +89,14 @@ def test_tis_weights_hand_computed():
     old = torch.log(torch.tensor([[0.5, 0.2, 0.3], [0.4, 0.9, 0.1]]))
     roll = torch.log(torch.tensor([[0.25, 0.4, 0.3], [0.1, 0.9, 0.7]]))
     mask = torch.tensor([[True, True, False], [True, True, True]])  # the first row has 2 tokens
-    w, st = grpo.rollout_correction_weights(old, roll, mask, "token", cap=1.5)
+    w, st = rollout.correction_weights(old, roll, mask, "token", cap=1.5)
     # token ratios: 2.0 -> 1.5 (capped), 0.5; 4.0 -> 1.5 (capped), 1.0, 1/7
     want = torch.tensor([[1.5, 0.5, 0.0], [1.5, 1.0, 1 / 7]])
     assert torch.allclose(w, want, atol=1e-6)
     assert float(st["mean"][0] / st["mean"][1]) == pytest.approx((1.5 + 0.5 + 1.5 + 1 + 1 / 7) / 5, abs=1e-6)
     assert float(st["capped_frac"][0] / st["capped_frac"][1]) == pytest.approx(2 / 5)
     assert float(st["max"]) == pytest.approx(4.0, rel=1e-5)  # before truncation
-    w, st = grpo.rollout_correction_weights(old, roll, mask, "sequence", cap=1.5)
+    w, st = rollout.correction_weights(old, roll, mask, "sequence", cap=1.5)
     # sequence ratios: 2.0 * 0.5 = 1.0; 4.0 * 1.0 * 1/7 = 4/7
     assert torch.allclose(w, torch.tensor([[1.0, 1.0, 0.0], [4 / 7] * 3]), atol=1e-6)
     assert float(st["capped_frac"][0]) == 0 and float(st["capped_frac"][1]) == 2
@@ -109,7 +106,7 @@ def test_tis_weights_hand_computed():
 
 @pytest.fixture(scope="module")
 def update_setup():
-    A.init_distributed()
+    actor.init_distributed()
     path = tiny_model.build_tiny_model()
     from test_varlen import _samples
     samples, pad = _samples(path)
@@ -120,19 +117,19 @@ def _update(path, samples, pad, **cfg_kw):
     cfg = grpo.Config(rollout_batch_size=1, global_batch_size=1, n=len(samples), kl_coef=0.0, lr=0.0,
                       max_response_length=16, **cfg_kw)
     torch.manual_seed(0)
-    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
-    opt, sched = A.build_optimizer(model, 0.0, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+    opt, sched = actor.build_optimizer(model, 0.0, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
     ctx = SimpleNamespace(cfg=cfg, model=model, ref=None, opt=opt, sched=sched, device=torch.device("cpu"), world=1,
-                          pad_id=pad, step=0, skipped_run=0, skipped_total=0)
-    return grpo.update_policy(ctx, samples)
+                          pad_id=pad, skipped_run=0, skipped_total=0)
+    return grpo.update_policy(ctx, samples, step=0)
 
 
 def test_tis_in_the_update_matches_the_hand_formula(update_setup):
     """On-policy the clipped loss is -adv per token, so with TIS the policy loss is -sum(adv * w) / tokens with
     w = min(cap, pi_trainer / pi_engine): built here from the trainer's own log-probs and made-up engine ones."""
     path, samples, pad = update_setup
-    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
-    lps, _ = A.compute_logprobs(model, samples, pad, torch.device("cpu"), 1.0, 10_000, 64)
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+    lps, _ = actor.compute_logprobs(model, samples, pad, torch.device("cpu"), 1.0, 10_000, 64)
     g = torch.Generator().manual_seed(3)
     samples = [dict(s, adv=float(a), rollout_logp=(lp + torch.randn(len(lp), generator=g)).tolist())
                for s, a, lp in zip(samples, torch.linspace(-1, 1, len(samples)), lps)]

@@ -1,14 +1,12 @@
 import json
 import os
-import sys
 import time
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
-import tiny_model  # noqa: E402
+import data
+import tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +38,7 @@ def test_reload_and_generate(tiny_path):
     assert next(model.parameters()).dtype == torch.float32
     assert not model.config.tie_word_embeddings
     proc = data.load_processor(tiny_path)  # AutoProcessor, or the no-torchvision fallback
-    img, _, _ = data.draw_color_image(__import__("random").Random(0))
+    img, _, _ = tiny_model.draw_color_image(__import__("random").Random(0))
     rec = data.encode_prompt({"problem": "<image>What is the color of the shape?",
                               "answer": "red", "images": [img]}, proc,
                              min_pixels=56 * 56, max_pixels=112 * 112)
@@ -59,7 +57,7 @@ def test_reload_and_generate(tiny_path):
 def test_color_words_are_single_tokens(tiny_path):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_path)
-    for w in list(data.COLORS) + ["shape", "answer"]:
+    for w in list(tiny_model.COLORS) + ["shape", "answer"]:
         assert len(tok.encode(w, add_special_tokens=False)) == 1, w
         assert len(tok.encode(" " + w, add_special_tokens=False)) == 1, w
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"

@@ -2,25 +2,18 @@
 exactly where a straight run goes."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--rollout-batch-size", "4", "--rollout-n", "4", "--val-freq", "0",
          "--max-response-length", "6", "--log-samples", "1"]
 
 
-def run(args, out, nproc=1, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)  # a pytest process that set up a 1-rank group must not leak it into the children
+def run(launch, args, out, nproc=1):
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={nproc}"]
-    p = subprocess.run(launcher + [os.path.join(ROOT, "grpo.py"), "--output-dir", str(out)] + SMALL + args,
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    launch.run(launcher + ["grpo.py", "--output-dir", out] + SMALL + args, f"{out}.log")
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
 
 
@@ -30,12 +23,12 @@ def dense(items):  # a reward that varies within every group from the first step
 """
 
 
-def test_one_and_two_processes_give_the_same_first_step(tmp_path):
+def test_one_and_two_processes_give_the_same_first_step(tmp_path, launch):
     (tmp_path / "r.py").write_text(DENSE_REWARD)
     # one mini-batch: its loss is a function of the global batch only, however it is spread over ranks
     kw = ["--max-steps", "1", "--global-batch-size", "4", "--reward-function", f"{tmp_path / 'r.py'}:dense"]
-    one = run(kw, tmp_path / "one")
-    two = run(kw, tmp_path / "two", nproc=2)
+    one = run(launch, kw, tmp_path / "one")
+    two = run(launch, kw, tmp_path / "two", nproc=2)
     a, b = one[-1], two[-1]
     assert a["reward/mean"] == pytest.approx(b["reward/mean"], abs=1e-9)  # same samples (seeded per prompt)
     assert a["response_length/mean"] == pytest.approx(b["response_length/mean"], abs=1e-9)
@@ -45,16 +38,16 @@ def test_one_and_two_processes_give_the_same_first_step(tmp_path):
     assert a["actor/grad_norm"] > 0
 
 
-def test_resume_is_exact(tmp_path):
+def test_resume_is_exact(tmp_path, launch):
     # two mini-batches per step: old log-probs are recomputed, the optimizer state carries over
     (tmp_path / "r.py").write_text(DENSE_REWARD)
     kw = ["--global-batch-size", "2", "--save-freq", "1", "--save-limit", "2", "--reward-function",
           f"{tmp_path / 'r.py'}:dense"]
-    straight = run(["--max-steps", "4"] + kw, tmp_path / "a")
-    run(["--max-steps", "2"] + kw, tmp_path / "b")
+    straight = run(launch, ["--max-steps", "4"] + kw, tmp_path / "a")
+    run(launch, ["--max-steps", "2"] + kw, tmp_path / "b")
     assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["step_1", "step_2"]  # complete, no .tmp left
     assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["step_3", "step_4"]  # --save-limit 2
-    resumed = run(["--max-steps", "4"] + kw, tmp_path / "b")  # picks up step_2
+    resumed = run(launch, ["--max-steps", "4"] + kw, tmp_path / "b")  # picks up step_2
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     assert straight[-1]["actor/kl"] > 0 and straight[-1]["actor/grad_norm"] > 0  # the policy really moved
     for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl", "response_length/mean"):

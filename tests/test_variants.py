@@ -1,17 +1,15 @@
 """The policy-optimisation family's edge cases (groups of identical rewards, fully masked rows) against numbers worked
-out by hand, and a one-step run of grpo.py with each adv_estimator, loss_type and loss_avg_mode."""
+out by hand, and a one-step training run with each adv_estimator, loss_type and loss_avg_mode that shows the option
+reaches its function."""
+import inspect
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import grpo
 from grpo import agg_loss, compute_advantages, policy_loss
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 LOSSES = ("ppo_clip", "gspo", "cispo")
 MODES = ("token", "seq", "seq-mean-token-sum-norm")
@@ -118,23 +116,35 @@ def test_cispo_negative_advantage_has_no_lower_clip():
 
 
 # ------------------------------------------------------------------------------------------------ end to end
-def _run(args, out):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    small = ["--max-steps", "1", "--rollout-batch-size", "2", "--rollout-n", "4", "--global-batch-size", "2",
-             "--max-response-length", "4", "--val-freq", "0", "--output-dir", str(out)]
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py")] + small + args, cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))][-1]
+SPIED = {"adv_estimator": ("compute_advantages", "estimator"), "loss_type": ("policy_loss", "loss_type"),
+         "loss_avg_mode": ("agg_loss", "mode")}  # option -> (grpo's function, its parameter)
 
 
-@pytest.mark.parametrize("args", [["--adv-estimator", e] for e in ESTIMATORS[1:]]
-                         + [["--loss-type", t] for t in LOSSES[1:]]
-                         + [["--loss-avg-mode", m] for m in MODES[1:]], ids=lambda a: a[1])
-def test_grpo_runs_with_each_variant(args, tmp_path):
-    m = _run(args, tmp_path)
+@pytest.mark.parametrize("option, value", [("adv_estimator", e) for e in ESTIMATORS[1:]]
+                         + [("loss_type", t) for t in LOSSES[1:]]
+                         + [("loss_avg_mode", m) for m in MODES[1:]], ids=lambda v: v)
+def test_each_variant_reaches_its_function(option, value, tmp_path, monkeypatch):
+    """The option on grpo.py's command line, one training step in this process (the demo's settings, tiny sizes)
+    with spies on the three functions: each got the configured variant on every call (an option dropped on the way
+    would reach it as the default), and the step finished with finite numbers. The math of each variant is the
+    hand-computed tests above."""
+    from easyr1_config import cli
+    seen = {fn: [] for fn, _ in SPIED.values()}
+    for fn, param in SPIED.values():
+        real = getattr(grpo, fn)
+
+        def spy(*args, _real=real, _fn=fn, _param=param, **kwargs):
+            seen[_fn].append(inspect.signature(_real).bind(*args, **kwargs).arguments.get(_param))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(grpo, fn, spy)
+    args = ["--" + option.replace("_", "-"), value, "--rollout-engine", "hf", "--rollout-batch-size", "2",
+            "--global-batch-size", "2", "--rollout-n", "4", "--max-steps", "1", "--val-freq", "0", "--save-freq", "-1",
+            "--resume", "never", "--output-dir", str(tmp_path)]
+    cfg = cli(grpo.Config, grpo.DEMO, args=args)  # as grpo.main makes it
+    grpo.train(cfg)
+    for opt, (fn, _) in SPIED.items():  # the varied option, and the defaults of the other two
+        assert seen[fn] and set(seen[fn]) == {value if opt == option else getattr(grpo.Config(), opt)}, (fn, seen[fn])
+    (m,) = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert m["step"] == 1
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/clipfrac", "reward/mean"):
         assert math.isfinite(m[k]), k

@@ -4,14 +4,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fsdp_actor as A
+import fsdp_actor as actor
 import tiny_model
 import varlen as V
 
 
 def _vision_run(path, varlen, grid, seed=0):
     """get_image_features over random pixels in float64: (features, {param name: grad}, pixel grad, SDPA calls)."""
-    hf = A.load_hf_model(path, dtype=torch.float64).eval()
+    hf = actor.load_hf_model(path, dtype=torch.float64).eval()
     if varlen:
         V.set_varlen_attention(hf, vision=True)
     vc = hf.config.vision_config
@@ -86,14 +86,14 @@ def _samples(path, seed=0):
 
 def _grads(path, samples, pad, packed, dtype):
     torch.manual_seed(0)
-    model = A.build_actor(path, torch.device("cpu"), dtype, dtype, gradient_checkpointing=True,
+    model = actor.build_actor(path, torch.device("cpu"), dtype, dtype, gradient_checkpointing=True,
                           padding_free="on" if packed else "off", vision_varlen="on" if packed else "off")
     assert model.packed == packed
     w = torch.Generator().manual_seed(1)
     lps = []
-    for idx in A.make_micro_batches([len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples],
+    for idx in actor.make_micro_batches([len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples],
                                     10_000, 64, [id(s["prompt"]) for s in samples], packed=packed):
-        batch, resp_len = A.collate([samples[i] for i in idx], pad, torch.device("cpu"), model)
+        batch, resp_len = actor.collate([samples[i] for i in idx], pad, torch.device("cpu"), model)
         assert batch["input_ids"].shape[0] == (1 if packed else len(idx))
         lp, _ = model(**batch)
         (lp * torch.rand(lp.shape, generator=w, dtype=lp.dtype)).sum().backward()
@@ -103,7 +103,7 @@ def _grads(path, samples, pad, packed, dtype):
 
 
 def _text_reference(path, samples):
-    hf = A.load_hf_model(path).eval()
+    hf = actor.load_hf_model(path).eval()
     out = []
     for s in samples:
         ids = torch.tensor([s["prompt"]["prompt_ids"] + s["response_ids"]])
@@ -117,7 +117,7 @@ def _text_reference(path, samples):
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2_vl", "qwen2"])
 def test_packed_logprobs_and_gradients_equal_padded_and_hf(arch, tmp_path):
     from test_actor import reference_logprobs
-    A.init_distributed()
+    actor.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path / arch), arch=arch)
     if arch == "qwen2":  # a text LLM: the same rows without images
         import data
@@ -133,7 +133,7 @@ def test_packed_logprobs_and_gradients_equal_padded_and_hf(arch, tmp_path):
         lp_pad, g_pad = _grads(path, subset, pad, False, torch.float64)
         lp_pack, g_pack = _grads(path, subset, pad, True, torch.float64)
         ref = reference_logprobs(path, subset, pad) if arch != "qwen2" else _text_reference(path, subset)
-        for a, b, c in zip(lp_pack, lp_pad, ref):
+        for a, b, c in zip(lp_pack, lp_pad, ref, strict=True):
             assert torch.allclose(a, b, atol=1e-10), (a, b)
             assert torch.allclose(a, c.to(a.dtype), atol=2e-5), (a, c)  # the plain HF forward (fp32) as well
         assert g_pad.keys() == g_pack.keys() and len(g_pad) > 10
@@ -146,15 +146,15 @@ def test_positions_are_the_models_own_on_the_padded_batch():
     model's get_rope_index over the whole padded batch (what a padded forward computes for itself)."""
     path = tiny_model.build_tiny_model()
     samples, pad = _samples(path)
-    hf = A.load_hf_model(path)
-    batch, _ = A.collate(samples, pad, torch.device("cpu"))
+    hf = actor.load_hf_model(path)
+    batch, _ = actor.collate(samples, pad, torch.device("cpu"))
     ids = batch["input_ids"]  # [B, T] padded
     grid = torch.cat([s["prompt"]["mm_inputs"]["image_grid_thw"] for s in samples if s["prompt"]["mm_inputs"]])
     want, _ = hf.model.get_rope_index(input_ids=ids, image_grid_thw=grid, attention_mask=None,
-                                      **A.mm_token_types(hf, ids, {"image_grid_thw": grid}))
+                                      **actor.mm_token_types(hf, ids, {"image_grid_thw": grid}))
     prompts = list({id(s["prompt"]): s["prompt"] for s in samples}.values())
     owner = [prompts.index(s["prompt"]) for s in samples]
-    got = A._positions(hf, samples, prompts, owner, "mrope")
+    got = actor._positions(hf, samples, prompts, owner, "mrope")
     assert any(int(p.max()) < p.shape[1] - 1 for p in got)  # image rows: not plain 0..L-1
     for i, p in enumerate(got):
         assert torch.equal(p, want[:, i, :p.shape[1]]), i
@@ -162,12 +162,12 @@ def test_positions_are_the_models_own_on_the_padded_batch():
 
 def test_packed_micro_batches_count_real_tokens():
     lengths, groups = [10, 12, 30, 28, 5, 6], ["a", "a", "b", "b", "c", "c"]
-    mbs = A.make_micro_batches(lengths, 60, 64, groups, packed=True)
+    mbs = actor.make_micro_batches(lengths, 60, 64, groups, packed=True)
     assert sorted(i for mb in mbs for i in mb) == list(range(6))
     assert all(sum(lengths[i] for i in mb) <= 60 for mb in mbs)
     assert mbs == [[2, 3], [1, 0, 5, 4]]  # 58 and 33 real tokens (padded, the second would cost 4 x 12 = 48)
-    assert A.make_micro_batches([10, 30, 30], 70, 64, packed=True) == [[1, 2, 0]]  # padded: 3 x 30 = 90 > 70
-    assert len(A.make_micro_batches([10, 30, 30], 70, 64)) == 2
+    assert actor.make_micro_batches([10, 30, 30], 70, 64, packed=True) == [[1, 2, 0]]  # padded: 3 x 30 = 90 > 70
+    assert len(actor.make_micro_batches([10, 30, 30], 70, 64)) == 2
 
 
 def _fake_varlen(style):
@@ -218,12 +218,38 @@ def test_text_only_batch_after_an_image_batch_uses_plain_positions():
     """Left to compute its own positions from inputs_embeds, Qwen2.5-VL would offset a text-only batch by the
     rope_deltas an earlier image batch left in the model (and fail when the batch size differs)."""
     from test_actor import reference_logprobs
-    A.init_distributed()
+    actor.init_distributed()
     path = tiny_model.build_tiny_model()
     samples, pad = _samples(path)
-    model = A.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
     text = [s for s in samples if not s["prompt"]["mm_inputs"]][:1]
     with torch.no_grad():
-        model(**A.collate(samples[:4], pad, torch.device("cpu"))[0])  # no model given: the HF model's own positions
-        lp, _ = model(**A.collate(text, pad, torch.device("cpu"))[0])
+        model(**actor.collate(samples[:4], pad, torch.device("cpu"))[0])  # no model given: the HF model's own positions
+        lp, _ = model(**actor.collate(text, pad, torch.device("cpu"))[0])
     assert torch.allclose(lp.double(), reference_logprobs(path, text, pad)[0], atol=2e-5)
+
+
+def test_compiled_elementwise_kernels_equal_the_plain_modules(tmp_path, monkeypatch):
+    """--torch-compile on: the norms, gated MLPs, rotary functions and the log-prob chunk compiled by inductor give
+    the plain path's log-probs and gradients (float64, packed rows with images and without)."""
+    import sys
+    actor.init_distributed()
+    path = tiny_model.build_tiny_model(arch="qwen2_5_vl")
+    samples, pad = _samples(path)
+    mod = sys.modules[type(actor.load_hf_model(path)).__module__]
+    for fn in ("apply_rotary_pos_emb",):  # undone after the test
+        monkeypatch.setattr(mod, fn, getattr(mod, fn))
+    lp0, g0 = _grads(path, samples, pad, True, torch.float64)
+    built = actor.build_actor
+    monkeypatch.setattr(actor, "build_actor", lambda *a, **kw: built(*a, **kw, torch_compile="on"))
+    lp1, g1 = _grads(path, samples, pad, True, torch.float64)
+    model = actor.build_actor(path, torch.device("cpu"), torch.float64, torch.float64)
+    compiled = [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    assert any(n.endswith("mlp") for n in compiled) and any(n.endswith("norm") for n in compiled), compiled
+    assert model.chunk_logprobs is not actor._chunk_logprobs
+    assert hasattr(mod.apply_rotary_pos_emb, "_torchdynamo_orig_callable")
+    for a, b in zip(lp0, lp1, strict=True):
+        assert torch.allclose(a, b, atol=1e-10), (a, b)
+    assert g0.keys() == g1.keys()
+    for n in g0:  # transformers' RMSNorm rounds to fp32 inside even in float64: fused, it rounds elsewhere
+        assert (g0[n] - g1[n]).abs().max() <= 1e-6 * g0[n].abs().max(), n

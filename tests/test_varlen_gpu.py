@@ -4,7 +4,7 @@ padded path.  python3 -m pytest -q -m gpu tests/test_varlen_gpu.py"""
 import pytest
 import torch
 
-import fsdp_actor as A
+import fsdp_actor as actor
 import tiny_model
 import varlen as V
 
@@ -44,7 +44,7 @@ def test_vision_tower_one_kernel_call_per_layer():
     grid = torch.tensor([[1, 16, 16], [1, 6, 10], [2, 4, 4]], device=dev)
     outs, calls = [], []
     for varlen in (False, True):
-        hf = A.load_hf_model(path, dtype=torch.bfloat16).to(dev).eval()
+        hf = actor.load_hf_model(path, dtype=torch.bfloat16).to(dev).eval()
         if varlen:
             V.set_varlen_attention(hf, vision=True)
         vc = hf.config.vision_config
@@ -72,18 +72,18 @@ def test_padding_free_auto_on_cuda_matches_padded():
     forward as the padded path's, and one backward gives the same gradients within bf16 noise."""
     from test_actor import reference_logprobs
     from test_varlen import _samples
-    _, _, dev = A.init_distributed()
+    _, _, dev = actor.init_distributed()
     path = tiny_model.build_tiny_model()
     samples, pad = _samples(path)
     ref = reference_logprobs(path, samples, pad)
     res = {}
     for mode in ("auto", "off"):
         torch.manual_seed(0)
-        model = A.build_actor(path, dev, torch.float32, torch.bfloat16, padding_free=mode, vision_varlen=mode)
+        model = actor.build_actor(path, dev, torch.float32, torch.bfloat16, padding_free=mode, vision_varlen=mode)
         assert model.packed == (mode == "auto")
-        lps, _ = A.compute_logprobs(model, samples, pad, dev, 1.0, 10_000, 64)
-        err = torch.cat([(a.double() - b).abs() for a, b in zip(lps, ref)])
-        batch, _ = A.collate(samples, pad, dev, model)
+        lps, _ = actor.compute_logprobs(model, samples, pad, dev, 1.0, 10_000, 64)
+        err = torch.cat([(a.double() - b).abs() for a, b in zip(lps, ref, strict=True)])
+        batch, _ = actor.collate(samples, pad, dev, model)
         lp, _ = model(**batch)
         (lp * torch.linspace(-1, 1, len(lp), device=dev)).sum().backward()
         grads = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters() if p.grad is not None])

@@ -1,17 +1,16 @@
 """vLLM rollout engine on a GPU (skipped elsewhere), with the tiny Qwen2.5-VL.
 
     pytest -m gpu tests/test_vllm_gpu.py -s               # one GPU: logprobs vs HF, weight sync, caches, sleep
-    torchrun --nproc_per_node 2 tests/test_vllm_gpu.py --tp 1   # data-parallel SPMD (2 independent engines)
-    torchrun --nproc_per_node 2 tests/test_vllm_gpu.py --tp 2   # tensor-parallel SPMD (prompts gathered)
+    PYTHONPATH=. torchrun --nproc_per_node 2 tests/test_vllm_gpu.py --tp 1  # data-parallel SPMD (2 independent engines)
+    PYTHONPATH=. torchrun --nproc_per_node 2 tests/test_vllm_gpu.py --tp 2  # tensor-parallel SPMD (prompts gathered)
 """
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import rollout  # noqa: E402
+import rollout
+import tiny_model
 
 pytestmark = pytest.mark.gpu
 T_SAMPLE = 0.7
@@ -22,7 +21,7 @@ def make_prompts(path, k=4):
     from PIL import Image, ImageDraw
     proc = data.load_processor(path)
     recs = []
-    for i, (name, rgb) in enumerate(list(data.COLORS.items())[:k]):
+    for i, (name, rgb) in enumerate(list(tiny_model.COLORS.items())[:k]):
         im = Image.new("RGB", (84 + 28 * i, 56 + 14 * i), (255, 255, 255))
         ImageDraw.Draw(im).rectangle([10, 10, 50, 40], fill=rgb)
         row = {"problem": "<image>What is the color of the shape?", "answer": name, "images": [im]}
@@ -83,7 +82,7 @@ def test_prompt_expansion_matches_hf_processor(setup):
     eng, recs = setup["eng"], setup["prompts"]
     from vllm import SamplingParams
     outs = eng.llm.generate([eng._vllm_prompt(r) for r in recs], SamplingParams(max_tokens=1), use_tqdm=False)
-    for o, r in zip(outs, recs):
+    for o, r in zip(outs, recs, strict=True):
         assert list(o.prompt_token_ids) == r["prompt_ids"]
 
 
@@ -91,7 +90,7 @@ def test_logprobs_match_hf_recompute(setup):
     eng, ref, recs = setup["eng"], setup["ref"], setup["prompts"]
     out = eng.generate(recs, n=4, temperature=T_SAMPLE, top_p=1.0, max_tokens=32, seeds=[1, 2, 3, 4])
     diffs, raw_diffs = [], []
-    for rec, group in zip(recs, out):
+    for rec, group in zip(recs, out, strict=True):
         for o in group:
             ids = o["response_ids"]
             assert len(o["logprobs"]) == len(ids) > 0

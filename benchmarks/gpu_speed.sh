@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_speed.sh [MODE] -- the speed runs of issue 11 on the H200 device, after vLLM is installed in /tmp/vsite
+# benchmarks/gpu_speed.sh [MODE] -- the speed runs of issue 11 on the H200 device, after vLLM is installed in /tmp/vsite
 # (shared/gpu/README.md: calls 1 and 2). Results go to $OUT: <run>.log, <run>_metrics.jsonl, <run>_summary.json,
 # env.log (versions, the varlen kernel picked), varlen_gpu_tests.log, report.md (bench.py report over the runs).
 #   two (default, nvidia-h200-x2; one call, at most ~9.5 min, ~8 expected):

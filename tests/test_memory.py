@@ -1,0 +1,231 @@
+"""Memory modes: the pure-bf16 AdamW step (stochastic rounding and Kahan compensation against round-to-nearest,
+which loses RL-sized updates), bf16 checkpoints and exact resume, the offload wiring, the memory keys."""
+
+import pytest
+import torch
+
+import fsdp_actor as actor
+import memory
+from test_train import DENSE_REWARD, run
+
+LR = 1e-6  # EasyR1's RL learning rate: the size where bf16 round-to-nearest drops every update
+
+
+def weights(n=200_000, seed=0):
+    """Weights the size of a trained model's (std 0.02), in bf16, and a gradient for them."""
+    g = torch.Generator().manual_seed(seed)
+    w = (0.02 * torch.randn(n, generator=g)).bfloat16()  # [n]
+    grad = torch.randn(n, generator=g)  # [n] fp32
+    return w, grad
+
+
+def fp32_adamw(w, grads, lr):
+    """torch.optim.AdamW on an fp32 copy: the reference path. grads: one [n] tensor per step."""
+    p = torch.nn.Parameter(w.float().clone())
+    opt = torch.optim.AdamW([p], lr=lr, weight_decay=1e-2)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
+
+
+def bf16_adamw(w, grads, lr, rounding):
+    """memory.BF16AdamW on a bf16 copy. Returns the weights as fp32, with Kahan's compensation added (what the
+    weight holds in total) and the weights alone."""
+    p = torch.nn.Parameter(w.clone())
+    opt = memory.BF16AdamW([p], lr=lr, weight_decay=1e-2, rounding=rounding, seed=3)
+    for g in grads:
+        p.grad = g.bfloat16()
+        opt.step()
+    comp = opt.state[p].get("comp")
+    total = p.detach().float() + (comp.float() if comp is not None else 0)
+    return total, p.detach().float()
+
+
+def test_one_step_at_rl_lr_is_lost_to_nearest_and_kept_by_stochastic_and_kahan():
+    """The trap, one AdamW step at lr 1e-6. `carried`: the share of the fp32 step's movement that reaches the
+    weights (sum of the movement along the fp32 step / sum of the fp32 step's |movement|)."""
+    w, g = weights()
+    ref = fp32_adamw(w, [g], LR) - w.float()  # [n] the fp32 update, ~1e-6 per weight
+    assert (ref != 0).float().mean() > 0.99  # fp32 moves (nearly) every weight
+
+    def carried(new):
+        return float(((new - w.float()) * ref.sign()).sum() / ref.abs().sum())
+
+    near_total, near = bf16_adamw(w, [g], LR, "nearest")
+    # the trap: only the ~2% of weights smaller than ~5e-4 (whose half-ulp is below 1e-6) move
+    assert (near != w.float()).float().mean() < 0.05
+    assert abs(carried(near)) < 0.05
+    sr_total, sr = bf16_adamw(w, [g], LR, "stochastic")
+    moved = float((sr != w.float()).float().mean())
+    assert 0.02 < moved < 0.2  # a few weights move a whole ulp ...
+    assert carried(sr) == pytest.approx(1.0, abs=0.1)  # ... and on average exactly the fp32 step
+    kahan_total, kahan = bf16_adamw(w, [g], LR, "kahan")
+    assert (kahan != w.float()).float().mean() < 0.05  # the weights move as little as nearest's,
+    assert carried(kahan_total) == pytest.approx(1.0, abs=0.01)  # the compensation holds the step
+
+
+def test_stochastic_rounding_is_unbiased():
+    """E[round(x)] = x: many draws of one value between two bf16 neighbours average to it; nearest does not."""
+    x = torch.full((1_000_000,), 0.02)  # between the bf16 values 0.0198975 and 0.0200195, 87% of an ulp up
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    memory.stochastic_round_(out, x.clone(), torch.Generator().manual_seed(0))
+    ulp = 2.0 ** -13  # bf16's spacing in [2^-6, 2^-5)
+    lo = float(x[:1].view(torch.int32).bitwise_and(-65536).view(torch.float32))  # the neighbour towards 0
+    assert set(out.float().unique().tolist()) == {lo, lo + ulp}  # only the two neighbours
+    # the draws are lo + Bernoulli(p = 0.87) x ulp: the mean's standard error is ulp * sqrt(p (1-p) / n) ~ 4e-8
+    assert float(out.float().mean()) == pytest.approx(0.02, abs=2e-7)
+    assert abs(float(x[0].bfloat16()) - 0.02) > 1e-5  # round to nearest: off by 0.13 ulp, every time
+    neg = torch.empty_like(out)
+    memory.stochastic_round_(neg, -x, torch.Generator().manual_seed(1))  # the sign bit: symmetric
+    assert float(neg.float().mean()) == pytest.approx(-0.02, abs=2e-7)
+
+
+def test_many_steps_track_the_fp32_path():
+    """300 AdamW steps at lr 1e-5 with gradients of a steady direction plus noise: stochastic rounding and Kahan
+    end near the fp32 weights (distance small next to how far fp32 moved); nearest has hardly moved."""
+    w, d = weights(50_000)
+    gen = torch.Generator().manual_seed(1)
+    grads = [d + 0.5 * torch.randn(d.shape, generator=gen) for _ in range(300)]
+    ref = fp32_adamw(w, grads, 1e-5)
+    path = float((ref - w.float()).norm())
+
+    def dist(x):
+        return float((x - ref).norm()) / path
+
+    assert dist(bf16_adamw(w, grads, 1e-5, "nearest")[1]) > 0.8
+    assert dist(bf16_adamw(w, grads, 1e-5, "stochastic")[1]) < 0.35
+    assert dist(bf16_adamw(w, grads, 1e-5, "kahan")[0]) < 0.05  # weights + compensation
+    assert dist(bf16_adamw(w, grads, 1e-5, "kahan")[1]) < 0.35  # the weights alone: within an ulp of it
+
+
+def test_noise_is_a_function_of_step_and_parameter():
+    """Resume is exact without saving RNG state: the same (seed, step, parameter) gives the same draws."""
+    a = memory._generator(1, 5, 2, torch.device("cpu"))
+    b = memory._generator(1, 5, 2, torch.device("cpu"))
+    c = memory._generator(1, 6, 2, torch.device("cpu"))
+    x, y, z = (torch.randint(0, 1 << 16, (8,), generator=g) for g in (a, b, c))
+    assert torch.equal(x, y) and not torch.equal(x, z)
+
+
+def test_bf16_run_trains_checkpoints_and_resumes(tmp_path):
+    """--precision bf16 end to end on CPU: bf16 weights and optimizer state in the checkpoint, and a run resumed
+    from step 2 takes nearly the same third step as one run of 3 steps."""
+    import torch.distributed.checkpoint as dcp
+    (tmp_path / "r.py").write_text(DENSE_REWARD)
+    kw = ["--precision", "bf16", "--global-batch-size", "2", "--save-freq", "1", "--lr", "1e-4",
+          "--reward-function", f"{tmp_path / 'r.py'}:dense"]
+    straight = run(["--max-steps", "3"] + kw, tmp_path / "a")
+    run(["--max-steps", "2"] + kw, tmp_path / "b")
+    resumed = run(["--max-steps", "3"] + kw, tmp_path / "b")
+    assert straight[-1]["actor/grad_norm"] > 0 and straight[-1]["actor/kl"] > 0  # the policy moved
+    # the same samples and nearly the same losses: not bit-exact, because PyTorch's bf16 backward on CPU is not
+    # deterministic run to run (two fresh runs differ alike from their second step, same weights, same inputs);
+    # the optimizer itself resumes exactly (test_bf16_optimizer_resumes_exactly)
+    assert resumed[-1]["reward/mean"] == straight[-1]["reward/mean"]
+    assert resumed[-1]["actor/kl"] == pytest.approx(straight[-1]["actor/kl"], rel=0.05)
+    meta = dcp.FileSystemReader(str(tmp_path / "a" / "checkpoints" / "step_3")).read_metadata()
+    dtypes = {k: v.properties.dtype for k, v in meta.state_dict_metadata.items() if hasattr(v, "properties")}
+    assert dtypes and all(d == torch.bfloat16 for k, d in dtypes.items() if k.startswith("model.")), dtypes
+    assert any(k.endswith("exp_avg_sq") for k in dtypes) and all(
+        d == torch.bfloat16 for k, d in dtypes.items() if k.endswith(("exp_avg", "exp_avg_sq"))), dtypes
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_bf16_optimizer_resumes_exactly(tmp_path, rounding):
+    """Six steps straight, or three, a save through torch.distributed.checkpoint (as the trainer saves), a fresh
+    model and optimizer loaded from it, three more: the same bf16 weights, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    actor.init_distributed()
+    w, d = weights(4096)
+    grads = [d + torch.randn(d.shape, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def fresh():
+        m = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            m.weight.copy_(w.view(64, 64))
+        fully_shard(m)
+        return m, memory.BF16AdamW(m.parameters(), lr=1e-5, rounding=rounding, seed=7)
+
+    def steps(m, opt, gs):
+        for g in gs:
+            m.weight.grad = torch.distributed.tensor.distribute_tensor(g.view(64, 64).bfloat16(),
+                                                                       m.weight.device_mesh, m.weight.placements)
+            opt.step()
+
+    m, opt = fresh()
+    steps(m, opt, grads)
+    want = m.weight.full_tensor().clone()
+    m, opt = fresh()
+    steps(m, opt, grads[:3])
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ck"))
+    m, opt = fresh()
+    msd, osd = get_state_dict(m, opt)  # (this initialises the state with a zero-lr step, as the trainer's load)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ck"))
+    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    steps(m, opt, grads[3:])
+    got = m.weight.full_tensor()
+    assert not torch.equal(got, w.view(64, 64))
+    assert torch.equal(got, want)
+
+
+def test_bf16_refuses_fp32_compute():
+    import grpo
+    from data import UserError
+    with pytest.raises(UserError, match="--precision bf16 computes in bf16"):
+        grpo.check_config(grpo.Config(precision="bf16", dtype="fp32"), 1)
+
+
+def test_offload_wiring(tmp_path):
+    """--offload-params hands FSDP2 its CPUOffloadPolicy on every unit; --offload-optimizer moves AdamW's state out
+    and back around the step (on CPU both are the host: here the wiring and the numbers are checked, not the
+    bytes saved, which benchmarks/gpu_check.sh m measures)."""
+    import tiny_model
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    actor.init_distributed()
+    path = tiny_model.build_tiny_model(str(tmp_path / "m"))
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False,
+                          offload=True)
+    states = [m._get_fsdp_state() for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    assert len(states) > 2
+    groups = [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]
+    assert groups and all(fp.offload_to_cpu for g in groups for fp in g.fsdp_params)
+    assert all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
+    # the optimizer state round trip keeps values and object identity of the keys
+    torch.manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.distributed.tensor.distribute_tensor(torch.randn(p.shape), p.device_mesh, p.placements)
+    opt, sched = actor.build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    actor.optimizer_step(model, opt, sched, 1.0, offload_state=True)
+    assert all(not torch.equal(before[n], p.full_tensor()) for n, p in model.named_parameters())
+    assert len(opt.state) == len(before)
+    # where the state goes: every tensor but the (host-kept) step counter; "meta" stands in for a second device
+    memory.move_optimizer_state(opt, torch.device("meta"))
+    devs = {k: v.device.type for st in opt.state.values() for k, v in st.items()}
+    assert devs == {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
+
+
+def test_memory_metrics_without_cuda():
+    """On CPU the per-phase peaks are None and only the host's RSS is logged; the GPU keys come from a GPU run."""
+    assert memory.phase_peak_gb() is None
+    out = memory.metrics(None, {"start": None, "gen": None}, {})
+    assert list(out) == ["memory/host_peak_rss_gb"] and out["memory/host_peak_rss_gb"] > 0
+
+
+def test_offload_runs_train_the_same(tmp_path):
+    """On the CPU the host is the device: --offload-params (FSDP2's CPUOffloadPolicy on every unit) and
+    --offload-optimizer (the state's round trip around each step) must train as without (to float rounding: the
+    offloaded path sums in another order, ~1e-7 relative seen)."""
+    (tmp_path / "r.py").write_text(DENSE_REWARD)
+    kw = ["--max-steps", "2", "--global-batch-size", "2", "--reward-function", f"{tmp_path / 'r.py'}:dense"]
+    base = run(kw, tmp_path / "base")
+    assert base[-1]["actor/kl"] > 0
+    for flag in ("--offload-params", "--offload-optimizer"):
+        got = run(kw + [flag], tmp_path / flag.strip("-"))
+        for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl"):
+            assert [r[k] for r in got] == pytest.approx([r[k] for r in base], rel=1e-5, abs=1e-9), (flag, k)

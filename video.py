@@ -1,0 +1,242 @@
+"""video.py -- video inputs for data.py: a video file (PyAV, optional) or a list of frames -> sampled, resized frames
+-> the Qwen-VL processor's video outputs (pixel_values_videos, video_grid_thw, second_per_grid_ts) and the prompt's
+video tokens (Qwen3-VL: with its "<t seconds>" timestamps); and the synthetic video demo task.
+
+The Qwen-VL video processors of transformers need torchvision (not on every machine: not on the CPU box), and vLLM
+runs them itself from frames: so the trainer's side is done here, in the processors' own layout, on frames that
+those processors then leave unchanged (see the note below).
+"""
+import io
+import math
+import os
+import random
+import tempfile
+
+import torch
+from PIL import Image, ImageDraw
+
+from data import UserError, first_line, to_pil
+from tiny_model import COLORS
+
+
+# ----------------------------------------------------------------------------- videos
+# A video reaches the model as frames sampled here (a file at --video-fps frames per second, at most --max-frames;
+# a list of frames as it is, taken to be --video-fps apart), resized here to the size the Qwen-VL video processor
+# would pick (sides multiples of patch x merge, pixels within the video bounds) and padded to an even count by
+# repeating the last frame. Both engines and the trainer then get these exact frames: the processors' own resize
+# leaves them as they are and nothing samples them again, so vLLM's video tokens and positions are the trainer's.
+MIN_FRAMES = 4  # qwen-vl-utils' FPS_MIN_FRAMES: a short file still gives 4 frames when it has them
+
+
+def load_video(item, image_dir=None, fps=2.0, max_frames=768):
+    """A video file path or a list of frames (any image form) -> (frames as RGB PIL images, frames per second)."""
+    if isinstance(item, dict) and item.get("path") and not item.get("bytes"):
+        item = item["path"]
+    if isinstance(item, (str, os.PathLike)):
+        return _decode_video_file(os.fspath(item), image_dir, fps, max_frames)
+    if not isinstance(item, (list, tuple)) or isinstance(item, (bytes, bytearray)):
+        raise UserError(f"a video is a file path or a list of frames, got {type(item).__name__}")
+    if not item:
+        raise UserError("a video with no frames")
+    frames = [to_pil(f, image_dir) for f in item]
+    if len(frames) > max_frames:  # keep max_frames of them, evenly spread: they are then further apart in time
+        keep = [round(i * (len(frames) - 1) / (max_frames - 1)) if max_frames > 1 else 0 for i in range(max_frames)]
+        fps = fps * len(keep) / len(frames)
+        frames = [frames[i] for i in keep]
+    return frames, float(fps)
+
+
+def _decode_video_file(path, image_dir, fps, max_frames):
+    """PyAV (optional: only video files need it). Frame choice as qwen-vl-utils: `fps` frames per second of the
+    file, at least MIN_FRAMES and at most max_frames, an even count, evenly spread; the frame rate of what is kept."""
+    if image_dir is not None and not os.path.isabs(path):
+        path = os.path.join(image_dir, path)
+    if not os.path.isfile(path):
+        raise UserError(f"video file not found: {path!r}")
+    try:
+        import av
+    except ImportError as e:
+        raise UserError(f"video file {path!r}: decoding video files needs PyAV (pip install av); a list of frames "
+                        "needs nothing") from e
+    try:
+        with av.open(path) as container:
+            stream = container.streams.video[0]
+            native = float(stream.average_rate or 0)
+            frames = [f.to_image().convert("RGB") for f in container.decode(stream)]
+    except Exception as e:  # PyAV raises its own error types (InvalidDataError, ...)
+        raise UserError(f"could not decode video file {path!r} ({first_line(e)})") from e
+    total = len(frames)
+    if total == 0:
+        raise UserError(f"video file {path!r} has no frames")
+    native = native or fps  # a stream without a rate: take its frames as sampled already
+    n = round(total / native * fps)
+    n = max(min(n, max_frames, total), min(MIN_FRAMES, max_frames, total))
+    n = max(n - n % 2, 1) if n > 1 else 1
+    keep = [round(i * (total - 1) / (n - 1)) if n > 1 else 0 for i in range(n)]
+    return [frames[i] for i in keep], n / total * native
+
+
+def vision_params(proc):
+    """(patch, temporal patch, merge, mean, std) of the processor's video side (its image side where it has none)."""
+    vp = getattr(proc, "video_processor", None) or proc.image_processor
+    return (vp.patch_size, vp.temporal_patch_size, vp.merge_size, list(vp.image_mean), list(vp.image_std))
+
+
+def smart_resize(h, w, factor, min_pixels, max_pixels, frames=1):
+    """transformers' smart_resize of the Qwen-VL video processors: sides multiples of `factor`, aspect kept, and
+    frames x height x width within the bounds: Qwen2(.5)-VL's bound one frame (frames=1), Qwen3-VL's the whole clip
+    (frames: its count, already a multiple of the temporal patch), as Qwen3VLVideoProcessor counts them."""
+    if frames > 1 and (h < factor or w < factor):  # (Qwen3-VL's first scales a frame smaller than a patch up)
+        scale = max(factor / h, factor / w)
+        h, w = int(h * scale), int(w * scale)
+    if max(h, w) / min(h, w) > 200:
+        raise UserError(f"frame of {w}x{h}: aspect ratio over 200")
+    hb, wb = round(h / factor) * factor, round(w / factor) * factor
+    if frames * hb * wb > max_pixels:
+        beta = math.sqrt(frames * h * w / max_pixels)
+        hb = max(factor, math.floor(h / beta / factor) * factor)
+        wb = max(factor, math.floor(w / beta / factor) * factor)
+    elif frames * hb * wb < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * h * w))
+        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
+    return hb, wb
+
+
+def prepare_video(frames, proc, min_pixels, max_pixels):
+    """PIL frames -> uint8 array [T, H, W, 3]: T padded to a multiple of the temporal patch with the last frame, every
+    frame at the size the processor picks for the first one (Qwen3-VL: for the clip; see smart_resize)."""
+    import numpy as np
+    patch, tps, merge, _, _ = vision_params(proc)
+    frames = frames + [frames[-1]] * (-len(frames) % tps)
+    clip = len(frames) if _arch(proc) == "qwen3_vl" else 1
+    h, w = smart_resize(frames[0].height, frames[0].width, patch * merge, min_pixels, max_pixels, clip)
+    frames = [f if f.size == (w, h) else f.resize((w, h), Image.BICUBIC) for f in frames]
+    return np.stack([np.asarray(f, dtype=np.uint8) for f in frames])  # [T, H, W, 3]
+
+
+def video_inputs(videos, fps, proc):
+    """The processor's video outputs for prepared videos ([T, H, W, 3] uint8 each): pixel_values_videos
+    [P, C * t * p * p] in the Qwen-VL patch order, video_grid_thw [V, 3], and for Qwen2.5-VL second_per_grid_ts [V]
+    (the seconds one temporal patch spans, which its M-RoPE time axis counts in)."""
+    patch, tps, merge, mean, std = vision_params(proc)
+    pixels, grids = [], []
+    for v in videos:
+        x = torch.from_numpy(v).permute(0, 3, 1, 2).float() / 255.0  # [T, C, H, W]
+        x = (x - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+        T, C, H, W = x.shape
+        gt, gh, gw = T // tps, H // patch, W // patch
+        x = x.view(gt, tps, C, gh // merge, merge, patch, gw // merge, merge, patch)
+        x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (t, h-block, w-block, h-in, w-in, C, t-in, p, p), as transformers
+        pixels.append(x.reshape(gt * gh * gw, C * tps * patch * patch))
+        grids.append([gt, gh, gw])
+    out = {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids)}
+    if _arch(proc) == "qwen2_5_vl":
+        out["second_per_grid_ts"] = torch.tensor([tps / f for f in fps])
+    return out
+
+
+def video_options(cfg) -> dict:
+    """grpo.Config's video options as encode_prompt's keyword arguments."""
+    return dict(video_key=cfg.video_key, video_fps=cfg.video_fps, max_frames=cfg.max_frames,
+                video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels)
+
+
+def most_videos(ds) -> int:
+    """The most videos one row of a PromptDataset has (the vLLM engine's per-prompt limit)."""
+    key = ds.encode_kwargs.get("video_key", "videos")
+    if key not in (getattr(ds.rows, "column_names", None) or [key]):
+        return 0
+    column = ds.rows[key] if hasattr(ds.rows, "column_names") else [r.get(key) for r in ds.rows]
+    return max([len(column[i] or []) for i in ds.indices], default=0)
+
+
+def _arch(proc):
+    name = type(proc).__name__
+    return "qwen3_vl" if name.startswith("Qwen3VL") else "qwen2_5_vl" if name.startswith("Qwen2_5_VL") else "qwen2_vl"
+
+
+def expand_video_pads(ids, grids, fps, proc):
+    """Each video's one <|video_pad|> in `ids` -> its tokens. Qwen2(.5)-VL: one pad per merged patch. Qwen3-VL: per
+    temporal patch "<t seconds>" (its mid time), vision start, the pads, vision end (Qwen3VLProcessor's and vLLM's
+    text; the timestamps tokenised one by one, as vLLM does)."""
+    tok = getattr(proc, "tokenizer", proc)
+    pad = tok.convert_tokens_to_ids("<|video_pad|>")
+    _, tps, merge, _, _ = vision_params(proc)
+    out, k = [], 0
+    for t in ids:
+        if t != pad:
+            out.append(t)
+            continue
+        (gt, gh, gw), f = [int(x) for x in grids[k]], fps[k]
+        per_frame = gh * gw // merge ** 2
+        if _arch(proc) == "qwen3_vl":
+            start, end = (tok.convert_tokens_to_ids(x) for x in ("<|vision_start|>", "<|vision_end|>"))
+            for g in range(gt):
+                mid = (g * tps + g * tps + tps - 1) / 2 / f  # the mean of its first and last frame's times
+                out += tok.encode(f"<{mid:.1f} seconds>", add_special_tokens=False)
+                out += [start] + [pad] * per_frame + [end]
+        else:
+            out += [pad] * (gt * per_frame)
+        k += 1
+    return out
+
+
+# ----------------------------------------------------------------------------- the video demo task
+VIDEO_QUESTION = "<video>Which colour does the video end with?"
+
+
+def draw_clip(rng: random.Random, n_frames=4):
+    """A clip whose first half is one colour and second half another (jittered per frame, one grey shape that
+    moves): the answer is in its last frames only. Returns (frames, first colour, last colour)."""
+    w, h = rng.randint(56, 84), rng.randint(56, 84)
+    first, last = rng.sample(list(COLORS), 2)
+    s = rng.randint(int(0.2 * min(w, h)), int(0.35 * min(w, h)))
+    frames = []
+    for i in range(n_frames):
+        color = first if i < n_frames // 2 else last
+        img = Image.new("RGB", (w, h), tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLORS[color]))
+        x, y = rng.randint(0, w - s), rng.randint(0, h - s)
+        ImageDraw.Draw(img).ellipse([x, y, x + s - 1, y + s - 1], fill=(rng.randint(90, 170),) * 3)
+        frames.append(img)
+    return frames, first, last
+
+
+def make_video_dataset(out_path: str, n_rows: int, seed: int) -> str:
+    """EasyR1-format parquet (problem, answer, videos=[[frame PNGs]]) of the video demo; written atomically."""
+    import datasets
+    rng = random.Random(seed)
+    rows = {"problem": [], "answer": [], "videos": []}
+    for _ in range(n_rows):
+        frames, _, last = draw_clip(rng)
+        pngs = []
+        for f in frames:
+            buf = io.BytesIO()
+            f.save(buf, format="PNG")
+            pngs.append({"bytes": buf.getvalue(), "path": None})
+        rows["problem"].append(VIDEO_QUESTION)
+        rows["answer"].append(last)
+        rows["videos"].append([pngs])
+    features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
+                                  "videos": datasets.List(datasets.List(datasets.Image()))})
+    out_path = os.path.abspath(os.path.expanduser(out_path))
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
+    os.close(fd)
+    try:
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out_path
+
+
+def demo_video_data(data_dir=None, n_train=2000, n_val=200):
+    """(train_path, val_path) of the video demo (--demo-task video); created once. Different seeds -> unseen clips."""
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/video-v1")
+    train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
+    if not os.path.isfile(train):
+        make_video_dataset(train, n_train, seed=0)
+    if not os.path.isfile(val):
+        make_video_dataset(val, n_val, seed=1)
+    return train, val
