@@ -103,7 +103,7 @@ class Config:
     rollout_correction_cap: float = 2.0  # weights above it are truncated to it (veRL's rollout_is_threshold)
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
-    precision: Literal["amp", "bf16"] = "amp"  # amp: fp32 master weights, compute in --dtype; bf16: weights, gradients and AdamW state in bf16 (half the bytes; README: Memory modes)
+    precision: Literal["amp", "bf16"] = "amp"  # amp: fp32 master weights, compute in --dtype; bf16: weights, gradients and AdamW state in bf16 (10 bytes per parameter against 16; README: Memory modes)
     bf16_rounding: Literal["kahan", "stochastic", "nearest"] = "kahan"  # how --precision bf16 keeps updates below half a bf16 ulp (nearest loses them; README: Memory modes)
     offload_params: bool = False  # policy weights, gradients and AdamW state on the host (FSDP2's CPUOffloadPolicy; the step runs there), and the reference model between its uses
     offload_optimizer: bool = False  # AdamW state on the host between optimizer steps (in for the step, out after it)
@@ -296,7 +296,7 @@ def setup(cfg: Config):
     ctx.done = bool(state and state["step"] >= cfg.max_steps)
     if ctx.done:
         ctx.say(f"[resume] {ckpt} is step {state['step']} of --max-steps {cfg.max_steps}: the run is already "
-                  "complete, nothing to do (raise --max-steps to train on, or start a new run in another --output-dir)")
+                "complete, nothing to do (raise --max-steps to train on, or start a new run in another --output-dir)")
         return ctx
     # --- policy (fp32 master weights, or bf16), reference (frozen, compute dtype), rollout engine (its own weights) ---
     pure_bf16 = cfg.precision == "bf16"

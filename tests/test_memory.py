@@ -108,16 +108,16 @@ def test_noise_is_a_function_of_step_and_parameter():
     assert torch.equal(x, y) and not torch.equal(x, z)
 
 
-def test_bf16_run_trains_checkpoints_and_resumes(tmp_path):
+def test_bf16_run_trains_checkpoints_and_resumes(tmp_path, launch):
     """--precision bf16 end to end on CPU: bf16 weights and optimizer state in the checkpoint, and a run resumed
     from step 2 takes nearly the same third step as one run of 3 steps."""
     import torch.distributed.checkpoint as dcp
     (tmp_path / "r.py").write_text(DENSE_REWARD)
     kw = ["--precision", "bf16", "--global-batch-size", "2", "--save-freq", "1", "--lr", "1e-4",
           "--reward-function", f"{tmp_path / 'r.py'}:dense"]
-    straight = run(["--max-steps", "3"] + kw, tmp_path / "a")
-    run(["--max-steps", "2"] + kw, tmp_path / "b")
-    resumed = run(["--max-steps", "3"] + kw, tmp_path / "b")
+    straight = run(launch, ["--max-steps", "3"] + kw, tmp_path / "a")
+    run(launch, ["--max-steps", "2"] + kw, tmp_path / "b")
+    resumed = run(launch, ["--max-steps", "3"] + kw, tmp_path / "b")
     assert straight[-1]["actor/grad_norm"] > 0 and straight[-1]["actor/kl"] > 0  # the policy moved
     # the same samples and nearly the same losses: not bit-exact, because PyTorch's bf16 backward on CPU is not
     # deterministic run to run (two fresh runs differ alike from their second step, same weights, same inputs);
@@ -217,15 +217,15 @@ def test_memory_metrics_without_cuda():
     assert list(out) == ["memory/host_peak_rss_gb"] and out["memory/host_peak_rss_gb"] > 0
 
 
-def test_offload_runs_train_the_same(tmp_path):
+def test_offload_runs_train_the_same(tmp_path, launch):
     """On the CPU the host is the device: --offload-params (FSDP2's CPUOffloadPolicy on every unit) and
     --offload-optimizer (the state's round trip around each step) must train as without (to float rounding: the
-    offloaded path sums in another order, ~1e-7 relative seen)."""
+    offloaded path sums in another order: 1.5e-8 apart seen on a pg_loss of 1e-3)."""
     (tmp_path / "r.py").write_text(DENSE_REWARD)
     kw = ["--max-steps", "2", "--global-batch-size", "2", "--reward-function", f"{tmp_path / 'r.py'}:dense"]
-    base = run(kw, tmp_path / "base")
+    base = run(launch, kw, tmp_path / "base")
     assert base[-1]["actor/kl"] > 0
     for flag in ("--offload-params", "--offload-optimizer"):
-        got = run(kw + [flag], tmp_path / flag.strip("-"))
+        got = run(launch, kw + [flag], tmp_path / flag.strip("-"))
         for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl"):
-            assert [r[k] for r in got] == pytest.approx([r[k] for r in base], rel=1e-5, abs=1e-9), (flag, k)
+            assert [r[k] for r in got] == pytest.approx([r[k] for r in base], rel=1e-4, abs=1e-6), (flag, k)

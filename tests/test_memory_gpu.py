@@ -8,8 +8,8 @@ from test_grpo_gpu import run
 pytestmark = pytest.mark.gpu
 
 
-def test_memory_keys_split_trainer_and_engine(tmp_path):
-    rows = run(tmp_path, "--max-steps", "2")
+def test_memory_keys_split_trainer_and_engine(tmp_path, launch):
+    rows = run(launch, tmp_path, "--max-steps", "2")
     for r in rows:
         pool, awake = r["memory/engine_pool_gb"], r["memory/engine_awake_gb"]
         assert pool > 0.5, r  # weights + KV cache of the engine (gpu_memory_utilization 0.2 of an H200: ~28 GB)
@@ -21,16 +21,16 @@ def test_memory_keys_split_trainer_and_engine(tmp_path):
             r["memory/gpu_peak_allocated_gb"], rel=1e-6)
 
 
-def test_pure_bf16_trains_and_the_engine_agrees(tmp_path):
-    rows = run(tmp_path, "--precision", "bf16")
+def test_pure_bf16_trains_and_the_engine_agrees(tmp_path, launch):
+    rows = run(launch, tmp_path, "--precision", "bf16")
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     assert max(diffs) < 0.01, diffs
     assert rows[-1]["reward/mean"] > rows[0]["reward/mean"] or rows[-1]["actor/kl"] > 0
 
 
 @pytest.mark.parametrize("flags", [["--offload-params"], ["--offload-optimizer"]])
-def test_offload_runs_and_agrees(tmp_path, flags):
-    rows = run(tmp_path, "--max-steps", "3", *flags)
+def test_offload_runs_and_agrees(tmp_path, flags, launch):
+    rows = run(launch, tmp_path, "--max-steps", "3", *flags)
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     assert max(diffs) < 0.01, diffs
     assert all(r["actor/grad_norm"] > 0 for r in rows)

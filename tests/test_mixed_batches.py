@@ -57,14 +57,14 @@ def test_mixed_image_and_text_rows_on_two_ranks(tmp_path, launch):
         assert two[0][k] == pytest.approx(one[0][k], rel=1e-4, abs=1e-6), k
 
 
-def test_mixed_image_video_and_text_rows_on_two_ranks(tmp_path):
+def test_mixed_image_video_and_text_rows_on_two_ranks(tmp_path, launch):
     """The same with videos: one rank's micro-batch may hold an image, a video, both or neither while the other's
     holds something else; the vision tower runs once per micro-batch on every rank (images and videos in one call)."""
     data = mixed_parquet(tmp_path / "mixed.parquet", n_rows=24, videos=True)
     kw = ["--train-files", data, "--max-steps", "3", "--global-batch-size", "4", "--micro-batch-size-per-device", "4",
           "--reward-function", "color"]
-    two = run(kw, tmp_path / "two", nproc=2)
-    one = run(kw, tmp_path / "one")
+    two = run(launch, kw, tmp_path / "two", nproc=2)
+    one = run(launch, kw, tmp_path / "one")
     assert [m["step"] for m in two] == [1, 2, 3]
     for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl"):
         assert two[0][k] == pytest.approx(one[0][k], rel=1e-4, abs=1e-6), k
