@@ -10,6 +10,8 @@
 #   v: videos (tiny Qwen2.5-VL and Qwen3-VL, one GPU): the video demo with vLLM (VIDEO_STEPS steps), then
 #      tests/test_video_gpu.py (vLLM's video expansion, log-probs against HF, the frame rate on the time axis,
 #      transformers' own video processor against video.py, the Qwen3-VL video demo's engine/trainer agreement)
+#   x: the text demo (tiny Qwen3, largest digit, held-out validation) with vLLM on one GPU, as far as DEMO1_TIMEOUT
+#      (220 s) takes it; expected ~4 min in all (build, engine start, steps); its engine tests run in phase q
 #   q8: 2 GPUs under torchrun: the Qwen3-VL-8B-shaped benchmark (8.77B parameters: fp32 weights, gradients and AdamW
 #      state are 140 GB, more than one H200 holds; FSDP over 2 GPUs halves it)
 #   t: the trainer alone on the 3B bench, 16 prompts x 8 x 1024 (no vLLM needed; ~7 min on nvidia-h200-x2): [GPU0]
@@ -109,6 +111,11 @@ v)  # videos on one GPU; expected ~4.5 min: engine start-up ~50 s + 30 steps (~1
   tail -c 300 "$OUT/video_demo.log"
   CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_TIMEOUT:-330} python -m pytest -m gpu -q -s tests/test_video_gpu.py \
     > "$OUT/video_gpu_tests.log" 2>&1; tail -3 "$OUT/video_gpu_tests.log" ;;
+x)  # the text demo with vLLM: the metrics of every step it reaches (the CPU run: val 0.875 at step 100, 1.0 at 110)
+  python -c "import tiny_model; tiny_model.build_tiny_model(arch='qwen3'); tiny_model.demo_max_data()"
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${DEMO1_TIMEOUT:-220} python grpo.py $DEMO --demo-model qwen3 \
+    --output-dir /tmp/q3txt ${DEMO1_ARGS:-} > "$OUT/q3txt.log" 2>&1; cp /tmp/q3txt/metrics.jsonl "$OUT/q3txt_metrics.jsonl"
+  tail -c 300 "$OUT/q3txt.log"; python bench.py report "$OUT/q3txt_metrics.jsonl" | head -3 ;;
 q8)  # the Qwen3-VL-8B-shaped benchmark on 2 GPUs (one engine per GPU)
   timeout ${BENCH_TIMEOUT:-530} torchrun --standalone --nproc_per_node 2 bench.py --preset qwen3_vl_8b \
     --max-steps ${BENCH_STEPS:-3} --gpu-memory-utilization 0.3 --output-dir /tmp/bench8b ${BENCH_ARGS:-} > "$OUT/bench8b.log" 2>&1

@@ -188,7 +188,8 @@ def test_demo_model_selects_model_task_and_reward(tmp_path, demo, model_cls, rew
     assert bool(ctx.train[0]["mm_inputs"]) == images and bool(ctx.val[0]["mm_inputs"]) == images
     assert hasattr(ctx.processor, "image_processor") == images
     # the text demo's own settings where the options were left at their defaults; the colour demos keep theirs
-    assert (ctx.cfg.n, ctx.cfg.max_response_length, ctx.cfg.lr) == ((16, 4, 1e-3) if images else (32, 1, 5e-4))
+    assert (ctx.cfg.n, ctx.cfg.max_response_length, ctx.cfg.lr, ctx.cfg.temperature) == (
+        (16, 4, 1e-3, 1.0) if images else (32, 1, 5e-4, 1.5))
     if not images:
         assert cli(grpo.Config, grpo.DEMO, args=args + ["--rollout-n", "8"], text_demo=grpo.TEXT_DEMO).n == 8
 
