@@ -1,5 +1,6 @@
-"""varlen.py -- variable-length attention for transformers' Qwen-VL models (and text LLMs), used by fsdp_actor.py:
-the vision tower's windows in one attention call per layer, and padding-free (packed) rows for the language model.
+"""varlen.py -- the trainer's fast kernels, used by fsdp_actor.py: variable-length attention for transformers' Qwen-VL
+models (and text LLMs): the vision tower's windows in one attention call per layer, and padding-free (packed) rows
+for the language model; and the norms, MLPs, rotary and log-prob functions compiled into fused kernels (the end).
 
 Every fast path has a plain fallback chosen automatically: a CUDA kernel (torch's varlen_attn, else flash-attn 2)
 only if it imports and matches the plain reference on this device (probed once), else the reference itself (one
