@@ -306,19 +306,19 @@ def setup(cfg: Config):
                     exclude_modules=cfg.lora_exclude_modules, modules_to_save=cfg.lora_modules_to_save
                     ) if cfg.lora_rank > 0 else None
     ctx.model = actor.build_actor(ctx.model_path, device, torch.bfloat16 if pure_bf16 else torch.float32,
-                              ctx.compute_dtype, cfg.gradient_checkpointing, cfg.attn_implementation,
-                              freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora,
-                              padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
-                              torch_compile=cfg.torch_compile, offload=cfg.offload_params)
+                                  ctx.compute_dtype, cfg.gradient_checkpointing, cfg.attn_implementation,
+                                  freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora,
+                                  padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
+                                  torch_compile=cfg.torch_compile, offload=cfg.offload_params)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = actor.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
-                                attn_implementation=cfg.attn_implementation, trainable=False,
-                                padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
-                                torch_compile=cfg.torch_compile, offload=cfg.offload_params)
+                                    attn_implementation=cfg.attn_implementation, trainable=False,
+                                    padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
+                                    torch_compile=cfg.torch_compile, offload=cfg.offload_params)
     ctx.opt, ctx.sched = actor.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
-                                           device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
-                                           seed=cfg.seed)
+                                               device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
+                                               seed=cfg.seed)
     videos = max(video.most_videos(d) for d in (ctx.train, ctx.val) if d is not None)
     allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, ctx.model_path, device, ctx.compute_dtype,
@@ -394,12 +394,13 @@ def update_policy(ctx, samples, step):
             mini = [samples[i] for i in order[m * per_mini:(m + 1) * per_mini]]
             # global normalisers: the mini-batch's loss is the same whatever the micro-batching and rank count
             # (a sample with loss_mask 0, e.g. DAPO's truncated ones, takes no part in the loss or its normalisers)
-            num_tokens, num_seqs = actor.all_reduce_cpu([sum(len(s["response_ids"]) * s.get("loss_mask", 1) for s in mini),
-                                                     sum(s.get("loss_mask", 1) for s in mini)]).clamp(min=1).tolist()
+            live = [s.get("loss_mask", 1) for s in mini]
+            num_tokens, num_seqs = actor.all_reduce_cpu([sum(len(s["response_ids"]) * k for s, k in zip(mini, live)),
+                                                         sum(live)]).clamp(min=1).tolist()
             norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
             lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in mini]
             for idx in actor.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device,
-                                            [id(s["prompt"]) for s in mini], packed=ctx.model.packed):
+                                                [id(s["prompt"]) for s in mini], packed=ctx.model.packed):
                 mb = [mini[i] for i in idx]
                 batch, resp_len = actor.collate(mb, ctx.pad_id, dev, ctx.model)
                 log.add("perf/pad_fraction", batch["input_ids"].numel() - sum(lengths[i] for i in idx),
@@ -412,7 +413,7 @@ def update_policy(ctx, samples, step):
                 ent_p, _ = actor.pad_responses(ent, resp_len)
                 log.add("actor/entropy", (ent_p * mask).sum(), mask.sum())
             grad_norm = actor.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm,  # the same on every rank
-                                         offload_state=cfg.offload_optimizer and not cfg.offload_params)
+                                             offload_state=cfg.offload_optimizer and not cfg.offload_params)
             log.add("actor/grad_norm", grad_norm)
             log.add("actor/lr", ctx.sched.get_last_lr()[0])
             skipped += not math.isfinite(grad_norm)

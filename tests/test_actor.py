@@ -55,7 +55,7 @@ def test_logprobs_match_plain_hf_forward(setup):
     # tiny micro-batches and tiny chunks: padding, batching and chunking must not change any value
     for max_tokens, chunk in ((10_000, 4096), (40, 3)):
         lps, ents = actor.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
-                                       max_tokens=max_tokens, max_samples=4, chunk_size=chunk)
+                                           max_tokens=max_tokens, max_samples=4, chunk_size=chunk)
         for a, b, e in zip(lps, ref, ents, strict=True):
             assert a.shape == b.shape
             assert torch.allclose(a.double(), b, atol=2e-5), (a, b)
@@ -64,7 +64,7 @@ def test_logprobs_match_plain_hf_forward(setup):
     model.hf.config.model_type = "generic_vlm"
     try:
         lps, _ = actor.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
-                                    max_tokens=10_000, max_samples=8)
+                                        max_tokens=10_000, max_samples=8)
     finally:
         model.hf.config.model_type = "qwen2_5_vl"
     for a, b in zip(lps, ref, strict=True):
@@ -98,7 +98,7 @@ def test_micro_batching_gives_the_same_gradient(setup):
         model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
         total = 0.0
         for idx in actor.make_micro_batches([len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples],
-                                        max_tokens, 64):
+                                            max_tokens, 64):
             mb = [samples[i] for i in idx]
             batch, resp_len = actor.collate(mb, pad, torch.device("cpu"))
             lp, _ = model(**batch)
@@ -189,7 +189,7 @@ def test_qwen2_vl_logprobs_match_plain_hf_forward(tmp_path):
                dict(prompt=p1, response_ids=[9, 9, 9, 9])]
     model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
     lps, _ = actor.compute_logprobs(model.eval(), samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
-                                max_tokens=10_000, max_samples=8)
+                                    max_tokens=10_000, max_samples=8)
     for a, b in zip(lps, reference_logprobs(path, samples, proc.tokenizer.pad_token_id), strict=True):
         assert torch.allclose(a.double(), b, atol=2e-5)
 

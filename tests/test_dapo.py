@@ -67,7 +67,8 @@ def stub_ctx(monkeypatch, accs_per_try, **cfg_kw):
     """A ctx whose generate_and_score returns the given accuracies, try after try (one rank, no model)."""
     cfg = DAPOConfig(**{"rollout_batch_size": 2, "gen_batch_size": 2, "n": 2, "overlong_buffer_length": 0, **cfg_kw})
     tries = iter(accs_per_try)
-    monkeypatch.setattr(grpo.data, "draw_prompts", lambda ds, cursor, count, *a: [(cursor + i, {}) for i in range(count)])
+    monkeypatch.setattr(grpo.data, "draw_prompts", lambda ds, cursor, count, *a: [(cursor + i, {})
+                                                                                  for i in range(count)])
     monkeypatch.setattr(grpo, "generate_and_score", lambda ctx, drawn, n, t: fake(next(tries), n))
     return SimpleNamespace(cfg=cfg, rank=0, world=1, cursor=0, train=None)
 

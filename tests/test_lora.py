@@ -35,7 +35,7 @@ def setup(tmp_path_factory):
 def lora_actor(path, seed=0, **kw):
     torch.manual_seed(seed)
     model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False,
-                          lora={**LORA, **kw})
+                              lora={**LORA, **kw})
     with torch.no_grad():  # peft starts B at 0 (adapter = identity): move it so the adapter changes the output
         for n, p in model.named_parameters():
             if ".lora_B." in n or ".modules_to_save." in n:
@@ -46,7 +46,7 @@ def lora_actor(path, seed=0, **kw):
 
 def logprobs(model, samples, proc):
     return actor.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
-                              max_tokens=10_000, max_samples=8)[0]
+                                  max_tokens=10_000, max_samples=8)[0]
 
 
 def test_reference_is_the_base_model_and_only_adapters_train(setup):
@@ -140,7 +140,7 @@ def test_reference_pass_first_then_bf16_update(setup):
     (seen on an H200: the update's bf16 gradients then met the fp32 master weights and backward raised)."""
     path, proc, samples = setup
     model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.bfloat16, gradient_checkpointing=False,
-                          lora={**LORA, "modules_to_save": "lm_head"})
+                              lora={**LORA, "modules_to_save": "lm_head"})
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     with memory.adapters_disabled(model):
         assert [n for n, p in model.named_parameters() if p.requires_grad] == trainable

@@ -190,7 +190,7 @@ def test_offload_wiring(tmp_path):
     actor.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path / "m"))
     model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False,
-                          offload=True)
+                              offload=True)
     states = [m._get_fsdp_state() for m in model.modules() if hasattr(m, "_get_fsdp_state")]
     assert len(states) > 2
     groups = [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]

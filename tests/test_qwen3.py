@@ -66,7 +66,7 @@ def test_qwen3_vl_logprobs_match_plain_hf_forward(qwen3_vl, monkeypatch):
     ref = reference_logprobs(path, samples, proc.tokenizer.pad_token_id)
     for max_tokens in (10_000, 60):  # one micro-batch (5 prompts, 5 distinct images), then several
         lps, _ = actor.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, CPU, 1.0, max_tokens=max_tokens,
-                                    max_samples=16)
+                                        max_samples=16)
         for a, b in zip(lps, ref, strict=True):
             assert a.shape == b.shape
             assert torch.allclose(a.double(), b, atol=2e-5), (a, b)

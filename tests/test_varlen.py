@@ -87,12 +87,12 @@ def _samples(path, seed=0):
 def _grads(path, samples, pad, packed, dtype):
     torch.manual_seed(0)
     model = actor.build_actor(path, torch.device("cpu"), dtype, dtype, gradient_checkpointing=True,
-                          padding_free="on" if packed else "off", vision_varlen="on" if packed else "off")
+                              padding_free="on" if packed else "off", vision_varlen="on" if packed else "off")
     assert model.packed == packed
     w = torch.Generator().manual_seed(1)
     lps = []
     for idx in actor.make_micro_batches([len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples],
-                                    10_000, 64, [id(s["prompt"]) for s in samples], packed=packed):
+                                        10_000, 64, [id(s["prompt"]) for s in samples], packed=packed):
         batch, resp_len = actor.collate([samples[i] for i in idx], pad, torch.device("cpu"), model)
         assert batch["input_ids"].shape[0] == (1 if packed else len(idx))
         lp, _ = model(**batch)

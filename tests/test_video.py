@@ -171,7 +171,7 @@ def test_hf_engine_generates_from_video_and_agrees_with_the_trainer(arch):
     assert all(len(s["response_ids"]) > 0 and len(s["logprobs"]) == len(s["response_ids"]) for s in samples)
     model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False).eval()
     lps, _ = actor.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
-                                max_tokens=10_000, max_samples=4)
+                                    max_tokens=10_000, max_samples=4)
     for s, lp in zip(samples, lps):
         assert torch.allclose(lp.double(), torch.tensor(s["logprobs"], dtype=torch.float64), atol=1e-4)
     # the video matters: another clip changes the engine's distribution
@@ -188,7 +188,7 @@ def test_trainer_logprobs_match_a_plain_hf_forward(arch):
     model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False).eval()
     for max_tokens in (10_000, 60):  # everything in one micro-batch, and one prompt per micro-batch
         lps, _ = actor.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
-                                    max_tokens=max_tokens, max_samples=4)
+                                        max_tokens=max_tokens, max_samples=4)
         for a, b in zip(lps, ref):
             assert a.shape == b.shape and torch.allclose(a.double(), b, atol=2e-5), (a, b)
 
