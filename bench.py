@@ -36,10 +36,9 @@ WORDS = ("in the figure triangle circle angle line segment point length area rad
 def make_geo_dataset(path, n_rows, tokenizer, seed=0, size=512, text_tokens=100):
     """EasyR1-format parquet: one size x size line drawing per row and a question of about `text_tokens` tokens
     under `tokenizer` (the model's: the BPE built in code splits these words finer than Qwen's would)."""
-    import io
-
-    import datasets
     from PIL import Image, ImageDraw
+
+    import tiny_model
     rng = random.Random(seed)
     rows = {"problem": [], "answer": [], "images": []}
     for _ in range(n_rows):
@@ -49,18 +48,13 @@ def make_geo_dataset(path, n_rows, tokenizer, seed=0, size=512, text_tokens=100)
             d.line([rng.randint(0, size) for _ in range(4)], fill="black", width=3)
         r = rng.randint(size // 12, size // 3)
         d.ellipse([size // 2 - r, size // 2 - r, size // 2 + r, size // 2 + r], outline="black", width=3)
-        buf = io.BytesIO()
-        im.save(buf, format="PNG")
         words = []
         while len(tokenizer(" ".join(words) + "?")["input_ids"]) < text_tokens:
             words.append(rng.choice(WORDS))
         rows["problem"].append("<image>" + " ".join(words) + "?")
         rows["answer"].append(str(rng.randint(1, 90)))
-        rows["images"].append([{"bytes": buf.getvalue(), "path": None}])
-    tmp = path + ".tmp"
-    datasets.Dataset.from_dict(rows).to_parquet(tmp)
-    os.replace(tmp, path)
-    return path
+        rows["images"].append([tiny_model.png_item(im)])
+    return tiny_model.write_parquet(rows, path)
 
 
 # realistic workload: log-normal response lengths (median as a fraction of max_response_length, sigma of the log)

@@ -400,14 +400,42 @@ MAX_QUESTION = "What is the largest of {digits}?"
 NUMBER_FORMAT_PROMPT = "{{ content }} Answer with a number."
 
 
+def jittered(rng: random.Random, color: str):
+    """The RGB of one of COLORS, each channel moved by up to 20 (pictures and clips alike)."""
+    return tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLORS[color])
+
+
+def png_item(img):
+    """A picture as an EasyR1 image item ({"bytes": PNG, "path": None}), as HF datasets store images."""
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return {"bytes": buf.getvalue(), "path": None}
+
+
+def write_parquet(rows, out_path, features=None):
+    """Rows (column -> list) to a parquet file, written whole and then renamed: a reader (or a crash) never sees
+    half a file. Returns the absolute path."""
+    import datasets
+    out_path = os.path.abspath(os.path.expanduser(out_path))
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
+    os.close(fd)
+    try:
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out_path
+
+
 def draw_color_image(rng: random.Random):
     """A picture filled with one saturated colour (jittered) and 1-3 small grey shapes as distractors.
     Returns (image, colour name, shape name). The colour covers most of the picture: a tiny random vision tower
     then sees it clearly, so RL from scratch learns the task in minutes on a CPU."""
     w, h = rng.randint(56, 112), rng.randint(56, 112)
     color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
-    fill = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLORS[color])
-    img = Image.new("RGB", (w, h), fill)
+    img = Image.new("RGB", (w, h), jittered(rng, color))
     draw = ImageDraw.Draw(img)
     for _ in range(rng.randint(1, 3)):
         s = rng.randint(int(0.15 * min(w, h)), int(0.3 * min(w, h)))
@@ -429,25 +457,13 @@ def make_color_dataset(out_path: str, n_rows: int, seed: int) -> str:
     rows = {"problem": [], "answer": [], "images": []}
     for _ in range(n_rows):
         img, color, _ = draw_color_image(rng)
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
         rows["problem"].append(COLOR_QUESTION)
         rows["answer"].append(color)
-        rows["images"].append([{"bytes": buf.getvalue(), "path": None}])
+        rows["images"].append([png_item(img)])
     features = datasets.Features({"problem": datasets.Value("string"),
                                   "answer": datasets.Value("string"),
                                   "images": datasets.List(datasets.Image())})
-    out_path = os.path.abspath(os.path.expanduser(out_path))
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
-    os.close(fd)
-    try:
-        datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp)
-        os.replace(tmp, out_path)  # readers never see a half-written file
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out_path
+    return write_parquet(rows, out_path, features)
 
 
 def demo_data(data_dir=None, n_train=2000, n_val=200):
@@ -486,7 +502,6 @@ def is_val_question(question: str) -> bool:
 def make_max_dataset(out_path: str, n_rows: int, seed: int, split="train", lengths=(3, 4, 5)) -> str:
     """Text-only rows (problem, answer; no images column) of the text demo's task, drawn from `split`'s side of the
     question space only (is_val_question); validation's rows are all different questions. Written atomically."""
-    import datasets
     rng = random.Random(seed)
     rows = {"problem": [], "answer": []}
     while len(rows["problem"]) < n_rows:
@@ -494,17 +509,7 @@ def make_max_dataset(out_path: str, n_rows: int, seed: int, split="train", lengt
         if is_val_question(question) == (split == "val") and not (split == "val" and question in rows["problem"]):
             rows["problem"].append(question)
             rows["answer"].append(answer)
-    out_path = os.path.abspath(os.path.expanduser(out_path))
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
-    os.close(fd)
-    try:
-        datasets.Dataset.from_dict(rows).to_parquet(tmp)
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out_path
+    return write_parquet(rows, out_path)
 
 
 def demo_max_data(data_dir=None, n_train=4000, n_val=200):

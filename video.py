@@ -6,17 +6,15 @@ The Qwen-VL video processors of transformers need torchvision (not on every mach
 runs them itself from frames: so the trainer's side is done here, in the processors' own layout, on frames that
 those processors then leave unchanged (see the note below).
 """
-import io
 import math
 import os
 import random
-import tempfile
 
 import torch
 from PIL import Image, ImageDraw
 
 from data import UserError, first_line, to_pil
-from tiny_model import COLORS
+from tiny_model import COLORS, jittered, png_item, write_parquet
 
 
 # ----------------------------------------------------------------------------- videos
@@ -194,7 +192,7 @@ def draw_clip(rng: random.Random, n_frames=4):
     frames = []
     for i in range(n_frames):
         color = first if i < n_frames // 2 else last
-        img = Image.new("RGB", (w, h), tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLORS[color]))
+        img = Image.new("RGB", (w, h), jittered(rng, color))
         x, y = rng.randint(0, w - s), rng.randint(0, h - s)
         ImageDraw.Draw(img).ellipse([x, y, x + s - 1, y + s - 1], fill=(rng.randint(90, 170),) * 3)
         frames.append(img)
@@ -208,27 +206,12 @@ def make_video_dataset(out_path: str, n_rows: int, seed: int) -> str:
     rows = {"problem": [], "answer": [], "videos": []}
     for _ in range(n_rows):
         frames, _, last = draw_clip(rng)
-        pngs = []
-        for f in frames:
-            buf = io.BytesIO()
-            f.save(buf, format="PNG")
-            pngs.append({"bytes": buf.getvalue(), "path": None})
         rows["problem"].append(VIDEO_QUESTION)
         rows["answer"].append(last)
-        rows["videos"].append([pngs])
+        rows["videos"].append([[png_item(f) for f in frames]])
     features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
                                   "videos": datasets.List(datasets.List(datasets.Image()))})
-    out_path = os.path.abspath(os.path.expanduser(out_path))
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
-    os.close(fd)
-    try:
-        datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp)
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out_path
+    return write_parquet(rows, out_path, features)
 
 
 def demo_video_data(data_dir=None, n_train=2000, n_val=200):

@@ -22,23 +22,29 @@ def test_geo_prompts_have_one_512px_image_and_about_100_text_tokens(tmp_path):
         assert image_tokens + 100 <= len(rec["prompt_ids"]) <= image_tokens + 150  # + the chat template
 
 
-def test_trainer_only_profile_run(tmp_path, launch):
-    """`bench.py --trainer-only --profile` on the tiny model: random full-length responses instead of an engine, the
-    phases timed, the last step's kernel table written."""
+def _trainer_only(launch, tmp_path, out, cfg_kw, run_kw):
+    """bench.run(trainer_only=True) on the tiny model and 4 geo prompts (2 prompts x 4 samples, 2 steps) in a child
+    process, with cfg_kw / run_kw (Python keyword text) on top; returns the rows of its metrics.jsonl."""
     import json
     path = tiny_model.build_tiny_model()
     proc = data.load_processor(path)
     parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 4, proc.tokenizer, size=112, text_tokens=20)
-    out = tmp_path / "run"
     script = (
         "import bench, dataclasses, torch.distributed as dist\n"
         f"cfg = bench.defaults({str(tmp_path)!r}, {path!r}, {parquet!r})\n"
-        "cfg = dataclasses.replace(cfg, rollout_batch_size=2, global_batch_size=2, n=4, max_response_length=8,\n"
-        f"    min_pixels=56 * 56, max_pixels=112 * 112, max_steps=2, lr=1e-3, output_dir={str(out)!r})\n"
-        "print('SUMMARY', bench.run(cfg, trainer_only=True, profile=True))\n"
+        "cfg = dataclasses.replace(cfg, rollout_batch_size=2, global_batch_size=2, n=4, min_pixels=56 * 56,\n"
+        f"    max_pixels=112 * 112, max_steps=2, lr=1e-3, output_dir={str(out)!r}, {cfg_kw})\n"
+        f"print('SUMMARY', bench.run(cfg, trainer_only=True, {run_kw}))\n"
         "dist.destroy_process_group()\n")
     launch.run([sys.executable, "-c", script], tmp_path / "bench.log")
-    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    return [json.loads(x) for x in open(out / "metrics.jsonl")]
+
+
+def test_trainer_only_profile_run(tmp_path, launch):
+    """`bench.py --trainer-only --profile` on the tiny model: random full-length responses instead of an engine, the
+    phases timed, the last step's kernel table written."""
+    out = tmp_path / "run"
+    rows = _trainer_only(launch, tmp_path, out, "max_response_length=8", "profile=True")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["response_length/mean"] == 8 and r["response_length/clip_ratio"] == 1.0
@@ -52,21 +58,8 @@ def test_trainer_only_profile_run(tmp_path, launch):
 def test_trainer_only_realistic_workload_padding_free(tmp_path, launch):
     """--workload realistic: forced response lengths from the seeded distribution; padding-free training (the plain
     varlen path on the CPU) leaves no pad token in the update's micro-batches."""
-    import json
-    path = tiny_model.build_tiny_model()
-    proc = data.load_processor(path)
-    parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 4, proc.tokenizer, size=112, text_tokens=20)
-    out = tmp_path / "run"
-    script = (
-        "import bench, dataclasses, torch.distributed as dist\n"
-        f"cfg = bench.defaults({str(tmp_path)!r}, {path!r}, {parquet!r})\n"
-        "cfg = dataclasses.replace(cfg, rollout_batch_size=2, global_batch_size=2, n=4, max_response_length=40,\n"
-        f"    min_pixels=56 * 56, max_pixels=112 * 112, max_steps=2, lr=1e-3, output_dir={str(out)!r},\n"
-        "    padding_free='on', vision_varlen='on', max_token_len_per_device=120)\n"
-        "print('SUMMARY', bench.run(cfg, trainer_only=True, workload='realistic'))\n"
-        "dist.destroy_process_group()\n")
-    launch.run([sys.executable, "-c", script], tmp_path / "bench.log")
-    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    rows = _trainer_only(launch, tmp_path, tmp_path / "run", "max_response_length=40, padding_free='on', "
+                         "vision_varlen='on', max_token_len_per_device=120", "workload='realistic'")
     assert [r["step"] for r in rows] == [1, 2]
     want = [L for pos in range(4) for L in bench.response_lengths(1, pos, 4, 40)]  # the 4 prompts of 2 steps
     for r, lens in zip(rows, (want[:8], want[8:])):
