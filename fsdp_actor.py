@@ -309,9 +309,8 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     fully_shard(model, **kw)
     if device.type == "cuda" and not offload:
         model.to(device)
-    elif not trainable:
-        pass  # the reference stays on the host until its pass
-    elif device.type == "cuda":  # the weights stay on the host; buffers (rotary frequencies) go to the GPU
+    elif device.type == "cuda" and trainable:  # weights on the host, buffers (rotary frequencies) on the GPU; an
+        # offloaded reference stays on the host whole until its pass (memory.resident)
         for m in model.modules():
             for name, b in m._buffers.items():
                 if b is not None:

@@ -297,10 +297,6 @@ def print_batch_arithmetic(ctx):
               f"reference model {'on, kl_coef=' + str(cfg.kl_coef) if cfg.kl_coef > 0 else 'off'}")
 
 
-def cuda_free_gb():
-    return torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 0.0
-
-
 def step_metrics(ctx, samples, T, peaks, so_far):
     """A training step's metrics beside the update's: rewards and lengths, seconds per phase (T), tokens per second,
     MFU (model FLOPs of the step's real tokens, veRL's convention in flops.py, over the phase's seconds x peak) and
