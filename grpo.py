@@ -66,6 +66,7 @@ class Config:
     val_top_p: float = 1.0  # nucleus sampling of validation
     tensor_parallel_size: int = 1  # vLLM tensor parallelism; data parallel engines = world size / this
     gpu_memory_utilization: float = 0.6  # share of GPU memory vLLM may take for weights and KV cache
+    kv_cache_memory_gb: float = 0.0  # vLLM's KV cache (GiB) set, not profiled: runs can share a GPU; 0 = measured
     max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step
     enforce_eager: bool = False  # vLLM without CUDA graphs (slower, starts faster)
     sleep_level: int = 1  # 1: engine weights wait in CPU memory while training; 2: dropped, re-sent before generating

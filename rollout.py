@@ -457,7 +457,7 @@ def _vllm_usable():
 def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tensor_parallel_size=1,
                  gpu_memory_utilization=0.6, max_model_len=None, max_num_batched_tokens=None, limit_images=1,
                  limit_videos=0, seed=0, enforce_eager=False, sleep_level=1, min_pixels=None, max_pixels=None,
-                 video_min_pixels=None, video_max_pixels=None, **overrides):
+                 video_min_pixels=None, video_max_pixels=None, kv_cache_memory_gb=0, **overrides):
     """engine: "auto" (vLLM when it imports and CUDA is there) | "vllm" | "hf". The rest are vLLM's settings
     (engine_options(cfg) gives grpo.Config's); overrides go to VLLMRollout as they are."""
     if engine == "auto":
@@ -477,6 +477,8 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
               max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
               limit_mm_per_prompt={"image": limit_images, "video": limit_videos}, seed=seed, dtype=dtype,
               enforce_eager=enforce_eager, sleep_level=sleep_level)
+    if kv_cache_memory_gb:  # vLLM then skips its memory profile, which assumes no other process allocates meanwhile
+        kw["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
     if lo and hi:
         # vLLM runs the HF image processor itself: give it the trainer's pixel bounds so both make the same grid.
         # (They reach its video processor too; the trainer's frames already have a size within the video bounds
@@ -494,7 +496,8 @@ def engine_options(cfg, limit_videos=0):
                 max_num_batched_tokens=cfg.max_num_batched_tokens, limit_images=cfg.limit_images,
                 limit_videos=cfg.limit_videos or limit_videos, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
                 sleep_level=cfg.sleep_level, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels)
+                video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels,
+                kv_cache_memory_gb=cfg.kv_cache_memory_gb)
 
 
 # ------------------------------------------------------------------------------------------------ rollout correction

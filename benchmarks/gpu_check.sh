@@ -26,6 +26,12 @@
 #      torchrun x2; then, in parallel, 7B LoRA on one GPU capped to 40 GB (pure bf16) [GPU0] and to 80 GB (AMP) [GPU1]
 #   m3: (~6 min) 3B: AMP, then pure bf16 [GPU0] || --offload-params, then --offload-optimizer [GPU1]
 #   mt: (~5 min) tests/test_memory_gpu.py
+#   d3: session 5, one GPU: three demos with vLLM side by side (video on Qwen2.5-VL, text on Qwen3, LoRA on the colour
+#      demo), each engine with a fixed KV cache (--kv-cache-memory-gb: vLLM's start-up memory profile assumes no other
+#      process allocates or frees meanwhile, and the others' engines sleep and wake every step), cut at D3_TIMEOUT
+#   b8: the Qwen3-VL-8B-shaped benchmark on ONE H200 in pure bf16 (--precision bf16: 10 bytes per parameter with
+#      Kahan's buffer, 88 GB; AMP's 16 do not fit beside the engine), 16 prompts x 8 x 1024, 2 steps (~7 min)
+#   tv: tests/test_video_gpu.py, then tests/test_memory_gpu.py (each engine alone on the GPU: they profile memory)
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
 export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -188,5 +194,29 @@ m3)  # 3B, 16 prompts x 8 samples x 1024 forced tokens, 3 steps: [GPU0] AMP, the
   python bench.py table "$OUT"/m3b_*_summary.json > "$OUT/memory_table_3b.md" 2>&1; tail -6 "$OUT/memory_table_3b.md" ;;
 mt)  # tests/test_memory_gpu.py on one GPU (the memory keys, pure bf16 and both offloads with the engine): ~5 min
   CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TESTS_TIMEOUT:-420} python -m pytest -m gpu -q -rs tests/test_memory_gpu.py \
+    > "$OUT/memory_gpu_tests.log" 2>&1; tail -3 "$OUT/memory_gpu_tests.log" ;;
+d3)  # three demos at once on one GPU (their metrics only: nothing here is timed)
+  python -c "import tiny_model, video; [tiny_model.build_tiny_model(arch=a) for a in ('qwen2_5_vl', 'qwen3')]; video.demo_video_data(); tiny_model.demo_max_data(); tiny_model.demo_data()"
+  SHARE="--rollout-engine vllm --enforce-eager --gpu-memory-utilization 0.05 --kv-cache-memory-gb 2"
+  for run in "video:--demo-task video" "text:--demo-model qwen3" "lora:--lora-rank 16 --lora-modules-to-save lm_head"; do
+    name=${run%%:*}
+    (CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} OMP_NUM_THREADS=4 timeout ${D3_TIMEOUT:-480} python grpo.py $SHARE ${run#*:} \
+       --output-dir /tmp/d3$name > "$OUT/d3_$name.log" 2>&1; cp /tmp/d3$name/metrics.jsonl "$OUT/d3_${name}_metrics.jsonl"
+     echo "$name: $(grep -o '\[val\] step [0-9]* val/accuracy=[0-9.]*' "$OUT/d3_$name.log" | tail -4 | tr '\n' ' ')") &
+    sleep 5  # (start-ups a little apart: the model files are read once each)
+  done
+  wait ;;
+b8)  # Qwen3-VL-8B shape, one GPU, pure bf16
+  timeout 200 python bench.py --preset qwen3_vl_8b --prepare-only > "$OUT/prep8b.log" 2>&1; tail -1 "$OUT/prep8b.log"
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${BENCH_TIMEOUT:-480} python bench.py --preset qwen3_vl_8b --precision bf16 \
+    --max-steps ${BENCH_STEPS:-2} --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 \
+    --output-dir /tmp/b8 ${BENCH_ARGS:-} > "$OUT/bench8b_bf16_1gpu.log" 2>&1
+  cp /tmp/b8/metrics.jsonl "$OUT/bench8b_bf16_1gpu_metrics.jsonl"; cp /tmp/b8/bench_summary.json "$OUT/bench8b_bf16_1gpu_summary.json"
+  grep -o 'BENCH_RESULT.*' "$OUT/bench8b_bf16_1gpu.log" | head -c 1500; tail -c 600 "$OUT/bench8b_bf16_1gpu.log" ;;
+tv)  # the video engine tests, then the memory-mode tests, one engine at a time
+  python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in ('qwen2_5_vl', 'qwen3_vl')]"
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TV_TIMEOUT:-240} python -m pytest -m gpu -q -s tests/test_video_gpu.py \
+    > "$OUT/video_gpu_tests.log" 2>&1; tail -3 "$OUT/video_gpu_tests.log"
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TM_TIMEOUT:-320} python -m pytest -m gpu -q -rs tests/test_memory_gpu.py \
     > "$OUT/memory_gpu_tests.log" 2>&1; tail -3 "$OUT/memory_gpu_tests.log" ;;
 esac

@@ -48,6 +48,22 @@ def test_auto_picks_hf_without_cuda(path):
     assert isinstance(rollout.make_rollout("auto", model_path=path, dtype=torch.float32), rollout.HFRollout)
 
 
+def test_engine_options_reach_vllm(path, monkeypatch):
+    """Every option engine_options names arrives in the vLLM engine's keywords; --kv-cache-memory-gb as vLLM's bytes."""
+    import grpo
+    seen = {}
+    monkeypatch.setattr(rollout, "VLLMRollout", lambda model_path, **kw: seen.update(kw))
+    cfg = grpo.Config(gpu_memory_utilization=0.07, kv_cache_memory_gb=1.5, min_pixels=3136, max_pixels=12544,
+                      enforce_eager=True, sleep_level=2)
+    rollout.make_rollout("vllm", path, **rollout.engine_options(cfg))
+    assert seen["kv_cache_memory_bytes"] == int(1.5 * 2**30) and seen["gpu_memory_utilization"] == 0.07
+    assert seen["mm_processor_kwargs"] == {"min_pixels": 3136, "max_pixels": 12544}
+    assert seen["enforce_eager"] and seen["sleep_level"] == 2
+    seen.clear()
+    rollout.make_rollout("vllm", path, **rollout.engine_options(grpo.Config()))
+    assert "kv_cache_memory_bytes" not in seen  # 0: vLLM measures what gpu_memory_utilization leaves
+
+
 def test_seeded_and_independent_of_other_prompts(engine, prompts):
     state = torch.random.get_rng_state()
     kw = dict(n=3, temperature=1.0, top_p=0.9, max_tokens=12)
