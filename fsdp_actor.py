@@ -48,9 +48,15 @@ def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     kw = dict(dtype=dtype, **({"attn_implementation": attn_implementation} if attn_implementation else {}))
     try:
-        return AutoModelForImageTextToText.from_pretrained(path, **kw)
+        model = AutoModelForImageTextToText.from_pretrained(path, **kw)
     except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText": a text LLM
         return AutoModelForCausalLM.from_pretrained(path, **kw)
+    if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):  # positions after a video as vLLM has them
+        import types
+
+        import video
+        model.model.get_rope_index = types.MethodType(video.qwen2_vl_rope_index, model.model)
+    return model
 
 
 class LogProbModel(nn.Module):

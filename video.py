@@ -223,3 +223,42 @@ def demo_video_data(data_dir=None, n_train=2000, n_val=200):
     if not os.path.isfile(val):
         make_video_dataset(val, n_val, seed=1)
     return train, val
+
+
+# ======================================================================== Qwen2(.5)-VL's time axis, as the model has it
+def qwen2_vl_rope_index(self, input_ids, mm_token_type_ids=None, image_grid_thw=None, video_grid_thw=None,
+                        second_per_grid_ts=None, attention_mask=None, **kwargs):
+    """Qwen2-VL / Qwen2.5-VL M-RoPE positions ([3, B, T] and [B, 1] deltas) by the Qwen team's rule, which vLLM
+    follows: the text after an image or video goes on from the largest position so far + 1, and a video's time
+    positions are int(t * second_per_grid_ts * tokens_per_second) (Qwen2-VL: t). transformers 5.x restarts the text
+    at max(h, w) after a block (below the time positions of a video longer than it is wide: seen on 5.17 and 5.24),
+    so the trainer would not score the positions the engine sampled at. Images come out the same either way."""
+    cfg = self.config
+    merge, tps = cfg.vision_config.spatial_merge_size, getattr(cfg.vision_config, "tokens_per_second", None)
+    grids = {cfg.image_token_id: iter(image_grid_thw if image_grid_thw is not None else []),
+             cfg.video_token_id: iter(video_grid_thw if video_grid_thw is not None else [])}
+    seconds = iter(second_per_grid_ts.tolist() if torch.is_tensor(second_per_grid_ts) else second_per_grid_ts or [])
+    position_ids = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
+    deltas = []
+    for b, row in enumerate(input_ids):
+        keep = attention_mask[b].bool() if attention_mask is not None else torch.ones_like(row, dtype=torch.bool)
+        ids, parts, nxt, i = row[keep].tolist(), [], 0, 0
+        while i < len(ids):
+            if ids[i] in grids:  # one image or video: t x h x w patches, merge x merge of them per token
+                t, h, w = (int(x) for x in next(grids[ids[i]]))
+                h, w = h // merge, w // merge
+                step = 1.0  # images: t = 1; Qwen2-VL's videos: one position per grid step
+                if ids[i] == cfg.video_token_id and tps is not None:
+                    step = float(next(seconds, 1.0)) * tps
+                tt = (torch.arange(t, dtype=torch.float64) * step).long()  # vLLM: (indices * t_factor).astype(int64)
+                pos = torch.stack(torch.meshgrid(tt, torch.arange(h), torch.arange(w), indexing="ij")).reshape(3, -1)
+                n = t * h * w
+            else:  # a run of text
+                n = next((j for j in range(i, len(ids)) if ids[j] in grids), len(ids)) - i
+                pos = torch.arange(n).expand(3, -1)
+            parts.append(pos + nxt)
+            nxt, i = int(parts[-1].max()) + 1, i + n
+        pos = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
+        position_ids[:, b, keep] = pos.to(input_ids.device)
+        deltas.append(nxt - len(ids))
+    return position_ids, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)

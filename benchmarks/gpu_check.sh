@@ -31,6 +31,8 @@
 #      process allocates or frees meanwhile, and the others' engines sleep and wake every step), cut at D3_TIMEOUT
 #   b8: the Qwen3-VL-8B-shaped benchmark on ONE H200 in pure bf16 (--precision bf16: 10 bytes per parameter with
 #      Kahan's buffer, 88 GB; AMP's 16 do not fit beside the engine), 16 prompts x 8 x 1024, 2 steps (~7 min)
+#   fin: session 5's last call: the Qwen2.5-VL video engine check alone (the M-RoPE positions), then the 7B LoRA cell
+#      capped to 40 GB in pure bf16 (the m phase's GPU0 run, with LORA_CAP / LORA_ARGS to pick another)
 #   tv: tests/test_video_gpu.py, then tests/test_memory_gpu.py (each engine alone on the GPU: they profile memory)
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
@@ -213,6 +215,16 @@ b8)  # Qwen3-VL-8B shape, one GPU, pure bf16
     --output-dir /tmp/b8 ${BENCH_ARGS:-} > "$OUT/bench8b_bf16_1gpu.log" 2>&1
   cp /tmp/b8/metrics.jsonl "$OUT/bench8b_bf16_1gpu_metrics.jsonl"; cp /tmp/b8/bench_summary.json "$OUT/bench8b_bf16_1gpu_summary.json"
   grep -o 'BENCH_RESULT.*' "$OUT/bench8b_bf16_1gpu.log" | head -c 1500; tail -c 600 "$OUT/bench8b_bf16_1gpu.log" ;;
+fin)
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout 150 python tests/test_video_gpu.py qwen2_5_vl > "$OUT/video_q25_check.log" 2>&1
+  grep "^\[qwen\|VIDEO_GPU_OK\|Error" "$OUT/video_q25_check.log" | cut -c1-400
+  timeout 150 python bench.py --preset qwen2_5_vl_7b --prepare-only > "$OUT/prep7b.log" 2>&1; tail -c 200 "$OUT/prep7b.log"
+  name=m7b_lora_${LORA_NAME:-bf16_cap40}
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${BENCH_TIMEOUT:-330} python bench.py --preset qwen2_5_vl_7b --max-steps 2 \
+    --rollout-batch-size 8 --global-batch-size 8 --lora-rank 64 --gpu-memory-cap-gb ${LORA_CAP:-40} \
+    ${LORA_ARGS:---precision bf16 --max-token-len-per-device 8192} --output-dir /tmp/$name > "$OUT/$name.log" 2>&1
+  cp /tmp/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl"; cp /tmp/$name/bench_summary.json "$OUT/${name}_summary.json"
+  grep -o 'BENCH_RESULT.*' "$OUT/$name.log" | head -c 1200; tail -c 300 "$OUT/$name.log" ;;
 tv)  # the video engine tests, then the memory-mode tests, one engine at a time
   python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in ('qwen2_5_vl', 'qwen3_vl')]"
   CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TV_TIMEOUT:-240} python -m pytest -m gpu -q -s tests/test_video_gpu.py \

@@ -229,3 +229,43 @@ def test_vllm_requests_carry_the_frames_and_their_rate(arch):
         assert req["mm_processor_kwargs"] == {"video_metadata": [{"total_num_frames": t, "fps": 0.5} for t in sizes]}
     assert all(v is w and v.dtype.name == "uint8" for v, w in zip(videos, rec["videos"]))
     assert [len(v) for v in videos] == list(sizes)
+
+
+@pytest.mark.parametrize("seconds, times", [(1.0, [3, 5]), (2 / 3, [3, 4, 5])])
+def test_qwen2_5_vl_positions_after_a_video_follow_the_reference(seconds, times):
+    """By hand: 3 text tokens, a video of t x 4 x 4 patches (2 x 2 tokens per grid step, tokens_per_second 2), 2 text
+    tokens. The video's time positions are start + int(i * seconds * 2); the text after goes on from the largest
+    position + 1, as the Qwen reference and vLLM 0.26 place it (on the H200 its positions for such a prompt were these,
+    tests/test_video_gpu.py); transformers 5.x's own get_rope_index restarts it at start + 2, under the video."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+    hf = actor.load_hf_model(tiny_model.build_tiny_model())
+    cfg, t = hf.config, len(times)
+    ids = [1, 2, 3] + [cfg.video_token_id] * (t * 4) + [4, 5]
+    mm = {"video_grid_thw": torch.tensor([[t, 4, 4]]), "second_per_grid_ts": torch.tensor([seconds])}
+    got = actor._rope_index(hf, ids, mm)  # what the trainer uses: load_hf_model put the reference rule in place
+    after = times[-1] + 1  # (the spatial positions end at 4)
+    video_t = [x for x in times for _ in range(4)]
+    assert got.tolist() == [[0, 1, 2] + video_t + [after, after + 1],
+                            [0, 1, 2] + [3, 3, 4, 4] * t + [after, after + 1],
+                            [0, 1, 2] + [3, 4, 3, 4] * t + [after, after + 1]]
+    kw = dict(input_ids=torch.tensor([ids]), **mm, **actor.mm_token_types(hf, torch.tensor([ids]), mm))
+    theirs = Qwen2_5_VLModel.get_rope_index(hf.model, **kw)[0][:, 0]
+    assert theirs[0, -2].item() == 5  # transformers' rule (the reason for ours): below the video's last time position
+
+
+def test_reference_positions_equal_transformers_for_images(arch):
+    """Without videos the two rules agree: the replacement changes only what follows a video."""
+    name, path, proc = arch
+    if name == "qwen3_vl":
+        pytest.skip("Qwen3-VL keeps transformers' rule (its frames are separated by timestamps)")
+    hf = actor.load_hf_model(path)
+    row = {"problem": "<image>and<image>Which?", "answer": "red",
+           "images": [Image.new("RGB", (70, 84), (1, 2, 3)), Image.new("RGB", (112, 56), (4, 5, 6))]}
+    rec = data.encode_prompt(row, proc, **PX)
+    ids = torch.tensor([rec["prompt_ids"]])
+    kw = dict(input_ids=ids, image_grid_thw=rec["mm_inputs"]["image_grid_thw"],
+              **actor.mm_token_types(hf, ids, rec["mm_inputs"]))
+    ours = hf.model.get_rope_index(**kw)[0]
+    theirs = type(hf.model).get_rope_index(hf.model, **kw)[0]
+    assert hf.model.get_rope_index.__func__ is not type(hf.model).get_rope_index  # the replacement is in place
+    assert torch.equal(ours, theirs)

@@ -129,7 +129,7 @@ def check(arch):
     got = engine_positions(eng, recs, arch)
     for g, r in zip(got, recs, strict=True):
         want = actor._rope_index(ref, r["prompt_ids"], r["mm_inputs"])
-        assert torch.equal(g.long(), want.long()), (arch, (g != want).sum().item())
+        assert torch.equal(g.long(), want.long()), (arch, r["prompt_ids"], g.tolist(), want.tolist())
     if arch == "qwen2_5_vl":
         fallback = [actor._rope_index(ref, r["prompt_ids"], {**r["mm_inputs"], "second_per_grid_ts": torch.full_like(
             r["mm_inputs"]["second_per_grid_ts"], 2 / 24)}) for r in recs]
