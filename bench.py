@@ -328,8 +328,16 @@ def table(paths):
             "|---|---|---|---|---|---|---|"]
     for p in paths:
         sp = p.replace("_metrics.jsonl", "_summary.json") if p.endswith("_metrics.jsonl") else p
-        if not os.path.exists(sp):
-            out.append(f"| {os.path.basename(p)} | no summary file next to it | | | | | |")
+        if not os.path.exists(sp):  # a run that did not finish: its last logged step, measured values only
+            rows = [json.loads(x) for x in open(p)] if p.endswith(".jsonl") and os.path.exists(p) else []
+            last = next((r for r in reversed(rows) if "memory/trainer_peak_gen_gb" in r), None)
+            if last is None:
+                out.append(f"| {os.path.basename(p)} | no summary file next to it | | | | | |")
+                continue
+            got = [f"{last[f'memory/trainer_peak_{ph}_gb']:.1f}" for ph in ("gen", "ref", "update")]
+            out.append(f"| {os.path.basename(p).removesuffix('_metrics.jsonl')} | did not finish (no summary): "
+                       f"step {last['step']} is its last | {' | '.join(got)} | {last['memory/engine_pool_gb']:.1f} | "
+                       f"step {last['step']}: {last['timing/step']:.1f} |")
             continue
         s = json.load(open(sp))
         m = run_model(s)
