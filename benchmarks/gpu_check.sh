@@ -24,7 +24,7 @@
 #      check run as its own script (test_qwen3_gpu: the repo root reaches it through the fixture's PYTHONPATH)
 #   m: memory modes (2 GPUs, ~9 min; PARTS=x2 or PARTS=lora for one half): [both] Qwen2.5-VL-7B full AMP under
 #      torchrun x2; then, in parallel, 7B LoRA on one GPU capped to 40 GB (pure bf16) [GPU0] and to 80 GB (AMP) [GPU1]
-#   m3: (~6 min) 3B: AMP, then pure bf16 [GPU0] || --offload-params, then --offload-optimizer [GPU1]
+#   m3: 3B: AMP, pure bf16, --offload-params, --offload-optimizer (M3_RUNS picks; 2 GPUs: two at a time, ~6 min)
 #   mt: (~5 min) tests/test_memory_gpu.py
 #   d3: session 5, one GPU: three demos with vLLM side by side (video on Qwen2.5-VL, text on Qwen3, LoRA on the colour
 #      demo), each engine with a fixed KV cache (--kv-cache-memory-gb: vLLM's start-up memory profile assumes no other
@@ -178,21 +178,29 @@ m)  # memory modes, the README's hardware table: 8 prompts x 8 samples x 1024 fo
     wait; tail -c 400 "$OUT"/m7b_lora_*.log
   fi
   python bench.py table "$OUT"/m7b_*_summary.json > "$OUT/memory_table.md" 2>&1; tail -8 "$OUT/memory_table.md" ;;
-m3)  # 3B, 16 prompts x 8 samples x 1024 forced tokens, 3 steps: [GPU0] AMP, then pure bf16  ||  [GPU1] AMP with
-    # --offload-params, then with --offload-optimizer (seconds per step and memory with and without). ~6 min.
+m3)  # 3B, 16 prompts x 8 samples x 1024 forced tokens, 3 steps each, for M3_RUNS (default: all four): amp, bf16
+    # (--precision bf16), offload (--offload-params), offopt (--offload-optimizer). Two GPUs: the first half of the
+    # list on GPU0, the rest on GPU1 at the same time (~6 min); one GPU: one after another (~3 min each: split the
+    # list over calls, e.g. M3_RUNS="amp bf16" then M3_RUNS="offload offopt").
   M3="--preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} --rollout-batch-size 16 --global-batch-size 16"
   python bench.py --preset qwen2_5_vl_3b --prepare-only > "$OUT/prep3b.log" 2>&1
-  (for run in "amp:" "bf16:--precision bf16"; do name=${run%%:*}
-     CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${BENCH_TIMEOUT:-170} python bench.py $M3 ${run#*:} --output-dir /tmp/m3$name \
-       > "$OUT/m3b_$name.log" 2>&1
-     cp /tmp/m3$name/metrics.jsonl "$OUT/m3b_${name}_metrics.jsonl"; cp /tmp/m3$name/bench_summary.json "$OUT/m3b_${name}_summary.json"
-   done) &
-  for run in "offload:--offload-params" "offopt:--offload-optimizer"; do name=${run%%:*}
-    CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-170} python bench.py $M3 ${run#*:} --output-dir /tmp/m3$name \
-      > "$OUT/m3b_$name.log" 2>&1
-    cp /tmp/m3$name/metrics.jsonl "$OUT/m3b_${name}_metrics.jsonl"; cp /tmp/m3$name/bench_summary.json "$OUT/m3b_${name}_summary.json"
-  done
-  wait; tail -c 300 "$OUT"/m3b_*.log
+  declare -A FLAGS=([amp]="" [bf16]="--precision bf16" [offload]="--offload-params" [offopt]="--offload-optimizer")
+  m3run() {  # m3run GPU NAME...
+    local gpu=$1; shift
+    for name in "$@"; do
+      CUDA_VISIBLE_DEVICES=$gpu timeout ${BENCH_TIMEOUT:-170} python bench.py $M3 ${FLAGS[$name]} --output-dir /tmp/m3$name \
+        > "$OUT/m3b_$name.log" 2>&1
+      cp /tmp/m3$name/metrics.jsonl "$OUT/m3b_${name}_metrics.jsonl"; cp /tmp/m3$name/bench_summary.json "$OUT/m3b_${name}_summary.json"
+    done
+  }
+  runs=(${M3_RUNS:-amp bf16 offload offopt})
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    half=$(( (${#runs[@]} + 1) / 2 ))
+    m3run 1 "${runs[@]:$half}" & m3run 0 "${runs[@]:0:$half}"; wait
+  else
+    m3run ${GPU_SLOT:-0} "${runs[@]}"
+  fi
+  tail -c 300 "$OUT"/m3b_*.log
   python bench.py table "$OUT"/m3b_*_summary.json > "$OUT/memory_table_3b.md" 2>&1; tail -6 "$OUT/memory_table_3b.md" ;;
 mt)  # tests/test_memory_gpu.py on one GPU (the memory keys, pure bf16 and both offloads with the engine): ~5 min
   CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TESTS_TIMEOUT:-420} python -m pytest -m gpu -q -rs tests/test_memory_gpu.py \
