@@ -212,7 +212,7 @@ d3)  # three demos at once on one GPU (their metrics only: nothing here is timed
     name=${run%%:*}
     (CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} OMP_NUM_THREADS=4 timeout ${D3_TIMEOUT:-480} python grpo.py $SHARE ${run#*:} \
        --output-dir /tmp/d3$name > "$OUT/d3_$name.log" 2>&1; cp /tmp/d3$name/metrics.jsonl "$OUT/d3_${name}_metrics.jsonl"
-     echo "$name: $(grep -o '\[val\] step [0-9]* val/accuracy=[0-9.]*' "$OUT/d3_$name.log" | tail -4 | tr '\n' ' ')") &
+     echo "$name: $(python bench.py report "$OUT/d3_${name}_metrics.jsonl" | sed -n 3p)") &
     sleep 5  # (start-ups a little apart: the model files are read once each)
   done
   wait ;;
