@@ -99,3 +99,13 @@ def test_table_marks_measured_cells_with_the_models_error(tmp_path):
     want = bench.run_model(s)["update"]
     assert f"40.0, {want:.1f}, {100 * (want - 40) / 40:+.0f}%" in row and "2026-12-01" in row
     assert "| qwen2_5_vl_7b (8.29B) | AMP |" in out
+
+
+def test_table_shows_a_run_that_did_not_finish(tmp_path):
+    """No summary (the run died, e.g. out of memory at step 2): its last logged step's peaks, marked as such."""
+    import json
+    rows = [{"step": 1, "memory/trainer_peak_gen_gb": 17.94, "memory/trainer_peak_ref_gb": 21.6,
+             "memory/trainer_peak_update_gb": 24.69, "memory/engine_pool_gb": 19.09, "timing/step": 140.1}]
+    (tmp_path / "oom_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = [r for r in bench.table([str(tmp_path / "oom_metrics.jsonl")]).splitlines() if r.startswith("| oom |")][0]
+    assert "did not finish" in row and "| 17.9 | 21.6 | 24.7 | 19.1 | step 1: 140.1 |" in row
