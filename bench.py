@@ -316,11 +316,11 @@ def table(paths):
              ("LoRA r64, AMP", dict(lora_rank=64)), ("LoRA r64, bf16", dict(lora_rank=64, precision="bf16"))]
     out = ["Computed (GiB per GPU: trainer during generation / update, bench workload 1470 tokens per sample, "
            "16384-token micro-batches; the engine's pool comes on top while it generates):", "",
-           "| model | mode | 1 GPU | 2 GPUs | 8 GPUs |", "|---|---|---|---|---|"]
-    for preset in ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b"):
+           "| model | mode | 1 GPU | 2 GPUs | 4 GPUs | 8 GPUs |", "|---|---|---|---|---|---|"]
+    for preset in ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b", "qwen2_5_vl_32b", "qwen2_5_vl_72b"):
         dims = model_dims(preset)
         for name, kw in modes:
-            cells = [memory_model(dims, world=w, mb_tokens=11 * TOKENS_PER_SAMPLE, **kw) for w in (1, 2, 8)]
+            cells = [memory_model(dims, world=w, mb_tokens=11 * TOKENS_PER_SAMPLE, **kw) for w in (1, 2, 4, 8)]
             out.append(f"| {preset} ({dims['params'] / 1e9:.2f}B) | {name} | "
                        + " | ".join(f"{m['gen']:.1f} / {m['update']:.1f}" for m in cells) + " |")
     out += ["", "Measured (GiB per GPU; each cell: measured, model, error):", "",

@@ -185,6 +185,11 @@ PRESETS = {
     # (patch 16) whose blocks 8, 16 and 24 feed the LLM's first three layers (deepstack).
     "qwen3_vl_8b": dict(arch="qwen3_vl", hidden=4096, intermediate=12288, layers=36, heads=32,
                         kv_heads=8, vocab_size=151936, tie=False),
+    # The larger Qwen2.5-VL: Qwen2.5-32B / -72B language models, the same ViT (for bench.py table's computed rows).
+    "qwen2_5_vl_32b": dict(hidden=5120, intermediate=27648, layers=64, heads=40, kv_heads=8,
+                           vocab_size=152064, tie=False),
+    "qwen2_5_vl_72b": dict(hidden=8192, intermediate=29568, layers=80, heads=64, kv_heads=8,
+                           vocab_size=152064, tie=False),
 }
 
 

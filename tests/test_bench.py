@@ -1,6 +1,8 @@
 """bench.py's workload is the one the speed bar names: one 512x512 image and about 100 text tokens per prompt."""
 import sys
 
+import pytest
+
 import bench
 import data
 import tiny_model
@@ -109,3 +111,10 @@ def test_table_shows_a_run_that_did_not_finish(tmp_path):
     (tmp_path / "oom_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     row = [r for r in bench.table([str(tmp_path / "oom_metrics.jsonl")]).splitlines() if r.startswith("| oom |")][0]
     assert "did not finish" in row and "| 17.9 | 21.6 | 24.7 | 19.1 | step 1: 140.1 |" in row
+
+
+@pytest.mark.parametrize("preset, billions", [("qwen2_5_vl_32b", 33.5), ("qwen2_5_vl_72b", 73.4)])
+def test_computed_only_presets_have_the_checkpoints_sizes(preset, billions):
+    """The table's computed-only rows: the presets' dimensions give the published checkpoints' parameter counts
+    (Qwen2.5-VL-32B-Instruct 33.5B, -72B-Instruct 73.4B), so a wrong hidden size or layer count shows."""
+    assert bench.model_dims(preset)["params"] / 1e9 == pytest.approx(billions, rel=0.005)
