@@ -324,20 +324,23 @@ def table(paths):
             out.append(f"| {preset} ({dims['params'] / 1e9:.2f}B) | {name} | "
                        + " | ".join(f"{m['gen']:.1f} / {m['update']:.1f}" for m in cells) + " |")
     out += ["", "Measured (GiB per GPU; each cell: measured, model, error):", "",
-            "| run | date, command | trainer gen | trainer ref | trainer update | engine pool | s/step |",
-            "|---|---|---|---|---|---|---|"]
+            "| run | date, command | trainer gen | trainer ref | trainer update | engine pool | s/step "
+            "| tokens/s/GPU |",
+            "|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for p in paths:
         sp = p.replace("_metrics.jsonl", "_summary.json") if p.endswith("_metrics.jsonl") else p
         if not os.path.exists(sp):  # a run that did not finish: its last logged step, measured values only
             rows = [json.loads(x) for x in open(p)] if p.endswith(".jsonl") and os.path.exists(p) else []
             last = next((r for r in reversed(rows) if "memory/trainer_peak_gen_gb" in r), None)
             if last is None:
-                out.append(f"| {os.path.basename(p)} | no summary file next to it | | | | | |")
+                out.append(f"| {os.path.basename(p)} | no summary file next to it | | | | | | |")
                 continue
             got = [f"{last[f'memory/trainer_peak_{ph}_gb']:.1f}" for ph in ("gen", "ref", "update")]
             out.append(f"| {os.path.basename(p).removesuffix('_metrics.jsonl')} | did not finish (no summary): "
                        f"step {last['step']} is its last | {' | '.join(got)} | {last['memory/engine_pool_gb']:.1f} | "
-                       f"step {last['step']}: {last['timing/step']:.1f} |")
+                       f"step {last['step']}: {last['timing/step']:.1f} | "
+                       f"{last.get('throughput/tokens_per_s', nan):.0f} |")
             continue
         s = json.load(open(sp))
         m = run_model(s)
@@ -351,7 +354,8 @@ def table(paths):
         out.append(f"| {os.path.basename(sp).removesuffix('_summary.json')} | {s.get('date', '?')}, "
                    f"`{s.get('command', '?')}` | {cell('memory/trainer_peak_gen_gb', 'gen')} | "
                    f"{cell('memory/trainer_peak_ref_gb', 'ref')} | {cell('memory/trainer_peak_update_gb', 'update')} | "
-                   f"{s.get('memory/engine_pool_gb', float('nan')):.1f} | {s.get('timing/step', float('nan')):.1f} |")
+                   f"{s.get('memory/engine_pool_gb', nan):.1f} | {s.get('timing/step', nan):.1f} | "
+                   f"{s.get('throughput/tokens_per_s', nan):.0f} |")
     return "\n".join(out)
 
 
