@@ -107,4 +107,4 @@ def test_preset_config_parameter_counts():
     n7 = tiny_model.count_params(tiny_model.preset_config("qwen2_5_vl_7b", ids))
     assert 8.1e9 < n7 < 8.5e9, n7  # Qwen2.5-VL-7B: ~8.29B
     with pytest.raises(ValueError, match="unknown preset"):
-        tiny_model.preset_config("qwen2_5_vl_72b", ids)
+        tiny_model.preset_config("qwen2_5_vl_13b", ids)  # no such model
