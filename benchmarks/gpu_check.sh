@@ -33,6 +33,8 @@
 #      Kahan's buffer, 88 GB; AMP's 16 do not fit beside the engine), 16 prompts x 8 x 1024, 2 steps (~7 min)
 #   fin: session 5's last call: the Qwen2.5-VL video engine check alone (the M-RoPE positions), then the 7B LoRA cell
 #      capped to 40 GB in pure bf16 (the m phase's GPU0 run, with LORA_CAP / LORA_ARGS to pick another)
+#   l7: where the 7B LoRA run's 0.44 engine/trainer log-prob gap comes from (session 5): one step each of the 7B in
+#      pure bf16 without LoRA, with LoRA, and with LoRA in 8192-token micro-batches (no cap, no compile; ~8 min)
 #   tv: tests/test_video_gpu.py, then tests/test_memory_gpu.py (each engine alone on the GPU: they profile memory)
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
@@ -233,6 +235,14 @@ fin)
     ${LORA_ARGS:---precision bf16 --max-token-len-per-device 8192} --output-dir /tmp/$name > "$OUT/$name.log" 2>&1
   cp /tmp/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl"; cp /tmp/$name/bench_summary.json "$OUT/${name}_summary.json"
   grep -o 'BENCH_RESULT.*' "$OUT/$name.log" | head -c 1200; tail -c 300 "$OUT/$name.log" ;;
+l7)
+  timeout 150 python bench.py --preset qwen2_5_vl_7b --prepare-only > "$OUT/prep7b.log" 2>&1
+  for run in "full:" "lora:--lora-rank 64" "lora8k:--lora-rank 64 --max-token-len-per-device 8192"; do name=${run%%:*}
+    CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${BENCH_TIMEOUT:-170} python bench.py --preset qwen2_5_vl_7b --max-steps 1 \
+      --rollout-batch-size 8 --global-batch-size 8 --precision bf16 --torch-compile off --gpu-memory-utilization 0.3 \
+      ${run#*:} --output-dir /tmp/l7$name > "$OUT/l7_$name.log" 2>&1; cp /tmp/l7$name/metrics.jsonl "$OUT/l7_${name}_metrics.jsonl"
+    echo "$name: $(grep -o 'lpdiff=[0-9.e+-]*' "$OUT/l7_$name.log" | tail -1)"
+  done ;;
 tv)  # the video engine tests, then the memory-mode tests, one engine at a time
   python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in ('qwen2_5_vl', 'qwen3_vl')]"
   CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TV_TIMEOUT:-240} python -m pytest -m gpu -q -s tests/test_video_gpu.py \
