@@ -2,6 +2,7 @@
 import os
 import signal
 import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -78,6 +79,8 @@ def _launcher():
     file `log`, env = clean_env(**env). launch.wait(p or [p, ...], timeout, expect=0) waits for them all and fails
     the test (with the log's tail) on a timeout or an exit code other than `expect` (2: grpo.py's `error:` exit).
     launch.run(cmd, log, timeout, expect=0, **env) is both, and returns the process with its log's text as p.out.
+    launch.script(file, arg, log, marker) runs a test file as a script (its own process, e.g. one vLLM engine each)
+    and asserts that its output holds `marker`.
     Whatever is still running when the test ends (passed, failed or timed out) is stopped with all its
     descendants."""
     started = []
@@ -115,7 +118,15 @@ def _launcher():
             p.out = f.read()
         return p
 
-    yield SimpleNamespace(start=start, wait=wait, run=run, tail=tail)
+    def script(file, arg, log, marker, timeout=600):
+        # run as a script, its folder (tests/) comes first on sys.path; the repo's modules come from PYTHONPATH
+        path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+        p = run([sys.executable, os.path.abspath(file), arg], log, timeout, PYTHONPATH=path)
+        print(p.out[-2000:])
+        assert marker in p.out, p.out[-3000:]
+        return p
+
+    yield SimpleNamespace(start=start, wait=wait, run=run, tail=tail, script=script)
     for p, f in started:
         _stop(p)
         f.close()

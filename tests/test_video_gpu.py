@@ -3,7 +3,6 @@
     pytest -m gpu tests/test_video_gpu.py -s       # each engine check runs in its own process (one vLLM per process)
     PYTHONPATH=. python tests/test_video_gpu.py qwen2_5_vl      # the same checks by hand: qwen2_5_vl | qwen3_vl
 """
-import os
 import sys
 
 import pytest
@@ -16,7 +15,6 @@ from test_grpo_gpu import run
 from test_vllm_gpu import ref_logprobs, sharpen
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PX = dict(min_pixels=56 * 56, max_pixels=112 * 112)
 
 
@@ -141,11 +139,7 @@ def check(arch):
 
 def _in_own_process(launch, tmp_path, arch):
     pytest.importorskip("vllm")
-    # run as a script, its folder (tests/) comes first on sys.path; the repo's modules come from PYTHONPATH
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    p = launch.run([sys.executable, os.path.abspath(__file__), arch], tmp_path / f"{arch}.log", 600, PYTHONPATH=path)
-    print(p.out[-2000:])
-    assert f"VIDEO_GPU_OK {arch}" in p.out, p.out[-3000:]
+    launch.script(__file__, arch, tmp_path / f"{arch}.log", f"VIDEO_GPU_OK {arch}")
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
