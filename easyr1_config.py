@@ -393,6 +393,9 @@ def check(cfg, world):
     if rb % gb or gb % world:  # then world divides rollout_batch_size too
         raise UserError(f"--global-batch-size {gb} must divide --rollout-batch-size {rb} and be a multiple of the "
                         f"number of ranks ({world})")
+    if not 0 < cfg.gpu_memory_utilization <= 1 or cfg.kv_cache_memory_gb < 0:
+        raise UserError(f"--gpu-memory-utilization {cfg.gpu_memory_utilization} / --kv-cache-memory-gb "
+                        f"{cfg.kv_cache_memory_gb}: the first is a share of the GPU in (0, 1], the second GiB >= 0")
     if cfg.precision == "bf16" and cfg.dtype == "fp32":
         raise UserError("--precision bf16 computes in bf16: drop --dtype fp32 (or use --precision amp)")
     data.check_model_path(cfg.model_path)

@@ -52,6 +52,8 @@ def error_of(p):
     (["--temperature", "0"], "--temperature 0.0: must be > 0 (greedy is for --val-temperature)"),
     (["--global-batch-size", "32"], "--global-batch-size 32 is larger than --rollout-batch-size 16"),
     (["--global-batch-size", "3"], "--global-batch-size 3 must divide --rollout-batch-size 16"),
+    (["--kv-cache-memory-gb", "-1"], "--kv-cache-memory-gb -1.0: the first is a share of the GPU in (0, 1]"),
+    (["--gpu-memory-utilization", "60"], "--gpu-memory-utilization 60.0 / --kv-cache-memory-gb 0.0: the first is"),
     (["--model-path", "./no/such/model"], "--model-path ./no/such/model: no such folder"),
     (["--model-path", "/tmp"], "--model-path /tmp: could not load its tokenizer/processor"),
     (["--train-files", "missing.parquet"], "--train-files missing.parquet: no such file or folder"),
