@@ -52,4 +52,5 @@ def test_resume_is_exact(tmp_path, launch):
     assert straight[-1]["actor/kl"] > 0 and straight[-1]["actor/grad_norm"] > 0  # the policy really moved
     for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl", "response_length/mean"):
         for i in (2, 3):  # step 4 also checks the optimizer state (its moments shaped step 3's update)
-            assert resumed[i][k] == pytest.approx(straight[i][k], rel=1e-5, abs=1e-7), (i, k)
+            # abs 1e-6: pg_loss sits near 0 (zero-mean advantages) and CPU runs differ by ~1e-7 from run to run
+            assert resumed[i][k] == pytest.approx(straight[i][k], rel=1e-5, abs=1e-6), (i, k)
