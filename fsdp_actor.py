@@ -293,7 +293,10 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     if lora:
         memory.add_lora(hf, **lora)
         if dtype == torch.bfloat16:  # pure bf16: peft keeps the adapters in fp32 next to a bf16 base
-            hf.to(dtype)
+            # parameters only: hf.to(dtype) would also round the rotary inv_freq buffers to bf16, which shifts
+            # every position's angle (seen on an H200: engine/trainer log-probs 0.44 apart per token at 7B)
+            for prm in hf.parameters():
+                prm.data = prm.data.to(dtype)
     model = LogProbModel(hf)
     model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
     # auto: on a GPU in bf16/fp16, for a model wide enough that fused kernels pay for the compilation (~100 s at

@@ -35,6 +35,8 @@
 #      capped to 40 GB in pure bf16 (the m phase's GPU0 run, with LORA_CAP / LORA_ARGS to pick another)
 #   l7: where the 7B LoRA run's 0.44 engine/trainer log-prob gap comes from (session 5): one step each of the 7B in
 #      pure bf16 without LoRA, with LoRA, and with LoRA in 8192-token micro-batches (no cap, no compile; ~8 min)
+#   pk: the tiny model's log-probs when vLLM preempts requests (a KV cache too small for the batch), in three engine
+#      settings; then the 7B LoRA cell LORA_NAME (phase lora7: fin's second half) if LORA_NAME is set
 #   tv: tests/test_video_gpu.py, then tests/test_memory_gpu.py (each engine alone on the GPU: they profile memory)
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
@@ -243,6 +245,26 @@ l7)
       ${run#*:} --output-dir /tmp/l7$name > "$OUT/l7_$name.log" 2>&1; cp /tmp/l7$name/metrics.jsonl "$OUT/l7_${name}_metrics.jsonl"
     echo "$name: $(grep -o 'lpdiff=[0-9.e+-]*' "$OUT/l7_$name.log" | tail -1)"
   done ;;
+pk)  # session 6: is the 7B LoRA run's 0.44 gap vLLM preempting requests (its 2.6 GB KV cache held half the batch)?
+    # The tiny model with a 1,536-token KV cache, three engines side by side (fixed caches: no memory profile):
+    # default, async scheduling off, the older model runner; then the cell named by LORA_CAP/LORA_ARGS/LORA_NAME alone
+  python -c "import tiny_model; tiny_model.build_tiny_model()"
+  for mode in default sync v1; do
+    (CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout 200 python tests/test_vllm_gpu.py --preempt $mode > "$OUT/preempt_$mode.log" 2>&1
+     echo "$mode: $(grep '^\[vllm\|PREEMPT_OK\|Error' "$OUT/preempt_$mode.log" | cut -c1-300)") &
+    sleep 3
+  done
+  wait
+  [ -n "${LORA_NAME:-}" ] && bash benchmarks/gpu_check.sh lora7 ;;
+lora7)  # the 7B LoRA cell alone on the GPU (see fin)
+  timeout 150 python bench.py --preset qwen2_5_vl_7b --prepare-only > "$OUT/prep7b.log" 2>&1; tail -c 200 "$OUT/prep7b.log"
+  name=m7b_lora_${LORA_NAME:-bf16_cap40}
+  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${BENCH_TIMEOUT:-330} python bench.py --preset qwen2_5_vl_7b --max-steps 2 \
+    --rollout-batch-size 8 --global-batch-size 8 --lora-rank 64 --gpu-memory-cap-gb ${LORA_CAP:-40} \
+    ${LORA_ARGS:---precision bf16 --max-token-len-per-device 8192} --output-dir /tmp/$name > "$OUT/$name.log" 2>&1
+  cp /tmp/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl"; cp /tmp/$name/bench_summary.json "$OUT/${name}_summary.json"
+  grep -o 'BENCH_RESULT.*' "$OUT/$name.log" | head -c 1200; grep -o 'step .*lpdiff=[0-9.e+-]*' "$OUT/$name.log" | cut -c1-200
+  tail -c 300 "$OUT/$name.log" ;;
 tv)  # the video engine tests, then the memory-mode tests, one engine at a time
   python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in ('qwen2_5_vl', 'qwen3_vl')]"
   CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${TV_TIMEOUT:-240} python -m pytest -m gpu -q -s tests/test_video_gpu.py \

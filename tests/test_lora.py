@@ -150,3 +150,22 @@ def test_reference_pass_first_then_bf16_update(setup):
     lp.sum().backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert all(g is not None and g.dtype == torch.float32 for g in grads.values())
+
+
+def test_bf16_lora_is_the_bf16_model_with_zero_adapters(setup):
+    """Pure bf16 with LoRA, as built (B = 0): the same log-probs as the bf16 model without adapters, to the bit.
+    Casting the whole model to bf16 for the adapters' sake also rounded the rotary inv_freq buffers, which moves
+    every position's angle: 0.44 nats per token apart from vLLM on the 7B."""
+    path, proc, samples = setup
+    long = [dict(prompt=samples[0]["prompt"], response_ids=[(7 * i) % 500 + 5 for i in range(400)])]
+
+    def build(lora):
+        torch.manual_seed(0)
+        return actor.build_actor(path, torch.device("cpu"), torch.bfloat16, torch.bfloat16,
+                                 gradient_checkpointing=False, lora=lora).eval()
+    plain, with_lora = build(None), build(LORA)
+    assert {n.replace("base_model.model.", ""): b.dtype for n, b in with_lora.named_buffers()} == \
+        {n: b.dtype for n, b in plain.named_buffers()}
+    assert any(".lora_A." in n and p.dtype == torch.bfloat16 for n, p in with_lora.named_parameters())
+    for a, b in zip(logprobs(plain, long, proc), logprobs(with_lora, long, proc), strict=True):
+        assert torch.equal(a, b)

@@ -162,6 +162,56 @@ def test_sleep_frees_memory(setup):
     eng.sleep_level = 1
 
 
+# ------------------------------------------------------------------------------------------------ a KV cache too small
+def preempt_main(mode):
+    """Log-probs when the KV cache cannot hold every running sample, so vLLM preempts requests and recomputes them
+    (a 40 GB card's engine on a 7B batch). mode: "default" | "sync" (async_scheduling off) | "v1" (the older model
+    runner). Prints PREEMPT_OK when the engine's log-probs still match the HF recompute."""
+    if mode == "v1":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    rollout._set_vllm_env()
+    from vllm.v1.core.sched.scheduler import Scheduler
+    count = {"preempted": 0}
+    preempt = Scheduler._preempt_request
+
+    def counting(self, request, timestamp):
+        count["preempted"] += 1
+        return preempt(self, request, timestamp)
+    Scheduler._preempt_request = counting
+    path = tiny_model.build_tiny_model()
+    # 2 layers x 2 KV heads x 32 dims x (K, V) x 2 bytes = 512 bytes per token: 1,536 tokens of cache for 16
+    # samples of ~700 tokens each
+    extra = {} if mode != "sync" else {"async_scheduling": False}
+    eng = rollout.VLLMRollout(path, gpu_memory_utilization=0.3, max_model_len=1024, enforce_eager=True,
+                              dtype="bfloat16", kv_cache_memory_bytes=1536 * 512, **extra)
+    ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()
+    sd = {k: v.to(torch.bfloat16) for k, v in sharpen(ref.state_dict()).items()}
+    eng.sync_weights(sd.items())
+    ref.load_state_dict({k: v.float() for k, v in sd.items()})
+    recs = make_prompts(path)
+    L = 600
+    out = eng.generate(recs, n=4, temperature=1.0, top_p=1.0, max_tokens=L, seeds=[1, 2, 3, 4],
+                       lengths=[[L] * 4] * len(recs))
+    diffs = []
+    for rec, group in zip(recs, out, strict=True):
+        for o in group:
+            assert len(o["response_ids"]) == L
+            r = ref_logprobs(ref, rec, o["response_ids"], 1.0, eng.forbidden_ids)
+            diffs.append((torch.tensor(o["logprobs"]) - r).abs())  # [L]
+    d = torch.stack(diffs)  # [16, L]
+    quarters = [f"{q.mean().item():.4f}" for q in d.chunk(4, dim=1)]
+    print(f"[vllm {mode}] {count['preempted']} preemptions; mean |logp diff| {d.mean().item():.4f}, by quarter of "
+          f"the response {quarters}, worst sample {d.mean(1).max().item():.4f}", flush=True)
+    assert count["preempted"] > 0, "the cache held every sample: nothing was tested"
+    assert d.mean().item() < 0.1, d.mean(1).tolist()
+    print(f"PREEMPT_OK {mode}", flush=True)
+
+
+def test_logprobs_hold_when_requests_are_preempted(launch, tmp_path):
+    pytest.importorskip("vllm")
+    launch.script(__file__, "--preempt", tmp_path / "preempt.log", "PREEMPT_OK default")
+
+
 # ------------------------------------------------------------------------------------------------ torchrun SPMD
 def spmd_main(tp):
     """Each rank: own prompts, own seeds. DP replicas must not wait for each other; TP ranks gather."""
@@ -196,4 +246,6 @@ if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
-    spmd_main(ap.parse_args().tp)
+    ap.add_argument("--preempt", nargs="?", const="default", choices=["default", "sync", "v1"])
+    a = ap.parse_args()
+    preempt_main(a.preempt) if a.preempt else spmd_main(a.tp)
