@@ -183,12 +183,12 @@ m)  # memory modes, the README's hardware table: 8 prompts x 8 samples x 1024 fo
   fi
   python bench.py table "$OUT"/m7b_*_summary.json > "$OUT/memory_table.md" 2>&1; tail -8 "$OUT/memory_table.md" ;;
 m3)  # 3B, 16 prompts x 8 samples x 1024 forced tokens, 3 steps each, for M3_RUNS (default: all four): amp, bf16
-    # (--precision bf16), offload (--offload-params), offopt (--offload-optimizer). Two GPUs: the first half of the
+    # (--precision bf16), offload (--offload-params), offopt (--offload-optimizer), lora (--lora-rank 64). Two GPUs: the first half of the
     # list on GPU0, the rest on GPU1 at the same time (~6 min); one GPU: one after another (~3 min each: split the
     # list over calls, e.g. M3_RUNS="amp bf16" then M3_RUNS="offload offopt").
   M3="--preset qwen2_5_vl_3b --max-steps ${BENCH_STEPS:-3} --rollout-batch-size 16 --global-batch-size 16"
   python bench.py --preset qwen2_5_vl_3b --prepare-only > "$OUT/prep3b.log" 2>&1
-  declare -A FLAGS=([amp]="" [bf16]="--precision bf16" [offload]="--offload-params" [offopt]="--offload-optimizer")
+  declare -A FLAGS=([amp]="" [bf16]="--precision bf16" [offload]="--offload-params" [offopt]="--offload-optimizer" [lora]="--lora-rank 64")
   m3run() {  # m3run GPU NAME...
     local gpu=$1; shift
     for name in "$@"; do
