@@ -572,7 +572,8 @@ def train(cfg: Config, collect=collect_rollouts):
         ctx.say("[val] step 0 " + " ".join(f"{k}={v:.3f}" for k, v in val.items()))
         log.write({"step": 0, **val})
     for step in range(ctx.start_step, cfg.max_steps):
-        metrics, samples = train_step(ctx, step, collect)
+        with memory.oom_explained(ctx, step):  # one line with the memory's shares, not a traceback per rank
+            metrics, samples = train_step(ctx, step, collect)
         last = step + 1 == cfg.max_steps
         if cfg.val_freq and ctx.val is not None and ((step + 1) % cfg.val_freq == 0 or last):
             t = time.time()

@@ -221,6 +221,51 @@ def metrics(engine, peaks, step_metrics):
     return out
 
 
+# Where in a step the memory ran out (the first stage with one of its functions in the traceback), and what moves
+# memory there. Generation has the engine's pool and activations beside the trainer's resident state; the passes and the
+# update add the trainer's activations of one micro-batch to that state.
+_OOM_STAGES = [
+    (("update_policy",), "the policy update", "fewer tokens per micro-batch (--max-token-len-per-device {mb}) or a "
+     "smaller --logprob-chunk-size; less state: --precision bf16, --lora-rank, --offload-optimizer, --offload-params"),
+    (("compute_logprobs",), "the log-prob passes", "fewer tokens per micro-batch (--max-token-len-per-device {mb}) or "
+     "a smaller --logprob-chunk-size; a host-side reference: --offload-params"),
+    (("sync_engine", "wake"), "the engine's wake-up and weight sync", "a smaller engine (--gpu-memory-utilization "
+     "{util}, or a fixed --kv-cache-memory-gb); less trainer state beside it: --offload-optimizer, --offload-params, "
+     "--lora-rank"),
+    (("collect_rollouts", "generate_and_score", "generate"), "generation", "a smaller engine (--gpu-memory-utilization "
+     "{util}, or a fixed --kv-cache-memory-gb, leaving room for its activations); less trainer state beside it: "
+     "--offload-optimizer, --offload-params, --precision bf16, --lora-rank"),
+]
+
+
+@contextlib.contextmanager
+def oom_explained(ctx, step):
+    """Around a training step: out of GPU memory becomes one line (exit 2; UserError) that says in which stage, how
+    the card was shared at that moment, and which options move memory there, instead of a traceback per rank."""
+    import traceback
+    from data import UserError
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e).lower():
+            raise
+        names = {f.name for f in traceback.extract_tb(e.__traceback__)}
+        stage, advice = next(((label, tip) for fns, label, tip in _OOM_STAGES if names & set(fns)),
+                             ("a training step", "see README.md, Memory modes"))
+        cfg, shares = ctx.cfg, ""
+        if torch.cuda.is_available():
+            gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+            card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            ballast = sum(t.numel() for t in _BALLAST)
+            engine = _engine_bytes(ctx.rollout)
+            trainer = max(torch.cuda.memory_allocated() - engine - ballast, 0)
+            shares = (f" (GiB: trainer {gib(trainer)}, engine {gib(engine)}, free {gib(torch.cuda.mem_get_info()[0])} "
+                      f"of {gib(card - ballast)})")
+        tip = advice.format(mb=cfg.max_token_len_per_device, util=cfg.gpu_memory_utilization)
+        raise UserError(f"rank {ctx.rank} ran out of GPU memory in step {step + 1}, during {stage}{shares}. "
+                        f"What lowers it there: {tip}.", rank_local=True) from None
+
+
 # ----------------------------------------------------------------------------------------------- comparison
 def _flat_checkpoint(path):
     """(model tensors, optimizer state) of a checkpoint folder, read on one process (a temporary torch.save)."""

@@ -130,6 +130,40 @@ def test_bad_rows_stop_training_before_the_model_loads(tmp_path, monkeypatch, ca
     assert "row 7" not in msg  # overlong: dropped by --filter-overlong-prompts, not an error
 
 
+@pytest.mark.parametrize("where, stage, advice", [
+    ("rollout.HFRollout.generate", "during generation", "a smaller engine (--gpu-memory-utilization 0.6, or a fixed "
+     "--kv-cache-memory-gb"),
+    ("fsdp_actor.optimizer_step", "during the policy update", "fewer tokens per micro-batch "
+     "(--max-token-len-per-device 16384)"),
+])
+def test_out_of_gpu_memory_is_one_line_with_the_stage(where, stage, advice, tmp_path, monkeypatch, capsys):
+    """CUDA's out-of-memory error inside a step: one line naming the stage and the options that move memory there
+    (on a GPU also the trainer's, the engine's and the free GiB), exit 2; other errors pass through unchanged."""
+    import importlib
+    import torch
+    module, owner, name = where.rsplit(".", 2) if where.count(".") == 2 else (*where.split("."), None)
+    target = getattr(importlib.import_module(module), owner) if name else importlib.import_module(module)
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 592.00 MiB.")
+    monkeypatch.setattr(target, name or owner, oom)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        grpo_main(["--output-dir", str(tmp_path / "o"), "--max-steps", "1"] + SMALL)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 1 and "Traceback" not in err, err[-2000:]
+    msg = err[err.index("error: "):]
+    assert msg.startswith(f"error: rank 0 ran out of GPU memory in step 1, {stage}"), msg
+    assert advice in msg, msg
+
+    def other(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(target, name or owner, other)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        grpo_main(["--output-dir", str(tmp_path / "o2"), "--max-steps", "1"] + SMALL)
+
+
 def test_data_py_check_lists_every_bad_row(tmp_path, launch):
     src = bad_parquet(tmp_path / "bad.parquet")
     p = run(launch, tmp_path / "check.log", ["check", "--train-files", src, "--no-filter-overlong-prompts"],
