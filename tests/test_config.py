@@ -139,3 +139,26 @@ def test_easyr1_precision_and_offload_map_to_ours():
     actor["fsdp"]["torch_dtype"] = "fp16"
     with pytest.raises(Exception, match="torch_dtype='fp16': choose null, fp32 or bf16"):
         E.translate(y, grpo.Config)
+
+
+@pytest.mark.parametrize("recipe, nproc", [("qwen25vl_7b", 8), ("lora_7b_40gb", 1), ("multinode", 16)])
+def test_run_sh_recipes_parse_and_pass_the_option_checks(recipe, nproc, tmp_path):
+    """Each real-model line of run.sh, as bash expands it (python and torchrun replaced by a recorder), parses and
+    passes the checks that run before a model loads: a misspelt option or a batch that does not divide fails here."""
+    import subprocess
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    for exe in ("python", "torchrun"):  # write one argument per line: the recorded command line
+        (shim / exe).write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/argv\n')
+        (shim / exe).chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}", "NNODES": "2", "MASTER_ADDR": "node0"}
+    subprocess.run(["bash", os.path.join(ROOT, "run.sh"), recipe, "--output-dir", str(tmp_path / "out")], env=env,
+                   check=True)
+    argv = (tmp_path / "argv").read_text().splitlines()
+    args = argv[argv.index("grpo.py") + 1:]
+    cfg = cli(grpo.Config, grpo.DEMO, args=args)
+    assert cfg.model_path == "Qwen/Qwen2.5-VL-7B-Instruct" and cfg.output_dir == str(tmp_path / "out")
+    E.check(cfg, nproc)
+    if recipe == "lora_7b_40gb":  # the cell measured on the H200 capped to 40 GB (README, Memory modes)
+        assert (cfg.lora_rank, cfg.precision, cfg.max_token_len_per_device, cfg.kv_cache_memory_gb) == \
+            (64, "bf16", 8192, 1.5)
