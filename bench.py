@@ -258,8 +258,9 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     LoRA), all over `world`; then what is not sharded: the largest FSDP unit all-gathered in bf16 (the root:
     embeddings and lm_head) plus two decoder layers (one prefetched), and the activations of a micro-batch of
     `mb_tokens` (gradient checkpointing: each layer's bf16 input is kept, one layer is recomputed at a time, and a
-    chunk of fp32 logits with its softmax and gradient; the log-prob passes: one MLP's intermediates). The engine: its pool (`engine_gb`, weights + KV cache) while
-    awake, nothing asleep (level 1 moves its weights to the host). Returns {phase: GiB} and the parts."""
+    chunk of fp32 logits with its softmax and gradient; the log-prob passes: one MLP's intermediates). The engine:
+    its pool (`engine_gb`, weights + KV cache) while awake, nothing asleep (level 1 moves its weights to the host).
+    Returns {phase: GiB} and the parts."""
     P, H, L = dims["params"], dims["hidden"], dims["layers"]
     b = dict(STATE_BYTES[precision])
     if precision == "bf16" and kahan:
@@ -281,7 +282,7 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
                               ) + 3 * 4 * chunk * dims["vocab"]  # logits, softmax, gradient (fp32)
     # a no-grad forward keeps nothing from layer to layer: its peak is inside one MLP (gate, up and their product,
     # bf16) beside the residual stream's input and output (measured on the H200: the old bound, one recomputed
-    # layer and its gradient as in the update, overshot every reference phase by 10-54 %)
+    # layer and its gradient as in the update, overshot every reference phase by 13-54 %)
     act_fwd = mb_tokens * 2 * (3 * dims["inter"] + 2 * H) + 2 * 4 * chunk * dims["vocab"]
     resident = on_gpu(weights, offload_params) + on_gpu(optim, offload_params or offload_optimizer)
     parts = dict(weights=on_gpu(weights, offload_params) / GIB, grads=on_gpu(grads, offload_params) / GIB,

@@ -222,8 +222,8 @@ def metrics(engine, peaks, step_metrics):
 
 
 # Where in a step the memory ran out (the first stage with one of its functions in the traceback), and what moves
-# memory there. Generation has the engine's pool and activations beside the trainer's resident state; the passes and the
-# update add the trainer's activations of one micro-batch to that state.
+# memory there. Generation has the engine's pool and activations beside the trainer's resident state; the passes
+# and the update add the trainer's activations of one micro-batch to that state.
 _OOM_STAGES = [
     (("update_policy",), "the policy update", "fewer tokens per micro-batch (--max-token-len-per-device {mb}) or a "
      "smaller --logprob-chunk-size; less state: --precision bf16, --lora-rank, --offload-optimizer, --offload-params"),
@@ -257,10 +257,11 @@ def oom_explained(ctx, step):
             gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
             card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
             ballast = sum(t.numel() for t in _BALLAST)
-            engine = _engine_bytes(ctx.rollout)
+            engine = _engine_bytes(ctx.rollout)  # (allocated in torch's view even while its pages are released)
             trainer = max(torch.cuda.memory_allocated() - engine - ballast, 0)
-            shares = (f" (GiB: trainer {gib(trainer)}, engine {gib(engine)}, free {gib(torch.cuda.mem_get_info()[0])} "
-                      f"of {gib(card - ballast)})")
+            awake = "asleep" if getattr(ctx.rollout, "asleep", None) else f"{gib(engine)}"
+            shares = (f" (GiB: trainer {gib(trainer)}, engine {awake}, free {gib(torch.cuda.mem_get_info()[0])} of "
+                      f"{gib(card - ballast)})")
         tip = advice.format(mb=cfg.max_token_len_per_device, util=cfg.gpu_memory_utilization)
         raise UserError(f"rank {ctx.rank} ran out of GPU memory in step {step + 1}, during {stage}{shares}. "
                         f"What lowers it there: {tip}.", rank_local=True) from None

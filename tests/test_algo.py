@@ -102,6 +102,7 @@ def _whiten_on_two_ranks(rank, port, rewards, lengths, out):
     for est in RPP:
         adv = compute_advantages(rewards[rank * h:(rank + 1) * h], est, lengths[rank * h:(rank + 1) * h])
         torch.save(adv, os.path.join(out, f"{est}_{rank}.pt"))
+    dist.barrier()  # rank 0 hosts the store: leaving first once aborted rank 1's gloo thread (SIGABRT)
     dist.destroy_process_group()
 
 
