@@ -167,7 +167,8 @@ m)  # memory modes, the README's hardware table: 8 prompts x 8 samples x 1024 fo
   python bench.py --preset qwen2_5_vl_7b --prepare-only > "$OUT/prep7b.log" 2>&1; tail -1 "$OUT/prep7b.log"
   M7="--preset qwen2_5_vl_7b --max-steps ${BENCH_STEPS:-2} --rollout-batch-size 8 --global-batch-size 8"
   if [[ " ${PARTS:-x2 lora} " == *" x2 "* ]]; then  # [both GPUs] full AMP, FSDP over 2, one engine per GPU
-    timeout ${BENCH_TIMEOUT:-270} torchrun --standalone --nproc_per_node 2 bench.py $M7 --gpu-memory-utilization 0.3 \
+    # (the 7B LoRA runs of session 6: engine start ~60 s, step 1 ~130 s with the compilation, step 2 ~20-30 s)
+    timeout ${BENCH_TIMEOUT:-420} torchrun --standalone --nproc_per_node 2 bench.py $M7 --gpu-memory-utilization 0.3 \
       --output-dir /tmp/m7amp ${BENCH_ARGS:-} > "$OUT/m7b_amp_x2.log" 2>&1
     cp /tmp/m7amp/metrics.jsonl "$OUT/m7b_amp_x2_metrics.jsonl"; cp /tmp/m7amp/bench_summary.json "$OUT/m7b_amp_x2_summary.json"
     tail -c 400 "$OUT/m7b_amp_x2.log"
