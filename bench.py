@@ -298,6 +298,19 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
                 parts=parts)
 
 
+CARDS_GIB = (40, 80, 140)  # 40 and 80 GB cards (as bench.py --gpu-memory-cap-gb measures them), an H200
+ENGINE_LEAST_GIB = 4.5  # vLLM beside its weights at its least: a 1.5 GiB KV cache, ~3 GiB of activations and graphs
+# (session 6, the 7B at --kv-cache-memory-gb 1.5: 15.7 GiB of weights, 20.7 awake)
+
+
+def smallest_card(m, dims, world):
+    """The smallest of CARDS_GIB that holds a memory_model() cell with the engine at its least (tensor-parallel over
+    the cell's GPUs, ENGINE_LEAST_GIB beside its bf16 weights), keeping ~1 GiB for the CUDA context; None if none."""
+    engine = 2 * dims["params"] / min(world, 8) / GIB + ENGINE_LEAST_GIB
+    need = max(m["gen"] + engine, m["update"])  # the engine sleeps through the update
+    return next((c for c in CARDS_GIB if need <= c - 1), None)
+
+
 TOKENS_PER_SAMPLE = 1470  # the geo3k-like workload: ~324 image + ~120 text prompt tokens + 1024 response tokens
 
 
@@ -319,14 +332,18 @@ def table(paths):
     modes = [("AMP", dict()), ("AMP + offload", dict(offload_params=True)), ("bf16 (Kahan)", dict(precision="bf16")),
              ("LoRA r64, AMP", dict(lora_rank=64)), ("LoRA r64, bf16", dict(lora_rank=64, precision="bf16"))]
     out = ["Computed (GiB per GPU: trainer during generation / update, bench workload 1470 tokens per sample, "
-           "16384-token micro-batches; the engine's pool comes on top while it generates):", "",
+           "16384-token micro-batches; the engine's pool comes on top while it generates. In brackets the smallest "
+           f"card of {', '.join(map(str, CARDS_GIB))} GiB that holds it with the engine at its least (tensor-parallel "
+           f"over the cell's GPUs, {ENGINE_LEAST_GIB} GiB beside its weights: a 1.5 GiB KV cache via "
+           "--kv-cache-memory-gb), '-' if none; offload takes host memory instead: 16 bytes per parameter):", "",
            "| model | mode | 1 GPU | 2 GPUs | 4 GPUs | 8 GPUs |", "|---|---|---|---|---|---|"]
     for preset in ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b", "qwen2_5_vl_32b", "qwen2_5_vl_72b"):
         dims = model_dims(preset)
         for name, kw in modes:
             cells = [memory_model(dims, world=w, mb_tokens=11 * TOKENS_PER_SAMPLE, **kw) for w in (1, 2, 4, 8)]
             out.append(f"| {preset} ({dims['params'] / 1e9:.2f}B) | {name} | "
-                       + " | ".join(f"{m['gen']:.1f} / {m['update']:.1f}" for m in cells) + " |")
+                       + " | ".join(f"{m['gen']:.1f} / {m['update']:.1f} ({smallest_card(m, dims, w) or '-'})"
+                                    for m, w in zip(cells, (1, 2, 4, 8))) + " |")
     out += ["", "Measured (GiB per GPU; each cell: measured, model, error):", "",
             "| run | date, command | trainer gen | trainer ref | trainer update | engine pool | s/step "
             "| tokens/s/GPU |",

@@ -136,3 +136,19 @@ def test_memory_model_tracks_every_measured_run():
         for phase in ("gen", "ref", "update"):
             got = s[f"memory/trainer_peak_{phase}_gb"]
             assert abs(model[phase] - got) / got < 0.3, (s["command"], phase, got, model[phase])
+
+
+@pytest.mark.parametrize("preset, kw, card", [
+    ("qwen2_5_vl_7b", dict(lora_rank=64, precision="bf16"), 40),  # measured: fits an H200 capped to 40 GB
+    ("qwen2_5_vl_7b", dict(lora_rank=64), 80),  # measured: fits 80 GB (40 GB was not tried in AMP)
+    ("qwen3_vl_8b", dict(precision="bf16"), 140),  # measured: fits one H200
+    ("qwen2_5_vl_3b", dict(), 140),  # measured on a whole H200 only
+])
+def test_smallest_card_holds_the_measured_cells(preset, kw, card):
+    """The table's "(card)" for one GPU agrees with what ran: a measured cell is never put on a bigger card than the
+    one it ran on, and the 8B in pure bf16, whose trainer alone took 133 GB in its update, not on a smaller one."""
+    dims = bench.model_dims(preset)
+    got = bench.smallest_card(bench.memory_model(dims, mb_tokens=11 * bench.TOKENS_PER_SAMPLE, **kw), dims, 1)
+    assert got is not None and got <= card
+    if preset == "qwen3_vl_8b":
+        assert got == 140
