@@ -37,6 +37,8 @@
 #      pure bf16 without LoRA, with LoRA, and with LoRA in 8192-token micro-batches (no cap, no compile; ~8 min)
 #   pk: the tiny model's log-probs when vLLM preempts requests (a KV cache too small for the batch), in three engine
 #      settings; then the 7B LoRA cell LORA_NAME (phase lora7: fin's second half) if LORA_NAME is set
+#   lora7: the 7B LoRA cell alone (LORA_CAP, LORA_ARGS, LORA_NAME; session 6: LORA_CAP=40 LORA_ARGS="--precision bf16
+#      --max-token-len-per-device 8192 --kv-cache-memory-gb 1.5" fits, as does LORA_CAP=80 LORA_ARGS=" ")
 #   tv: tests/test_video_gpu.py, then tests/test_memory_gpu.py (each engine alone on the GPU: they profile memory)
 # Results go to $OUT (logs and metrics.jsonl files).
 set -u
