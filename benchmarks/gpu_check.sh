@@ -233,13 +233,7 @@ b8)  # Qwen3-VL-8B shape, one GPU, pure bf16
 fin)
   CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout 150 python tests/test_video_gpu.py qwen2_5_vl > "$OUT/video_q25_check.log" 2>&1
   grep "^\[qwen\|VIDEO_GPU_OK\|Error" "$OUT/video_q25_check.log" | cut -c1-400
-  timeout 150 python bench.py --preset qwen2_5_vl_7b --prepare-only > "$OUT/prep7b.log" 2>&1; tail -c 200 "$OUT/prep7b.log"
-  name=m7b_lora_${LORA_NAME:-bf16_cap40}
-  CUDA_VISIBLE_DEVICES=${GPU_SLOT:-0} timeout ${BENCH_TIMEOUT:-330} python bench.py --preset qwen2_5_vl_7b --max-steps 2 \
-    --rollout-batch-size 8 --global-batch-size 8 --lora-rank 64 --gpu-memory-cap-gb ${LORA_CAP:-40} \
-    ${LORA_ARGS:---precision bf16 --max-token-len-per-device 8192} --output-dir /tmp/$name > "$OUT/$name.log" 2>&1
-  cp /tmp/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl"; cp /tmp/$name/bench_summary.json "$OUT/${name}_summary.json"
-  grep -o 'BENCH_RESULT.*' "$OUT/$name.log" | head -c 1200; tail -c 300 "$OUT/$name.log" ;;
+  bash benchmarks/gpu_check.sh lora7 ;;
 l7)
   timeout 150 python bench.py --preset qwen2_5_vl_7b --prepare-only > "$OUT/prep7b.log" 2>&1
   for run in "full:" "lora:--lora-rank 64" "lora8k:--lora-rank 64 --max-token-len-per-device 8192"; do name=${run%%:*}
