@@ -257,8 +257,9 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     weights only, the adapters with the full state), the reference model (bf16, 2 bytes, when kl_coef > 0 without
     LoRA), all over `world`; then what is not sharded: the largest FSDP unit all-gathered in bf16 (the root:
     embeddings and lm_head) plus two decoder layers (one prefetched), and the activations of a micro-batch of
-    `mb_tokens` (gradient checkpointing: each layer's bf16 input is kept, one layer is recomputed at a time, and a
-    chunk of fp32 logits with its softmax and gradient; the log-prob passes: one MLP's intermediates). The engine:
+    `mb_tokens` (gradient checkpointing: each layer's bf16 input is kept, and one layer recomputed at a time or a
+    chunk of fp32 logits with its softmax and gradient; the log-prob passes: one MLP's intermediates or a chunk of
+    logits). --offload-optimizer: the state on the GPU for the step only. The engine:
     its pool (`engine_gb`, weights + KV cache) while awake, nothing asleep (level 1 moves its weights to the host).
     Returns {phase: GiB} and the parts."""
     P, H, L = dims["params"], dims["hidden"], dims["layers"]
@@ -277,25 +278,29 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     ref = 2 * P if kl_coef > 0 and not lora_rank else 0
     on_gpu = lambda x, off: 0 if off else x / world  # noqa: E731
     gathered = 2 * (dims["root_params"] + 2 * dims["layer_params"])  # bf16 all-gathered units
-    act_update = mb_tokens * (2 * H * L  # checkpointed layer inputs
-                              + 2 * 2 * (4 * H + 3 * dims["inter"])  # one layer recomputed, and its gradient
-                              ) + 3 * 4 * chunk * dims["vocab"]  # logits, softmax, gradient (fp32)
+    # The update: gradient checkpointing keeps each layer's bf16 input, and on top of them either one layer
+    # recomputed with its gradient (during the layers' backward) or a chunk of fp32 logits with its softmax and
+    # gradient (at the head): the two are never alive together (summing them overshot the 3B's update by 47 %).
+    ckpt = mb_tokens * 2 * H * L
+    act_update = ckpt + max(mb_tokens * 2 * 2 * (4 * H + 3 * dims["inter"]), 3 * 4 * chunk * dims["vocab"])
     # a no-grad forward keeps nothing from layer to layer: its peak is inside one MLP (gate, up and their product,
-    # bf16) beside the residual stream's input and output (measured on the H200: the old bound, one recomputed
-    # layer and its gradient as in the update, overshot every reference phase by 13-54 %)
-    act_fwd = mb_tokens * 2 * (3 * dims["inter"] + 2 * H) + 2 * 4 * chunk * dims["vocab"]
+    # bf16) beside the residual stream's input and output, or at the head, a chunk of fp32 logits and their softmax
+    # (measured on the H200: the old bound, one recomputed layer and its gradient as in the update, overshot every
+    # reference phase by 13-54 %)
+    act_fwd = max(mb_tokens * 2 * (3 * dims["inter"] + 2 * H), 2 * 4 * chunk * dims["vocab"])
     resident = on_gpu(weights, offload_params) + on_gpu(optim, offload_params or offload_optimizer)
+    # --offload-optimizer: the state comes in for the optimizer step, after the backward freed its activations
+    # (with --offload-params the step runs on the host)
+    step_in = on_gpu(optim, offload_params) if offload_optimizer else 0
     parts = dict(weights=on_gpu(weights, offload_params) / GIB, grads=on_gpu(grads, offload_params) / GIB,
                  optim=on_gpu(optim, offload_params) / GIB, ref=on_gpu(ref, offload_params) / GIB,
                  gathered=gathered / GIB, act_update=act_update / GIB, engine=engine_gb)
     ref_gpu = ref / world  # with --offload-params it comes in for its pass
     gen = (resident + on_gpu(ref, offload_params)) / GIB
-    return dict(gen=gen, ref=(resident + ref_gpu + gathered + act_fwd) / GIB,
-                update=(resident + on_gpu(optim, offload_params) * offload_optimizer + on_gpu(grads, offload_params)
-                        + on_gpu(ref, offload_params) + gathered + act_update) / GIB,
-                engine=engine_gb, peak=max(gen + engine_gb, (resident + on_gpu(grads, offload_params) + gathered
-                                                            + act_update + on_gpu(ref, offload_params)) / GIB),
-                parts=parts)
+    update = (resident + on_gpu(grads, offload_params) + on_gpu(ref, offload_params)
+              + max(gathered + act_update, step_in)) / GIB
+    return dict(gen=gen, ref=(resident + ref_gpu + gathered + act_fwd) / GIB, update=update, engine=engine_gb,
+                peak=max(gen + engine_gb, update), parts=parts)
 
 
 CARDS_GIB = (40, 80, 140)  # 40 and 80 GB cards (as bench.py --gpu-memory-cap-gb measures them), an H200
@@ -329,7 +334,8 @@ def table(paths):
     """The README's memory table: computed cells for each preset x mode x GPUs, and a row per measured run (its
     bench_summary.json, or the metrics file next to one: X_metrics.jsonl -> X_summary.json) with the model's
     error on every measured number."""
-    modes = [("AMP", dict()), ("AMP + offload", dict(offload_params=True)), ("bf16 (Kahan)", dict(precision="bf16")),
+    modes = [("AMP", dict()), ("AMP + offload", dict(offload_params=True)),
+             ("AMP + optimizer offload", dict(offload_optimizer=True)), ("bf16 (Kahan)", dict(precision="bf16")),
              ("LoRA r64, AMP", dict(lora_rank=64)), ("LoRA r64, bf16", dict(lora_rank=64, precision="bf16"))]
     out = ["Computed (GiB per GPU: trainer during generation / update, bench workload 1470 tokens per sample, "
            "16384-token micro-batches; the engine's pool comes on top while it generates. In brackets the smallest "

@@ -122,20 +122,33 @@ def test_computed_only_presets_have_the_checkpoints_sizes(preset, billions):
 
 
 def test_memory_model_tracks_every_measured_run():
-    """The README's claim: the model is within 30 % of each phase's trainer peak in every H200 run kept in
-    benchmarks/h200 (the AMP, pure bf16 and LoRA runs of the 3B, 7B and 8B). A wrong bytes-per-parameter or
-    activation term shows here (the old log-prob-pass bound was 54 % high on the 3B LoRA run)."""
+    """The README's claim: the model is within 15 % (or 1 GiB, for a phase that holds almost nothing, as the
+    trainer while --offload-params generates) of each phase's trainer peak in every H200 run kept in
+    benchmarks/h200 (the AMP, pure bf16, LoRA and offload runs of the 3B, 7B and 8B). A wrong bytes-per-parameter or
+    activation term shows here (the old log-prob-pass bound was 54 % high on the 3B LoRA run; adding the logits
+    chunk to a recomputed layer instead of taking the larger, 47 % high on the 3B offload run's update)."""
     import glob
     import json
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "h200")
     runs = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(here, "*_summary.json")))]
     runs = [s for s in runs if "memory/trainer_peak_ref_gb" in s]
-    assert len(runs) >= 6
+    assert len(runs) >= 8
+    assert any(s["config"]["offload_params"] for s in runs) and any(s["config"]["offload_optimizer"] for s in runs)
     for s in runs:
         model = bench.run_model(s)
         for phase in ("gen", "ref", "update"):
             got = s[f"memory/trainer_peak_{phase}_gb"]
-            assert abs(model[phase] - got) / got < 0.3, (s["command"], phase, got, model[phase])
+            assert abs(model[phase] - got) < max(0.15 * got, 1.0), (s["command"], phase, got, model[phase])
+
+
+def test_offloaded_optimizer_state_counts_in_the_step_only():
+    """--offload-optimizer: the state is off the GPU while generating, and on it for the optimizer step, whose peak
+    (weights + gradients + state + reference) stands even when the micro-batch's activations are small."""
+    dims = bench.model_dims("qwen2_5_vl_3b")
+    m = bench.memory_model(dims, offload_optimizer=True, mb_tokens=1024)
+    p = m["parts"]
+    assert m["gen"] == pytest.approx(p["weights"] + p["ref"])
+    assert m["update"] >= p["weights"] + p["grads"] + p["optim"] + p["ref"] > p["optim"] > 20
 
 
 @pytest.mark.parametrize("preset, kw, card", [
