@@ -325,6 +325,7 @@ def setup(cfg: Config):
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, ctx.model_path, device, ctx.compute_dtype,
                                        **rollout.engine_options(cfg, limit_videos=videos))
     memory.engine_built(ctx.rollout, allocated)  # the engine's memory outside its pool: not the trainer's
+    memory.check_host_memory(cfg, ctx.model, ctx.rollout)  # offload: one line now, not the kernel's kill at step 1
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
     if ckpt:
         state = rundir.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)

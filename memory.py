@@ -221,6 +221,57 @@ def metrics(engine, peaks, step_metrics):
     return out
 
 
+def host_bytes_to_come(cfg, model, engine):
+    """Host memory (bytes, this rank) that the offload modes still take after setup: the optimizer's state
+    (allocated at the first step; AdamW's two moments, fp32, or bf16 and Kahan's buffer), with --offload-params
+    also the gradients, and the sleeping engine's copy of its weights (level 1: bf16, its tensor-parallel share).
+    What is on the host already (the offloaded weights, the reference) is out of MemAvailable by then."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n = sum(local(p).numel() for p in trainable)
+    size = trainable[0].element_size() if trainable else 4
+    state = n * (8 if size == 4 else 4 + 2 * (cfg.bf16_rounding == "kahan"))
+    grads = n * size if cfg.offload_params else 0
+    full = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)
+    copy = 2 * full // cfg.tensor_parallel_size if getattr(engine, "sleep_level", 0) == 1 else 0
+    return state + grads + copy
+
+
+def available_host_bytes():
+    """MemAvailable of /proc/meminfo (bytes), None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def check_host_memory(cfg, model, engine):
+    """With --offload-params / --offload-optimizer, stop at setup with one line when a node's host memory cannot
+    hold what the offloaded state will take at the first step (a lower bound: torch rounds page-locked blocks up),
+    instead of the kernel killing the ranks minutes later with no word. Collective (every rank raises the same
+    error, naming a rank on the node that is short)."""
+    import torch.distributed as dist
+
+    import fsdp_actor
+    from data import UserError
+    if not (cfg.offload_params or cfg.offload_optimizer):
+        return
+    need = host_bytes_to_come(cfg, model, engine) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    avail = available_host_bytes()
+    table = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64)  # [ranks, (need, available)]
+    table[dist.get_rank()] = torch.tensor([need, need if avail is None else avail])
+    table = fsdp_actor.all_reduce_cpu(table)  # (the gloo group: every rank's row)
+    short = table[:, 0] - table[:, 1]  # [ranks]
+    if short.max() > 0:
+        r = int(short.argmax())
+        n, a = table[r].tolist()
+        raise UserError(f"--offload-{'params' if cfg.offload_params else 'optimizer'}: the node of rank {r} needs "
+                        f"{n / 2**30:.1f} GiB more host memory for the offloaded optimizer state"
+                        f"{', the gradients' if cfg.offload_params else ''} and the sleeping engine's weights, and "
+                        f"has {a / 2**30:.1f} GiB available: use more nodes, --precision bf16, --lora-rank, "
+                        f"{'--offload-optimizer alone, ' if cfg.offload_params else ''}or --sleep-level 2")
+
+
 # Where in a step the memory ran out (the first stage with one of its functions in the traceback), and what moves
 # memory there. Generation has the engine's pool and activations beside the trainer's resident state; the passes
 # and the update add the trainer's activations of one micro-batch to that state.

@@ -1,6 +1,8 @@
 """Memory modes: the pure-bf16 AdamW step (stochastic rounding and Kahan compensation against round-to-nearest,
 which loses RL-sized updates), bf16 checkpoints and exact resume, the offload wiring, the memory keys."""
 
+import os
+
 import pytest
 import torch
 
@@ -230,3 +232,66 @@ def test_offload_runs_train_the_same(tmp_path, launch):
         got = run(launch, kw + [flag], tmp_path / flag.strip("-"))
         for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl"):
             assert [r[k] for r in got] == pytest.approx([r[k] for r in base], rel=1e-4, abs=1e-6), (flag, k)
+
+
+def test_offload_stops_at_setup_when_the_host_cannot_hold_the_state(tmp_path, monkeypatch):
+    """--offload-params / --offload-optimizer: what the host still has to take after setup (AdamW's fp32 moments,
+    8 bytes per trainable parameter; with --offload-params the fp32 gradients, 4 more; a level-1 sleeping vLLM's bf16
+    copy of its weights, 2 per parameter over TP), and one error line naming the node when MemAvailable is short."""
+    import types
+
+    import grpo
+    import tiny_model
+    from data import UserError
+    actor.init_distributed()
+    path = tiny_model.build_tiny_model(str(tmp_path / "m"))
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False,
+                              offload=True)
+    n = sum(p.numel() for p in model.parameters())
+    hf_engine, vllm = object(), types.SimpleNamespace(sleep_level=1)
+    cfg = grpo.Config(offload_params=True)
+    assert memory.host_bytes_to_come(cfg, model, hf_engine) == 12 * n
+    assert memory.host_bytes_to_come(cfg, model, vllm) == 14 * n
+    assert memory.host_bytes_to_come(grpo.Config(offload_params=True, tensor_parallel_size=2), model, vllm) == 13 * n
+    assert memory.host_bytes_to_come(grpo.Config(offload_optimizer=True), model, hf_engine) == 8 * n
+    assert memory.available_host_bytes() > 0  # the real /proc/meminfo
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 14 * n - 1)
+    with pytest.raises(UserError, match=r"--offload-params: the node of rank 0 needs .* GiB more host memory"
+                                        r".* has .* GiB available: use more nodes"):
+        memory.check_host_memory(cfg, model, vllm)
+    memory.check_host_memory(cfg, model, hf_engine)  # 12 n fits
+    memory.check_host_memory(grpo.Config(), model, vllm)  # no offload: nothing to check
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this node: twice the state
+    with pytest.raises(UserError, match="--offload-params"):
+        memory.check_host_memory(cfg, model, hf_engine)
+
+
+def _host_check_on_two_ranks(rank, port, out):
+    import torch.distributed as dist
+
+    import grpo
+    from data import UserError
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = torch.nn.Linear(100, 10)  # 1010 parameters: 8080 bytes of AdamW state to come
+    memory.available_host_bytes = lambda: 10**9 if rank == 0 else 5000  # only rank 1's node is short
+    try:
+        memory.check_host_memory(grpo.Config(offload_optimizer=True), model, object())
+        msg = "no error"
+    except UserError as e:
+        msg = str(e)
+    open(os.path.join(out, f"{rank}.txt"), "w").write(msg)
+    dist.barrier()  # rank 0 hosts the store: it leaves last
+    dist.destroy_process_group()
+
+
+def test_host_memory_check_stops_every_rank_when_one_node_is_short(tmp_path):
+    """Every rank raises the same error (rank 0 prints it for all), and it names the short node's rank and numbers."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_host_check_on_two_ranks, args=(port, str(tmp_path)), nprocs=2)
+    msgs = [(tmp_path / f"{r}.txt").read_text() for r in range(2)]
+    assert msgs[0] == msgs[1]
+    assert msgs[0].startswith("--offload-optimizer: the node of rank 1 needs 0.0 GiB") and "has 0.0 GiB" in msgs[0]
