@@ -231,7 +231,8 @@ def host_bytes_to_come(cfg, model, engine):
     size = trainable[0].element_size() if trainable else 4
     state = n * (8 if size == 4 else 4 + 2 * (cfg.bf16_rounding == "kahan"))
     grads = n * size if cfg.offload_params else 0
-    full = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)
+    full = sum(p.numel() for name, p in model.named_parameters()  # what the engine holds: no adapters, no copies
+               if "lora_" not in name and ".original_module." not in name)
     copy = 2 * full // cfg.tensor_parallel_size if getattr(engine, "sleep_level", 0) == 1 else 0
     return state + grads + copy
 

@@ -254,6 +254,12 @@ def test_offload_stops_at_setup_when_the_host_cannot_hold_the_state(tmp_path, mo
     assert memory.host_bytes_to_come(cfg, model, vllm) == 14 * n
     assert memory.host_bytes_to_come(grpo.Config(offload_params=True, tensor_parallel_size=2), model, vllm) == 13 * n
     assert memory.host_bytes_to_come(grpo.Config(offload_optimizer=True), model, hf_engine) == 8 * n
+    lora = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False,
+                             offload=True, lora=dict(r=4, alpha=8, target_modules="all-linear",
+                                                     exclude_modules=r".*visual.*", modules_to_save="lm_head"))
+    adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert 0 < adapters < n / 2  # (the adapters and lm_head's trainable copy; the engine's copy: the base, once)
+    assert memory.host_bytes_to_come(cfg, lora, vllm) == 12 * adapters + 2 * n
     assert memory.available_host_bytes() > 0  # the real /proc/meminfo
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 14 * n - 1)
     with pytest.raises(UserError, match=r"--offload-params: the node of rank 0 needs .* GiB more host memory"
