@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import data
 import grpo
+import memory
 
 WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
          "of x if is parallel to perpendicular measure degrees round answer nearest tenth").split()
@@ -220,8 +221,6 @@ def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
     vLLM's sleep-mode pool stays reserved while asleep (only its physical pages are released), so the trainer could
     never reuse what the sleeping engine gave back, as it can on a real card of that size."""
     import torch
-
-    import memory
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # (before init_distributed: this rank's GPU)
     free, total = (x / 2**30 for x in torch.cuda.mem_get_info())
     memory.occupy(max(0.0, total - cap_gb))
@@ -233,8 +232,6 @@ def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
 
 # ------------------------------------------------------------------------------------------ the memory model
 GIB = 2**30
-# bytes per parameter of the policy's sharded state (weights, gradients, AdamW's two moments), per --precision
-STATE_BYTES = {"amp": dict(weights=4, grads=4, optim=8), "bf16": dict(weights=2, grads=2, optim=4)}
 
 
 def model_dims(preset):
@@ -263,9 +260,9 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     its pool (`engine_gb`, weights + KV cache) while awake, nothing asleep (level 1 moves its weights to the host).
     Returns {phase: GiB} and the parts."""
     P, H, L = dims["params"], dims["hidden"], dims["layers"]
-    b = dict(STATE_BYTES[precision])
+    b = dict(memory.STATE_BYTES[precision])
     if precision == "bf16" and kahan:
-        b["optim"] += 2  # the compensation buffer
+        b["optim"] += memory.KAHAN_BYTES
     if lora_rank:  # all-linear adapters on the language model: r x (in + out) per projection
         # q, o: H + H; k, v: H + kv H; gate, up, down: H + I
         adapters = lora_rank * L * (4 * H + 2 * H * (1 + dims["kv_frac"]) + 3 * (H + dims["inter"]))

@@ -34,6 +34,10 @@ import os
 
 import torch
 
+# bytes per parameter of the policy's state (weights, gradients, AdamW's two moments), per --precision; pure bf16
+# with Kahan's compensation keeps KAHAN_BYTES more
+STATE_BYTES = {"amp": dict(weights=4, grads=4, optim=8), "bf16": dict(weights=2, grads=2, optim=4)}
+KAHAN_BYTES = 2
 CHUNK = 1 << 24  # elements per piece of the fp32 scratch: bounds the step's extra memory to ~6 x 64 MB
 
 
@@ -228,9 +232,9 @@ def host_bytes_to_come(cfg, model, engine):
     What is on the host already (the offloaded weights, the reference) is out of MemAvailable by then."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     n = sum(local(p).numel() for p in trainable)
-    size = trainable[0].element_size() if trainable else 4
-    state = n * (8 if size == 4 else 4 + 2 * (cfg.bf16_rounding == "kahan"))
-    grads = n * size if cfg.offload_params else 0
+    b = STATE_BYTES[cfg.precision]
+    state = n * (b["optim"] + KAHAN_BYTES * (cfg.precision == "bf16" and cfg.bf16_rounding == "kahan"))
+    grads = n * b["grads"] if cfg.offload_params else 0
     full = sum(p.numel() for name, p in model.named_parameters()  # what the engine holds: no adapters, no copies
                if "lora_" not in name and ".original_module." not in name)
     copy = 2 * full // cfg.tensor_parallel_size if getattr(engine, "sleep_level", 0) == 1 else 0
