@@ -57,6 +57,18 @@ def special_token_ids(model_path):
     return eos, forbidden
 
 
+# A prompt's samples in vLLM use the seeds request_seed(s) + j, j < n (vLLM derives a request's j-th sample's seed as
+# `seed + j`). The callers' per-prompt seeds are consecutive (one per stream position), so passing them on as they
+# are gave prompts pos and pos + 1 n - 1 noise streams in common, and the next step's prompts the same ones again:
+# prompts with similar distributions drew the same samples, and a policy could go on never sampling an answer (the
+# Qwen3-VL demo never said "white", validation 0.755 from step 30 on). The HF engine seeds one generator per prompt.
+SEED_STRIDE = 2**16  # more samples per prompt than any run asks for: the prompts' seed ranges never overlap
+
+
+def request_seed(prompt_seed):
+    return prompt_seed * SEED_STRIDE
+
+
 def _to_result(ids, logprobs, eos):
     """Cut after the first EOS (kept) and build the result dict of the interface above. `finished` means "stopped by EOS", the same test
     in both engines (vLLM's finish_reason would also say "stop" for stop strings, which we never set)."""
@@ -293,6 +305,8 @@ class VLLMRollout:
 
     # ---- generation
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False):
+        """seed: the request's own; vLLM gives its j-th of `rows` samples the seed `seed + j` (parallel_sampling.py),
+        so requests must be given seeds at least `rows` apart (request_seed)."""
         from vllm import SamplingParams
         greedy = temperature == 0
         # logit_bias is clamped to [-100, 100] by vLLM: -100 is probability ~e-44, i.e. forbidden
@@ -346,10 +360,10 @@ class VLLMRollout:
         for pr, s, L in items:
             if L is None:  # the training path: one request, n samples
                 reqs.append(pr)
-                params.append(self._sampling_params(rows, temperature, top_p, max_tokens, s))
-            else:
+                params.append(self._sampling_params(rows, temperature, top_p, max_tokens, request_seed(s)))
+            else:  # one request per sample, seeded as vLLM would seed the j-th sample of one request
                 reqs += [pr] * len(L)
-                params += [self._sampling_params(1, temperature, top_p, l, (s + 7919 * j) % 2**31, forced=True)
+                params += [self._sampling_params(1, temperature, top_p, l, request_seed(s) + j, forced=True)
                            for j, l in enumerate(L)]
             per_item.append(1 if L is None else len(L))
         outs = self.llm.generate(reqs, params, use_tqdm=False)

@@ -173,3 +173,50 @@ def test_text_only_model():
     rec = dict(prompt_ids=ids, raw_prompt_ids=ids, images=[], mm_inputs={}, answer="", prompt_text="")
     out = eng.generate([rec], n=2, temperature=1.0, top_p=1.0, max_tokens=6, seeds=[0])[0]
     assert len(out) == 2 and all(len(o["response_ids"]) == len(o["logprobs"]) for o in out)
+
+
+def test_vllm_samples_of_a_run_never_share_a_seed(monkeypatch):
+    """vLLM seeds the j-th sample of a request with `seed + j` (vllm/v1/engine/parallel_sampling.py). With the
+    trainer's consecutive per-prompt seeds passed on as they were, prompts pos and pos + 1 shared n - 1 noise streams
+    and the next step reused them (the Qwen3-VL demo with vLLM never sampled "white": validation stuck at 0.755).
+    VLLMRollout.generate runs here against a stand-in LLM that applies vLLM's rule; every sample of 30 steps of the
+    demo's batch (training, validation and the forced benchmark path) must get its own seed."""
+    import sys
+    import types
+
+    import grpo
+
+    class SamplingParams:
+        def __init__(self, n=1, seed=None, max_tokens=1, **kw):
+            self.n, self.seed, self.max_tokens = n, seed, max_tokens
+
+    seen = []  # one seed per sample, as vLLM derives them
+
+    class LLM:
+        def generate(self, reqs, params, use_tqdm=False):
+            outs = []
+            for p in params:
+                seen.extend(p.seed + j for j in range(p.n))
+                outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5] * p.max_tokens,
+                                                                                 logprobs=None)] * p.n))
+            return outs
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=SamplingParams))
+    eng = object.__new__(rollout.VLLMRollout)
+    eng.llm, eng.tp_group, eng.weights_lost, eng.asleep = LLM(), None, False, set()
+    eng.eos_ids, eng.forbidden_ids, eng.model_type, eng.processed_logprobs = [1], [], "qwen2_5_vl", True
+    cfg = grpo.Config(seed=1)
+    prompt = {"raw_prompt_ids": [3, 4]}
+    n, batch = 16, 16
+
+    def seeds(positions):  # what grpo.generate_and_score passes
+        return [(cfg.seed * 1_000_003 + pos) % 2**31 for pos in positions]
+
+    for step in range(30):
+        pos = list(range(step * batch, (step + 1) * batch))
+        eng.generate([prompt] * batch, n, 1.0, 1.0, 4, seeds(pos))
+    val = [-1 - j for j in range(200)]
+    eng.generate([prompt] * 200, 1, 0.7, 1.0, 4, seeds(val))
+    eng.generate([prompt] * 8, 8, 1.0, 1.0, 4, seeds(range(10_000, 10_008)), lengths=[[2] * 8] * 8)
+    assert len(seen) == 30 * batch * n + 200 + 64
+    assert len(set(seen)) == len(seen), f"{len(seen) - len(set(seen))} samples reuse another sample's seed"
