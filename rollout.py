@@ -436,7 +436,17 @@ class VLLMRollout:
         self._reset_caches()
         if not self.sleep_mode or self.asleep:
             return
-        self.llm.sleep(level=self.sleep_level)
+        try:
+            self.llm.sleep(level=self.sleep_level)
+        except AssertionError as e:
+            # vLLM's worker compares the whole device's free memory before and after releasing its own: another
+            # process on this GPU allocating meanwhile (runs side by side, matrix.py) fails that check after the
+            # memory was released, and before the executor marks itself asleep; without that mark wake_up would
+            # leave the weights unmapped. (vllm/v1/worker/gpu_worker.py sleep, v1/executor/abstract.py sleep)
+            if "Memory usage increased after sleeping" not in str(e):
+                raise
+            executor = self.llm.llm_engine.model_executor
+            executor.sleeping_tags, executor.is_sleeping = {"weights", "kv_cache"}, True
         self.asleep = {"weights", "kv_cache"}
         self.weights_lost = self.sleep_level >= 2
 

@@ -220,3 +220,39 @@ def test_vllm_samples_of_a_run_never_share_a_seed(monkeypatch):
     eng.generate([prompt] * 8, 8, 1.0, 1.0, 4, seeds(range(10_000, 10_008)), lengths=[[2] * 8] * 8)
     assert len(seen) == 30 * batch * n + 200 + 64
     assert len(set(seen)) == len(seen), f"{len(seen) - len(set(seen))} samples reuse another sample's seed"
+
+
+def test_sleep_survives_another_process_allocating(monkeypatch):
+    """vLLM's sleep asserts that the device's free memory grew, which another process on the GPU can break after the
+    engine released its memory (two matrix rows died of it at steps 42 and 135); the engine must then still count as
+    asleep, so that wake() maps its weights back, while any other assertion still stops the run."""
+    import types
+
+    class Executor:
+        is_sleeping, sleeping_tags = False, set()
+
+    class LLM:
+        def __init__(self, message):
+            self.llm_engine = types.SimpleNamespace(model_executor=Executor())
+            self.message, self.woken = message, []
+
+        def reset_prefix_cache(self):
+            pass
+
+        def sleep(self, level):
+            raise AssertionError(self.message)
+
+        def wake_up(self, tags=None):
+            self.woken.append(tags)
+
+    eng = object.__new__(rollout.VLLMRollout)
+    eng.sleep_mode, eng.sleep_level, eng.asleep, eng.weights_lost = True, 1, set(), False
+    eng.llm = LLM("Memory usage increased after sleeping.")
+    monkeypatch.setattr(rollout.torch.cuda, "empty_cache", lambda: None)
+    eng.sleep()
+    assert eng.asleep == {"weights", "kv_cache"} and eng.llm.llm_engine.model_executor.is_sleeping
+    eng.wake()
+    assert eng.llm.woken == [["weights", "kv_cache"]] and not eng.asleep
+    eng.llm, eng.asleep = LLM("something else"), set()
+    with pytest.raises(AssertionError):
+        eng.sleep()
