@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 import tyro
 
+import flops
 import fsdp_actor as actor
 import memory
-from data import UserError
+from common import UserError
 
 # options that may change when a run is resumed: when to stop, validate, save and log, and engine / memory knobs that
 # do not change what is computed. Anything else (data, model, algorithm, batch sizes, seed, ...) must stay the same.
@@ -301,8 +302,6 @@ def step_metrics(ctx, samples, T, peaks, so_far):
     """A training step's metrics beside the update's: rewards and lengths, seconds per phase (T), tokens per second,
     MFU (model FLOPs of the step's real tokens, veRL's convention in flops.py, over the phase's seconds x peak) and
     memory (memory.metrics: peaks per phase, the engine's share; so_far: the step's metrics until now)."""
-    import flops
-    import memory
     cfg, out = ctx.cfg, sample_metrics(ctx, samples, "reward")
     n_tok = float(actor.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
     out.update({f"timing/{k}": v for k, v in T.items()})

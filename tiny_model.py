@@ -9,6 +9,9 @@ Both save with save_pretrained (model, tokenizer, processor, generation_config) 
 (AutoModel*, AutoProcessor, vLLM) loads them exactly like a hub checkpoint. Builds are cached: a
 marker file is written last inside a temp dir that is then renamed into place, so a crashed build
 never looks complete.
+
+Below them, the demos' settings (DEMO, TEXT_DEMO, VIDEO_DEMO) and their synthetic tasks (pictures, clips, the
+largest digit), written on first use; data.py reaches the tasks through data_files.
 """
 import io
 import json
@@ -20,6 +23,8 @@ import zlib
 
 import torch
 from PIL import Image, ImageDraw
+
+from common import UserError
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
@@ -528,13 +533,60 @@ def demo_max_data(data_dir=None, n_train=4000, n_val=200):
         make_max_dataset(val, n_val, seed=1, split="val")
     if not os.path.isfile(train):
         make_max_dataset(train, n_train, seed=0, split="train")
-    seen = set(_data().load_rows(val)["problem"]) & set(_data().load_rows(train)["problem"])  # the cached files too, every time
+    seen = set(_questions(val)) & set(_questions(train))  # the cached files too, every time
     if seen:
-        raise _data().UserError(f"{len(seen)} validation questions occur in {train} (e.g. {min(seen)!r}): validation would "
+        raise UserError(f"{len(seen)} validation questions occur in {train} (e.g. {min(seen)!r}): validation would "
                         f"not be unseen; delete {data_dir} to have it made again")
     return train, val
 
 
-def _data():  # data.py imports this file's tasks lazily; importing it here at the top would be circular
-    import data
-    return data
+def _questions(path):
+    """The problem column of a parquet file of make_max_dataset (as data.load_rows reads it)."""
+    import datasets
+    return datasets.load_dataset("parquet", data_files=path, split="train")["problem"]
+
+
+# ================================================================================ the video demo's task
+VIDEO_QUESTION = "<video>Which colour does the video end with?"
+
+
+def draw_clip(rng: random.Random, n_frames=4):
+    """A clip whose first half is one colour and second half another (jittered per frame, one grey shape that
+    moves): the answer is in its last frames only. Returns (frames, first colour, last colour)."""
+    w, h = rng.randint(56, 84), rng.randint(56, 84)
+    first, last = rng.sample(list(COLORS), 2)
+    s = rng.randint(int(0.2 * min(w, h)), int(0.35 * min(w, h)))
+    frames = []
+    for i in range(n_frames):
+        color = first if i < n_frames // 2 else last
+        img = Image.new("RGB", (w, h), jittered(rng, color))
+        x, y = rng.randint(0, w - s), rng.randint(0, h - s)
+        ImageDraw.Draw(img).ellipse([x, y, x + s - 1, y + s - 1], fill=(rng.randint(90, 170),) * 3)
+        frames.append(img)
+    return frames, first, last
+
+
+def make_video_dataset(out_path: str, n_rows: int, seed: int) -> str:
+    """EasyR1-format parquet (problem, answer, videos=[[frame PNGs]]) of the video demo; written atomically."""
+    import datasets
+    rng = random.Random(seed)
+    rows = {"problem": [], "answer": [], "videos": []}
+    for _ in range(n_rows):
+        frames, _, last = draw_clip(rng)
+        rows["problem"].append(VIDEO_QUESTION)
+        rows["answer"].append(last)
+        rows["videos"].append([[png_item(f) for f in frames]])
+    features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
+                                  "videos": datasets.List(datasets.List(datasets.Image()))})
+    return write_parquet(rows, out_path, features)
+
+
+def demo_video_data(data_dir=None, n_train=2000, n_val=200):
+    """(train_path, val_path) of the video demo (--demo-task video); created once. Different seeds -> unseen clips."""
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/video-v1")
+    train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
+    if not os.path.isfile(train):
+        make_video_dataset(train, n_train, seed=0)
+    if not os.path.isfile(val):
+        make_video_dataset(val, n_val, seed=1)
+    return train, val
