@@ -16,15 +16,16 @@ import re
 import sys
 from typing import Annotated
 
+import jinja2
 import torch
 import torch.distributed as dist
 import tyro
 from PIL import Image
 
-import config
 import tiny_model
 import video
 from common import MAX_PIXELS, MIN_PIXELS, UserError, first_line, one_line_errors
+from config import Config
 from video import to_pil
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "<image>", "<video>"
@@ -52,7 +53,7 @@ def load_rows(source: str, split: str = "train"):
     """Rows from a hub dataset ("name" or "name@split"), a .parquet/.json/.jsonl file, or a
     folder of such files (split inferred from file names, like EasyR1). Images stay undecoded
     ({"bytes", "path"}) until encode_prompt: a bad one is then a row's error, not the loader's."""
-    import datasets
+    import datasets  # slow to import (~2 s): only where data are read or written
     source, split = _split_source(source, split)
     path = os.path.expanduser(source)
     if os.path.isdir(path):
@@ -81,7 +82,7 @@ def load_rows(source: str, split: str = "train"):
 
 
 def _undecoded_images(rows):
-    import datasets
+    import datasets  # slow to import (~2 s): only where data are read or written
     def undecoded(feature):  # Image, List(Image) (images) or List(List(Image)) (videos as frames) -> decode=False
         if isinstance(feature, datasets.Image):
             return datasets.Image(decode=False)
@@ -139,7 +140,7 @@ def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: i
     its image-token counts differ from ours). Without torchvision, transformers 5 cannot build
     Qwen-VL processors (the video and Auto image processors need it), so we assemble one from
     its parts with the PIL image backend."""
-    import transformers
+    import transformers  # slow to import (~2 s): only where a model or processor loads
     check_model_path(model_path)
     try:
         proc = _processor_without_torchvision(model_path) or transformers.AutoProcessor.from_pretrained(model_path)
@@ -158,7 +159,7 @@ def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: i
 
 def _processor_without_torchvision(model_path):
     """Qwen2(.5)-VL's processor from its parts with the PIL image backend; None where AutoProcessor works."""
-    import transformers
+    import transformers  # slow to import (~2 s): only where a model or processor loads
     from transformers.utils import is_torchvision_available
     names = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
     if is_torchvision_available():
@@ -201,7 +202,6 @@ def resize_image(img: Image.Image, min_pixels: int, max_pixels: int) -> Image.Im
 @functools.lru_cache(maxsize=16)
 def _template(format_prompt: str):
     """A jinja template from a string or a .jinja file path (cached: called once per row)."""
-    import jinja2
     path = os.path.expanduser(format_prompt)
     if format_prompt.endswith(".jinja") or os.path.isfile(path):
         if not os.path.isfile(path):
@@ -475,13 +475,13 @@ def check_main(argv) -> int:
     counts. Returns 2 when a row is bad, 0 otherwise; --model-path's tokenizer counts the prompt tokens."""
     def field(f, marker):  # grpo's option as it is there; the help text grpo.py --help shows (tyro reads comments)
         try:
-            marker = marker or tyro.conf.arg(help=tyro._docstrings.get_field_docstring(config.Config, f.name, ()))
+            marker = marker or tyro.conf.arg(help=tyro._docstrings.get_field_docstring(Config, f.name, ()))
         except Exception:  # a private helper of tyro: without it the options lose their help, not their use
             marker = tyro.conf.arg()
         return (f.name, Annotated[f.type, marker], dataclasses.field(default=f.default) if f.default is not
                 dataclasses.MISSING else dataclasses.field(default_factory=f.default_factory))
-    fields = [field(f, None if f.name in DATA_OPTIONS else tyro.conf.Suppress) for f in dataclasses.fields(config.Config)]
-    Check = dataclasses.make_dataclass("CheckConfig", fields, bases=(config.Config,))
+    fields = [field(f, None if f.name in DATA_OPTIONS else tyro.conf.Suppress) for f in dataclasses.fields(Config)]
+    Check = dataclasses.make_dataclass("CheckConfig", fields, bases=(Config,))
     kw = dict(args=argv, prog="data.py check", description=" ".join(check_main.__doc__.split()))
     cfg = tyro.cli(Check, **kw)
     if not cfg.model_path:  # the demo: its data defaults, as grpo.py applies them (a flag still wins)

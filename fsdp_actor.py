@@ -48,7 +48,7 @@ def init_distributed():
 # ----------------------------------------------------------------------------------------------- model
 def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
     """A VLM through AutoModelForImageTextToText, else a text LLM through AutoModelForCausalLM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # slow to import (~2 s)
     kw = dict(dtype=dtype, **({"attn_implementation": attn_implementation} if attn_implementation else {}))
     try:
         model = AutoModelForImageTextToText.from_pretrained(path, **kw)
@@ -271,7 +271,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     FSDP2's CPUOffloadPolicy, which keeps the sharded weights, their gradients and hence the optimizer state and
     step on the host (FSDP2 offers the three only together), each unit's shard copied in just before its
     all-gather; a frozen model is kept on the host whole instead."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh  # (FSDP2's modules: ~1 s to import)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
     hf.config.use_cache = False

@@ -327,7 +327,7 @@ def oom_explained(ctx, step):
 # ----------------------------------------------------------------------------------------------- comparison
 def _flat_checkpoint(path):
     """(model tensors, optimizer state) of a checkpoint folder, read on one process (a temporary torch.save)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # only `memory.py compare` reads one
     with tempfile.TemporaryDirectory() as d:
         dcp_to_torch_save(path, os.path.join(d, "ck.pt"))
         ck = torch.load(os.path.join(d, "ck.pt"), weights_only=False)
@@ -374,7 +374,7 @@ def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visu
     tower too, unless targeted: vLLM takes no LoRA on the vision encoder, so it is excluded by default). The
     PeftModel wrapper is dropped: the trainer keeps calling the HF model, whose layers now carry the adapters.
     `modules_to_save` (peft's): modules trained in full next to the adapters, e.g. lm_head."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # peft: slow to import (~3 s)
     targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
     peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
                                                exclude_modules=exclude_modules or None,
@@ -386,7 +386,7 @@ def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visu
 
 def lora_layers(model):
     """{module name: LoRA scale} of the LoRA-wrapped layers ({} without LoRA)."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft: slow to import (~3 s)
     hf = getattr(model, "hf", model)
     return {n: m.scaling["default"] for n, m in hf.named_modules() if isinstance(m, LoraLayer)}
 
@@ -394,7 +394,7 @@ def lora_layers(model):
 @contextlib.contextmanager
 def adapters_disabled(model):
     """The base model, i.e. the reference policy of a LoRA run: no second copy of the weights."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft: slow to import (~3 s)
     from peft.utils.other import ModulesToSaveWrapper
     layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
     # the flag peft's own enable_adapters(False) sets, without its requires_grad switch: FSDP2 fixes each unit's

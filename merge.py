@@ -92,7 +92,7 @@ def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
 def copy_tokenizer_files(path, out):
     """Tokenizer, processor, chat template and generation config, so the folder is complete on its own."""
     if not os.path.isdir(path):  # a hub name: fetch the small files only
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # only for a hub name
         path = snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"])
     for name in os.listdir(path):
         src = os.path.join(path, name)

@@ -22,6 +22,7 @@ import tempfile
 import zlib
 
 import torch
+import torch.distributed as dist
 from PIL import Image, ImageDraw
 
 from common import UserError
@@ -81,8 +82,8 @@ def build_tokenizer(vocab_size=512, split_digits=False):
     """Byte-level BPE (like Qwen's) trained on the synthetic corpus, plus Qwen special tokens. split_digits: one
     token per digit, as Qwen's own tokenizers do (the Qwen3 models use it: numbers then read digit by digit; the
     older tiny models keep the merged numbers their demo numbers were measured with)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # slow to import (~2 s)
+    from transformers import PreTrainedTokenizerFast  # slow to import (~2 s)
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -111,14 +112,14 @@ def _token_ids(tok):
 # ----------------------------------------------------------------------------- configs
 def _vl_classes(arch):
     if arch == "qwen2_5_vl":
-        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,  # slow to import (~2 s)
                                   Qwen2_5_VLProcessor)
         return Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
     if arch == "qwen2_vl":
-        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor  # slow to import
         return Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
     if arch == "qwen3_vl":
-        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor  # slow to import
         return Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
     raise ValueError(f"unknown VL arch {arch!r}; expected one of {ARCHS}")
 
@@ -150,7 +151,7 @@ def tiny_config(arch, ids, vocab_size):
     if arch == "qwen3_vl":
         text["rope_parameters"]["mrope_interleaved"] = True  # what vLLM reads; transformers always interleaves
     if arch in TEXT_ARCHS:
-        from transformers import Qwen2Config, Qwen3Config
+        from transformers import Qwen2Config, Qwen3Config  # slow to import (~2 s)
         cfg = (Qwen3Config if arch == "qwen3" else Qwen2Config)(**text)
         cfg.architectures = ["Qwen3ForCausalLM" if arch == "qwen3" else "Qwen2ForCausalLM"]
         return cfg
@@ -236,7 +237,7 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
     processor refuses to exist without a video processor, and that needs torchvision, which the
     CPU box lacks. Machines with torchvision load these files with plain AutoProcessor; without
     it, use data.load_processor."""
-    import transformers
+    import transformers  # slow to import (~2 s)
     # The PIL backend (transformers 5: *Pil; 4.x: the slow class) works without torchvision and
     # saves as the plain "Qwen2VLImageProcessor" type, so each machine picks its own backend.
     ImgProc = getattr(transformers, "Qwen2VLImageProcessorPil", None)
@@ -274,7 +275,7 @@ def _write_json(path, obj):
 
 
 def _save_generation_config(ids, out):
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # slow to import (~2 s)
     GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
                      pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"],
                      do_sample=False).save_pretrained(out)
@@ -314,7 +315,6 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
     """Build (or reuse) the tiny random model; returns its folder (pass it to from_pretrained). rank: under
     torch.distributed, rank 0 builds and the others wait for it."""
     if rank is not None:
-        import torch.distributed as dist
         if rank == 0:
             build_tiny_model(out_dir, arch, seed)
         dist.barrier()
@@ -329,7 +329,7 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
         cfg = tiny_config(arch, ids, vocab_size)
         torch.manual_seed(seed)
         if arch in TEXT_ARCHS:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM  # slow to import (~2 s)
             model = AutoModelForCausalLM.from_config(cfg)
         else:
             model = _vl_classes(arch)[1](cfg)
@@ -425,7 +425,7 @@ def png_item(img):
 def write_parquet(rows, out_path, features=None):
     """Rows (column -> list) to a parquet file, written whole and then renamed: a reader (or a crash) never sees
     half a file. Returns the absolute path."""
-    import datasets
+    import datasets  # slow to import (~2 s): only where a task's data are written or read
     out_path = os.path.abspath(os.path.expanduser(out_path))
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
@@ -462,7 +462,7 @@ def draw_color_image(rng: random.Random):
 
 def make_color_dataset(out_path: str, n_rows: int, seed: int) -> str:
     """EasyR1-format parquet (problem, answer, images=[{"bytes": png}]); written atomically."""
-    import datasets
+    import datasets  # slow to import (~2 s): only where a task's data are written or read
     rng = random.Random(seed)
     rows = {"problem": [], "answer": [], "images": []}
     for _ in range(n_rows):
@@ -542,7 +542,7 @@ def demo_max_data(data_dir=None, n_train=4000, n_val=200):
 
 def _questions(path):
     """The problem column of a parquet file of make_max_dataset (as data.load_rows reads it)."""
-    import datasets
+    import datasets  # slow to import (~2 s): only where a task's data are written or read
     return datasets.load_dataset("parquet", data_files=path, split="train")["problem"]
 
 
@@ -568,7 +568,7 @@ def draw_clip(rng: random.Random, n_frames=4):
 
 def make_video_dataset(out_path: str, n_rows: int, seed: int) -> str:
     """EasyR1-format parquet (problem, answer, videos=[[frame PNGs]]) of the video demo; written atomically."""
-    import datasets
+    import datasets  # slow to import (~2 s): only where a task's data are written or read
     rng = random.Random(seed)
     rows = {"problem": [], "answer": [], "videos": []}
     for _ in range(n_rows):

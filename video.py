@@ -11,6 +11,7 @@ import io
 import math
 import os
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
@@ -88,7 +89,7 @@ def _decode_video_file(path, image_dir, fps, max_frames):
     if not os.path.isfile(path):
         raise UserError(f"video file not found: {path!r}")
     try:
-        import av
+        import av  # optional (PyAV): only video files need it
     except ImportError as e:
         raise UserError(f"video file {path!r}: decoding video files needs PyAV (pip install av); a list of frames "
                         "needs nothing") from e
@@ -139,7 +140,6 @@ def smart_resize(h, w, factor, min_pixels, max_pixels, frames=1):
 def prepare_video(frames, proc, min_pixels, max_pixels):
     """PIL frames -> uint8 array [T, H, W, 3]: T padded to a multiple of the temporal patch with the last frame, every
     frame at the size the processor picks for the first one (Qwen3-VL: for the clip; see smart_resize)."""
-    import numpy as np
     patch, tps, merge, _, _ = vision_params(proc)
     frames = frames + [frames[-1]] * (-len(frames) % tps)
     clip = len(frames) if _arch(proc) == "qwen3_vl" else 1
