@@ -29,6 +29,7 @@ from dataclasses import replace
 import data
 import grpo
 import memory
+import tiny_model
 
 WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
          "of x if is parallel to perpendicular measure degrees round answer nearest tenth").split()
@@ -38,8 +39,6 @@ def make_geo_dataset(path, n_rows, tokenizer, seed=0, size=512, text_tokens=100)
     """EasyR1-format parquet: one size x size line drawing per row and a question of about `text_tokens` tokens
     under `tokenizer` (the model's: the BPE built in code splits these words finer than Qwen's would)."""
     from PIL import Image, ImageDraw
-
-    import tiny_model
     rng = random.Random(seed)
     rows = {"problem": [], "answer": [], "images": []}
     for _ in range(n_rows):
@@ -236,7 +235,6 @@ GIB = 2**30
 
 def model_dims(preset):
     """Parameter counts and the dimensions the activations scale with, of a bench preset (meta device: no memory)."""
-    import tiny_model
     cfg = tiny_model.preset_config(preset, tiny_model._token_ids(tiny_model.build_tokenizer()))
     t = cfg.text_config
     params = tiny_model.count_params(cfg)
@@ -405,7 +403,6 @@ def main():
     # v2: ~100 text tokens under the model's own tokenizer (v1 had ~360: 95 words, split finely by the BPE)
     model_path, data_path = os.path.join(workdir, "model"), os.path.join(workdir, "geo-v2.parquet")
     if rank == 0:  # rank 0 builds (once, cached); the others wait for its marker file
-        import tiny_model
         os.makedirs(workdir, exist_ok=True)
         tiny_model.build_random_model(model_path, preset)
         if not os.path.exists(data_path):

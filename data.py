@@ -7,35 +7,32 @@ prompt record (see encode_prompt): prompt_ids (image and video pads expanded, wh
 their frame rates, processor outputs (mm_inputs), answer, prompt_text.
 """
 import collections
+import dataclasses
 import functools
 import glob
-import io
 import math
 import os
 import re
 import sys
+from typing import Annotated
 
+import jinja2
 import torch
-from PIL import Image, UnidentifiedImageError
+import torch.distributed as dist
+import tyro
+from PIL import Image
+
+import tiny_model
+import video
+from common import MAX_PIXELS, MIN_PIXELS, UserError, first_line, one_line_errors
+from config import Config
+from video import to_pil
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "<image>", "<video>"
 # Text-only keys of the processor output: per-token tensors that are rebuilt by whoever builds
 # the full (prompt + response) sequence, so they do not belong in the per-prompt mm_inputs.
 TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 DATA_EXTS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
-# EasyR1 defaults (data.min_pixels / data.max_pixels).
-MIN_PIXELS, MAX_PIXELS = 262144, 4194304
-
-
-
-class UserError(ValueError):
-    """A mistake in what the user gave (an option, a file, a data row, a reward file). grpo.py and dapo.py print
-    its message as one `error:` line (rank 0 only, unless rank_local: only the rank that raised it saw it) and exit
-    with code 2, no traceback."""
-
-    def __init__(self, message, rank_local=False):
-        super().__init__(message)
-        self.rank_local = rank_local
 
 
 class BadRow(UserError):
@@ -56,7 +53,7 @@ def load_rows(source: str, split: str = "train"):
     """Rows from a hub dataset ("name" or "name@split"), a .parquet/.json/.jsonl file, or a
     folder of such files (split inferred from file names, like EasyR1). Images stay undecoded
     ({"bytes", "path"}) until encode_prompt: a bad one is then a row's error, not the loader's."""
-    import datasets
+    import datasets  # slow to import (~2 s): only where data are read or written
     source, split = _split_source(source, split)
     path = os.path.expanduser(source)
     if os.path.isdir(path):
@@ -85,7 +82,7 @@ def load_rows(source: str, split: str = "train"):
 
 
 def _undecoded_images(rows):
-    import datasets
+    import datasets  # slow to import (~2 s): only where data are read or written
     def undecoded(feature):  # Image, List(Image) (images) or List(List(Image)) (videos as frames) -> decode=False
         if isinstance(feature, datasets.Image):
             return datasets.Image(decode=False)
@@ -126,11 +123,6 @@ def looks_like_hub_name(name: str) -> bool:
             and os.path.splitext(name)[1] not in DATA_EXTS)
 
 
-def first_line(e: BaseException) -> str:
-    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
-
-
 def check_model_path(model_path: str):
     """A local folder must exist (transformers would say "Repo id must be in the form ..." instead); an
     "org/name" that is not on disk is a hub name, checked when the processor loads."""
@@ -148,7 +140,7 @@ def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: i
     its image-token counts differ from ours). Without torchvision, transformers 5 cannot build
     Qwen-VL processors (the video and Auto image processors need it), so we assemble one from
     its parts with the PIL image backend."""
-    import transformers
+    import transformers  # slow to import (~2 s): only where a model or processor loads
     check_model_path(model_path)
     try:
         proc = _processor_without_torchvision(model_path) or transformers.AutoProcessor.from_pretrained(model_path)
@@ -167,7 +159,7 @@ def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: i
 
 def _processor_without_torchvision(model_path):
     """Qwen2(.5)-VL's processor from its parts with the PIL image backend; None where AutoProcessor works."""
-    import transformers
+    import transformers  # slow to import (~2 s): only where a model or processor loads
     from transformers.utils import is_torchvision_available
     names = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
     if is_torchvision_available():
@@ -193,41 +185,6 @@ def _processor_without_torchvision(model_path):
 
 
 # ----------------------------------------------------------------------------- images
-def to_pil(item, image_dir=None) -> Image.Image:
-    """Decode any image encoding found in datasets into an RGB PIL image."""
-    if isinstance(item, Image.Image):
-        return item.convert("RGB")
-    if isinstance(item, dict):  # datasets' Image feature: {"bytes": ..., "path": ...}
-        if item.get("bytes"):
-            return to_pil(item["bytes"])
-        if item.get("path"):
-            return to_pil(item["path"], image_dir)
-        raise UserError(f"image dict has neither 'bytes' nor 'path': keys {sorted(item)}")
-    if isinstance(item, (bytes, bytearray)):
-        try:
-            img = Image.open(io.BytesIO(item))
-            img.load()
-        except Exception as e:
-            raise UserError(f"could not decode {len(item)} image bytes ({_pil_reason(e)})") from e
-        return img.convert("RGB")
-    if isinstance(item, (str, os.PathLike)):
-        path = os.fspath(item)
-        if image_dir is not None and not os.path.isabs(path):
-            path = os.path.join(image_dir, path)
-        if not os.path.isfile(path):
-            raise UserError(f"image file not found: {path!r}")
-        try:
-            with Image.open(path) as img:
-                return img.convert("RGB")
-        except Exception as e:
-            raise UserError(f"could not decode image file {path!r} ({_pil_reason(e)})") from e
-    raise UserError(f"unsupported image type {type(item).__name__}")
-
-
-def _pil_reason(e):
-    return "not an image format PIL can read" if isinstance(e, UnidentifiedImageError) else first_line(e)
-
-
 def resize_image(img: Image.Image, min_pixels: int, max_pixels: int) -> Image.Image:
     """EasyR1/Qwen pixel budget: scale (keeping aspect) into [min_pixels, max_pixels]. Floor
     when shrinking and ceil when growing, so the bound holds (unless a side is clamped to 1)."""
@@ -245,7 +202,6 @@ def resize_image(img: Image.Image, min_pixels: int, max_pixels: int) -> Image.Im
 @functools.lru_cache(maxsize=16)
 def _template(format_prompt: str):
     """A jinja template from a string or a .jinja file path (cached: called once per row)."""
-    import jinja2
     path = os.path.expanduser(format_prompt)
     if format_prompt.endswith(".jinja") or os.path.isfile(path):
         if not os.path.isfile(path):
@@ -286,7 +242,6 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
     """Everything a row must pass, then (chat text with one pad per image and video, resized images, prepared videos
     [T, H, W, 3], their frame rates, answer, prompt text). A bad row raises BadRow; a mistake that no row can pass
     (a text model given images) a plain UserError."""
-    import video  # (it imports this module)
     prompt, answer = row.get(prompt_key), row.get(answer_key)
     if prompt is None or not str(prompt).strip():
         raise BadRow(NO_PROMPT, f"{prompt_key!r} is {prompt!r}")
@@ -327,7 +282,6 @@ def encode_prompt(row: dict, processor_or_tokenizer, **encode_kwargs) -> dict:
     resized frames) and video_fps, mm_inputs (the processor's tensors: pixel_values [P, D], image_grid_thw [I, 3],
     pixel_values_videos, video_grid_thw [V, 3], ...; {} for text), answer, prompt_text. encode_kwargs: the keys,
     image_dir, format_prompt and the pixel/video options of _prompt_parts."""
-    import video  # (it imports this module)
     proc = processor_or_tokenizer
     tok = getattr(proc, "tokenizer", proc)  # a processor wraps a tokenizer; a tokenizer is one
     templated, images, videos, fps, answer, text = _prompt_parts(row, proc, **encode_kwargs)
@@ -355,7 +309,6 @@ def prompt_length(row: dict, proc, **encode_kwargs) -> int:
     """len(encode_prompt(row)["prompt_ids"]) at a third of the cost: each image's one pad becomes the number of
     tokens the image processor gives an image of its size, without processing its pixels (videos: from their
     frame counts and sizes)."""
-    import video  # (it imports this module)
     templated, images, videos, fps, _, _ = _prompt_parts(row, proc, **encode_kwargs)
     n = len(getattr(proc, "tokenizer", proc).encode(templated, add_special_tokens=False))
     if videos:
@@ -478,12 +431,10 @@ def _epoch_perm(N, seed):
 def data_files(cfg):
     """(train files, validation files, format prompt) of cfg's data options; the demo's synthetic task (written on
     first use) when --train-files is empty: the largest digit for the text demo, clips or pictures for the VL ones."""
-    import tiny_model
-    import video
     if cfg.train_files:
         return cfg.train_files, cfg.val_files, cfg.format_prompt
     text = not cfg.model_path and cfg.demo_model == "qwen3"
-    make = (tiny_model.demo_max_data if text else video.demo_video_data if cfg.demo_task == "video" else
+    make = (tiny_model.demo_max_data if text else tiny_model.demo_video_data if cfg.demo_task == "video" else
             tiny_model.demo_data)
     fmt = tiny_model.NUMBER_FORMAT_PROMPT if text else tiny_model.DEMO_FORMAT_PROMPT
     return (*make(), cfg.format_prompt if cfg.format_prompt is not None else fmt)
@@ -493,9 +444,6 @@ def load_datasets(cfg, model_path, say=print):
     """grpo.py's data: the processor (or tokenizer) of model_path and the train and validation PromptDatasets of
     cfg's data options (data_files: rank 0 writes a demo's task, the others wait). Every row is checked here,
     before the model loads; the same on every rank, so all raise together."""
-    import torch.distributed as dist
-
-    import video
     if dist.get_rank() == 0:
         data_files(cfg)
     dist.barrier()
@@ -525,30 +473,21 @@ def check_main(argv) -> int:
     """`python data.py check [grpo.py's data options]`: reads every row of --train-files and --val-files (the demo's
     colour task when empty) and prints each bad one with its row number in the source and the reason, then the
     counts. Returns 2 when a row is bad, 0 otherwise; --model-path's tokenizer counts the prompt tokens."""
-    import video  # (it imports this module)
-    import dataclasses
-    from typing import Annotated
-
-    import tyro
-
-    import grpo
-
     def field(f, marker):  # grpo's option as it is there; the help text grpo.py --help shows (tyro reads comments)
         try:
-            marker = marker or tyro.conf.arg(help=tyro._docstrings.get_field_docstring(grpo.Config, f.name, ()))
+            marker = marker or tyro.conf.arg(help=tyro._docstrings.get_field_docstring(Config, f.name, ()))
         except Exception:  # a private helper of tyro: without it the options lose their help, not their use
             marker = tyro.conf.arg()
         return (f.name, Annotated[f.type, marker], dataclasses.field(default=f.default) if f.default is not
                 dataclasses.MISSING else dataclasses.field(default_factory=f.default_factory))
-    fields = [field(f, None if f.name in DATA_OPTIONS else tyro.conf.Suppress) for f in dataclasses.fields(grpo.Config)]
-    Check = dataclasses.make_dataclass("CheckConfig", fields, bases=(grpo.Config,))
+    fields = [field(f, None if f.name in DATA_OPTIONS else tyro.conf.Suppress) for f in dataclasses.fields(Config)]
+    Check = dataclasses.make_dataclass("CheckConfig", fields, bases=(Config,))
     kw = dict(args=argv, prog="data.py check", description=" ".join(check_main.__doc__.split()))
     cfg = tyro.cli(Check, **kw)
     if not cfg.model_path:  # the demo: its data defaults, as grpo.py applies them (a flag still wins)
-        demo = {k: v for k, v in grpo.DEMO.items() if k in DATA_OPTIONS}
+        demo = {k: v for k, v in tiny_model.DEMO.items() if k in DATA_OPTIONS}
         cfg = tyro.cli(Check, default=dataclasses.replace(Check(), **demo), **kw)
     check_model_path(cfg.model_path)
-    import tiny_model
     model_path = cfg.model_path or tiny_model.build_tiny_model(arch=cfg.demo_model)
     train_files, val_files, fmt = data_files(cfg)
     sources = [("--train-files", train_files), ("--val-files", val_files)]
@@ -585,6 +524,5 @@ if __name__ == "__main__":
         print("usage: python data.py check [--train-files ... --val-files ... --model-path ... (grpo.py's data "
               "options; --help lists them)]", file=sys.stderr)
         sys.exit(2)
-    from easyr1_config import one_line_errors
     with one_line_errors():
         sys.exit(check_main(sys.argv[2:]))

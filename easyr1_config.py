@@ -4,10 +4,9 @@ unchanged (`grpo.py --config examples/config.yaml`), then the flags; and the che
 TABLE holds every EasyR1 key: the option it sets here (converted where the two spell a value differently), or none
 and why. A key whose value would change the result but cannot be honoured stops the run with the reason; a key with
 no effect here is listed at start; an unknown key (a typo) stops the run. Flags given on the command line override
-the file. Keys absent from the file keep this project's defaults (EasyR1's example values, see grpo.Config), not
+the file. Keys absent from the file keep this project's defaults (EasyR1's example values, see config.Config), not
 EasyR1's dataclass defaults. `python easyr1_config.py` prints the README's migration table (a test keeps it equal).
 """
-import contextlib
 import os
 import tempfile
 import typing
@@ -15,7 +14,7 @@ import typing
 import yaml
 
 import data
-from data import UserError
+from common import UserError
 
 
 def _off(v):  # EasyR1's -1 means off / unlimited; here that is 0
@@ -331,7 +330,8 @@ def cli(cls, demo, args=None, text_demo=None, video_demo=None):
     from dataclasses import asdict, replace
 
     import tyro
-    desc = (f"{sys.modules[cls.__module__].__doc__.splitlines()[0]} Defaults shown are EasyR1's; the demo (no "
+    script = sys.modules["__main__"].__doc__ or sys.modules[cls.__module__].__doc__  # grpo.py's Config is config.py's
+    desc = (f"{script.splitlines()[0]} Defaults shown are EasyR1's; the demo (no "
             "--model-path) uses " + ", ".join(f"{k}={v}" for k, v in demo.items()) + ".")
     first = tyro.cli(cls, args=args, description=desc)  # --help stops here, showing the real defaults
     from_yaml, notes = load(first.config, cls) if first.config else ({}, [])
@@ -348,30 +348,6 @@ def cli(cls, demo, args=None, text_demo=None, video_demo=None):
               + (f"; from {first.config}: " + " ".join(f"{k}={v}" for k, v in from_yaml.items()) if from_yaml else "")
               + f"; set: {' '.join(changed) or 'nothing'}" + "".join(f"\n[config] {n}" for n in notes), flush=True)
     return cfg
-
-
-@contextlib.contextmanager
-def one_line_errors():
-    """Around a command line's work: a UserError ends the process with `error: <message>` and exit code 2, no
-    traceback. The checks are deterministic, so every rank raises the same one and rank 0 speaks for them all;
-    a rank_local one (a reward only this rank computed) is printed by the rank that raised it."""
-    try:
-        yield
-    except UserError as e:
-        import sys
-        import time
-
-        import torch.distributed as dist
-        if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
-            from tqdm import tqdm
-            for bar in list(tqdm._instances):
-                bar.close()  # end the progress bar's line first
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(2)  # exiting first would let torchrun stop rank 0 before it prints
-        if dist.is_initialized() and not e.rank_local:  # (the others may be inside a collective: just go)
-            dist.destroy_process_group()
-        sys.exit(2)
 
 
 def check(cfg, world):

@@ -13,6 +13,7 @@ import functools
 import inspect
 import math
 import os
+import types
 import warnings
 from datetime import timedelta
 
@@ -24,6 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 import memory
 import varlen
+import video
+from common import _cpu_group, all_reduce_cpu  # noqa: F401 (all_reduce_cpu: the loop's actor.all_reduce_cpu)
 
 
 # ----------------------------------------------------------------------------------------------- distributed
@@ -45,16 +48,13 @@ def init_distributed():
 # ----------------------------------------------------------------------------------------------- model
 def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
     """A VLM through AutoModelForImageTextToText, else a text LLM through AutoModelForCausalLM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # slow to import (~2 s)
     kw = dict(dtype=dtype, **({"attn_implementation": attn_implementation} if attn_implementation else {}))
     try:
         model = AutoModelForImageTextToText.from_pretrained(path, **kw)
     except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText": a text LLM
         return AutoModelForCausalLM.from_pretrained(path, **kw)
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):  # positions after a video as vLLM has them
-        import types
-
-        import video
         model.model.get_rope_index = types.MethodType(video.qwen2_vl_rope_index, model.model)
     return model
 
@@ -271,7 +271,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     FSDP2's CPUOffloadPolicy, which keeps the sharded weights, their gradients and hence the optimizer state and
     step on the host (FSDP2 offers the three only together), each unit's shard copied in just before its
     all-gather; a frozen model is kept on the host whole instead."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh  # (FSDP2's modules: ~1 s to import)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
     hf.config.use_cache = False
@@ -477,25 +477,6 @@ def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=Fal
         g = groups.pop(j)
         groups[j:j] = [g[:len(g) // 2], g[len(g) // 2:]]
     return groups
-
-
-_CPU_GROUP = None
-
-
-def _cpu_group():
-    """A gloo group for small CPU collectives (counts, Python objects) next to NCCL."""
-    global _CPU_GROUP
-    if _CPU_GROUP is None:
-        _CPU_GROUP = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-    return _CPU_GROUP
-
-
-def all_reduce_cpu(x, op=dist.ReduceOp.SUM):
-    """Sum (or max) a small CPU tensor over ranks."""
-    x = torch.as_tensor(x, dtype=torch.float64).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x, op=op, group=_cpu_group())
-    return x
 
 
 @torch.no_grad()

@@ -5,146 +5,32 @@
 
 One step:  sync -> sample -> score -> advantage -> (old / ref log-probs) -> clipped loss + KL -> optimizer step.
 The algorithm lives in the middle section (advantages, KL estimators, policy losses, loss aggregation); the rest
-is plumbing. dapo.py imports this file and swaps in dynamic sampling and overlong shaping.
+is plumbing. The options are config.py's. dapo.py imports this file and swaps in dynamic sampling and overlong shaping.
 """
 import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, Literal
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import tyro
 
 import data
 import easyr1_config
 import fsdp_actor as actor
 import memory
+import rewards
 import rollout
 import rundir
 import tiny_model
-from data import UserError
-
-
-# ================================================================================================ config
-@dataclass
-class Config:
-    # --- model and data (empty model_path / train_files = the built-in demo) ---
-    model_path: str = ""  # HF hub name or local folder; "" builds the tiny demo VLM in code
-    # the demo's tiny model (no model_path): qwen2_5_vl / qwen3_vl (colour or video task), qwen3 (largest digit)
-    demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3"] = "qwen2_5_vl"
-    demo_task: Literal["color", "video"] = "color"  # the VL demos' task: a picture's colour, or a clip's last colour
-    train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
-    val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)
-    prompt_key: str = "problem"  # column with the question text (<image> marks where each image goes)
-    answer_key: str = "answer"  # column with the ground truth the reward function compares against
-    image_key: str = "images"  # column with the list of images (bytes, paths or PIL images)
-    image_dir: str | None = None  # folder that relative image (and video) paths in the data start from
-    video_key: str = "videos"  # column with the list of videos (each a video file path or a list of frames)
-    video_fps: float = 2.0  # frames per second taken from a video file; a list of frames is taken to be this far apart
-    max_frames: int = 768  # frames per video at most (evenly spread over it when it has more)
-    video_min_pixels: int | None = None  # pixels per frame at least (Qwen3-VL: per clip); None = min_pixels
-    video_max_pixels: int | None = None  # pixels per frame at most (Qwen3-VL: per clip); None = max_pixels (EasyR1)
-    format_prompt: str | None = None  # jinja template (string or .jinja file) around {{ content }}
-    reward_function: str = "math"  # math | r1v | color | dapo | path/to/file.py:fn (an EasyR1 reward file)
-    reward_function_kwargs: str = ""  # JSON object of keyword arguments for the reward function, as EasyR1's
-    max_prompt_length: int = 2048  # prompt tokens, image tokens included
-    max_response_length: int = 2048  # generated tokens per sample at most
-    min_pixels: int = data.MIN_PIXELS  # smaller images are scaled up to this many pixels (keeping their aspect)
-    max_pixels: int = data.MAX_PIXELS  # larger images are scaled down to this many pixels
-    filter_overlong_prompts: bool = True  # drop (and list) prompts over max_prompt_length; off: they are bad rows
-    skip_bad_rows: bool = False  # drop rows the data check rejects (and list them) instead of stopping
-    # --- rollout ---
-    rollout_engine: Literal["auto", "vllm", "hf"] = "auto"  # auto = vllm when it imports and CUDA is there, else hf
-    n: Annotated[int, tyro.conf.arg(aliases=("--rollout-n", "--num-generations"), help=(
-        "samples per prompt (the group); under torchrun spell it --rollout-n: torchrun reads --n as its --nnodes"))] = 5
-    temperature: float = 1.0  # sampling temperature of the training rollouts (> 0)
-    top_p: float = 1.0  # nucleus sampling of the training rollouts; 1 = off
-    val_temperature: float = 0.0  # sampling temperature of validation; 0 = greedy (EasyR1's example: 0.6, top_p 0.95)
-    val_top_p: float = 1.0  # nucleus sampling of validation
-    tensor_parallel_size: int = 1  # vLLM tensor parallelism; data parallel engines = world size / this
-    gpu_memory_utilization: float = 0.6  # share of GPU memory vLLM may take for weights and KV cache
-    kv_cache_memory_gb: float = 0.0  # vLLM's KV cache (GiB) set, not profiled: runs can share a GPU; 0 = measured
-    max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step
-    enforce_eager: bool = False  # vLLM without CUDA graphs (slower, starts faster)
-    sleep_level: int = 1  # 1: engine weights wait in CPU memory while training; 2: dropped, re-sent before generating
-    limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
-    limit_videos: int = 0  # videos per prompt the engine accepts; 0 = the most any training or validation row has
-    # --- batch arithmetic (EasyR1's names: batch sizes count prompts, micro-batches count samples) ---
-    rollout_batch_size: int = 512  # prompts per step, over all ranks
-    global_batch_size: int = 128  # prompts per optimizer step; rollout_batch_size / global_batch_size updates per step
-    ppo_epochs: int = 1  # passes over each rollout batch
-    micro_batch_size_per_device: int = 64  # samples per forward/backward, at most
-    max_token_len_per_device: int = 16384  # padded tokens per forward/backward, at most
-    # --- optimisation ---
-    lr: float = 1e-6  # AdamW learning rate; the demo's tiny model, trained from scratch, uses 1e-3
-    weight_decay: float = 1e-2  # AdamW's decoupled weight decay
-    lr_warmup_steps: int = 0  # optimizer steps of linear warmup, then constant
-    max_grad_norm: float = 1.0  # clip the gradient norm; a step with a non-finite norm is skipped
-    max_skipped_steps: int = 3  # stop when this many optimizer steps in a row were skipped; 0 = never stop
-    # --- the algorithm ---
-    adv_estimator: Annotated[Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"],
-                             tyro.conf.arg(help="rewards -> advantages; veRL's names and formulas: reinforce_plus_plus "
-                                           "has no group baseline, reinforce_plus_plus_baseline removes the group mean "
-                                           "(README: Algorithms)")] = "grpo"
-    loss_type: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"  # policy loss: per-token / sequence ratio / CISPO
-    loss_avg_mode: Literal["token", "seq", "seq-mean-token-sum-norm"] = "token"  # how token losses are averaged
-    clip_ratio_low: float = 0.2  # PPO clip: the ratio may fall to 1 - this
-    clip_ratio_high: float = 0.3  # PPO clip: the ratio may rise to 1 + this
-    clip_ratio_dual: float = 3.0  # dual clip: bounds the loss of negative-advantage tokens with huge ratios
-    gspo_dual_clip: bool = False  # also dual-clip GSPO's sequence ratio, as EasyR1 does (the paper and veRL do not)
-    cispo_clip_low: bool = False  # bound CISPO's weight below by 1 - clip_ratio_low, as EasyR1/veRL (the paper: none)
-    kl_coef: float = 1e-2  # weight of the KL-to-reference loss term; 0 drops the reference model entirely
-    kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"  # KL estimator (k3 = low_var_kl)
-    # truncated importance sampling from the engine's own log-probs (veRL's rollout_is, TRL's vllm_importance_sampling)
-    rollout_correction: Literal["none", "tis"] = "none"  # tis: weight each token's loss by pi_old / pi_engine, capped
-    rollout_correction_level: Literal["token", "sequence"] = "token"  # one weight per token, or per sequence
-    rollout_correction_cap: float = 2.0  # weights above it are truncated to it (veRL's rollout_is_threshold)
-    # --- engineering ---
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
-    precision: Literal["amp", "bf16"] = "amp"  # amp: fp32 master weights, compute in --dtype; bf16: weights, gradients and AdamW state in bf16 (10 bytes per parameter against 16; README: Memory modes)
-    bf16_rounding: Literal["kahan", "stochastic", "nearest"] = "kahan"  # how --precision bf16 keeps updates below half a bf16 ulp (nearest loses them; README: Memory modes)
-    offload_params: bool = False  # policy weights, gradients and AdamW state on the host (FSDP2's CPUOffloadPolicy; the step runs there), and the reference model between its uses
-    offload_optimizer: bool = False  # AdamW state on the host between optimizer steps (in for the step, out after it)
-    freeze_vision_tower: bool = False  # train the language model only (the vision tower keeps its weights)
-    lora_rank: int = 0  # LoRA (peft) rank; 0 = full fine-tuning. With LoRA only adapters train: the vision tower is frozen unless targeted
-    lora_alpha: int = 64  # LoRA scale = alpha / rank (EasyR1's default)
-    lora_target_modules: str = "all-linear"  # comma-separated module names, or peft's "all-linear"
-    lora_exclude_modules: str = r".*visual.*"  # regex of modules left without adapters (vLLM has no vision LoRA)
-    lora_modules_to_save: str = ""  # comma-separated modules trained in full beside the adapters (peft's), e.g. lm_head
-    gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~1/3 more compute
-    attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
-    padding_free: Literal["auto", "on", "off"] = "auto"  # one packed row per micro-batch (varlen attention); auto: where a fast kernel runs
-    vision_varlen: Literal["auto", "on", "off"] = "auto"  # the vision tower's windows in one attention call per layer
-    torch_compile: Literal["auto", "on", "off"] = "auto"  # fused norm/MLP/rotary/log-prob kernels; auto: CUDA, bf16, hidden >= 1024
-    logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)
-    peak_tflops: float = 989.0  # per GPU, for perf/mfu_*: H100/H200 dense bf16 (the figure veRL and EasyR1 use)
-    # --- trainer ---
-    max_steps: int = 0  # training steps (one rollout batch each); 0 = total_epochs passes over the training data
-    total_epochs: int = 15  # EasyR1's: used when max_steps is 0
-    val_freq: int = 5  # validate every k steps and at the end; 0 = never
-    val_before_train: bool = True  # validate once before the first step
-    val_max_rows: int = 0  # validate on the first k rows; 0 = the whole validation set
-    save_freq: int = 5  # checkpoint every k steps and at the end; 0 = only at the end; -1 = never (benchmarks)
-    save_limit: int = 3  # keep the newest k checkpoints (12 bytes/param each) and the best by val/mean; 0 = all
-    output_dir: str = "outputs/run"  # metrics, samples, config and checkpoints go here
-    resume: str = "auto"  # auto (the newest checkpoint of output_dir) | never (a new run only) | checkpoints/step_N
-    config: str | None = None  # an EasyR1 YAML config (examples/config.yaml, unchanged); flags override it
-    seed: int = 1  # data order, sampling seeds and initialisation
-    log_samples: int = 4  # generations written to samples.jsonl per step
-    logger: Annotated[list[Literal["console", "jsonl", "tensorboard", "wandb"]], tyro.conf.arg(
-        help="experiment trackers; jsonl is always on; wandb runs offline without an API key")] = field(
-        default_factory=lambda: ["console", "jsonl"])
-    project_name: str = "vlm_rl"  # for wandb
-    experiment_name: str = ""  # for wandb; "" = the output folder's name
-    debug_skip_sync: bool = False  # never send new weights to the engine: rollout/logprob_diff_* must then grow
-
-
-# The defaults above are EasyR1's (examples/config.yaml); the demos (no --model-path) have their own, where a flag
-# does not say otherwise: tiny_model.DEMO, and TEXT_DEMO / VIDEO_DEMO on top for the text and the video demo.
-from tiny_model import DEMO, TEXT_DEMO, VIDEO_DEMO  # noqa: E402
+import video
+from common import UserError, one_line_errors
+from config import Config  # the options; their defaults are EasyR1's (examples/config.yaml)
+# the demos' own defaults (no --model-path), where a flag does not say otherwise: DEMO, and TEXT_DEMO / VIDEO_DEMO on
+# top of it for the text and the video demo
+from tiny_model import DEMO, TEXT_DEMO, VIDEO_DEMO
 
 
 # ================================================================================================ algorithm
@@ -277,8 +163,6 @@ class State:
 
 def setup(cfg: Config):
     """Everything the loop needs: distributed state, data, reward, policy, reference, engine."""
-    import rewards
-    import video
     easyr1_config.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
     rank, world, device = actor.init_distributed()
@@ -364,7 +248,6 @@ def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None):
     items = [{"response": t, "response_length": len(s["response_ids"]), "ground_truth": s["prompt"]["answer"]}
              for t, s in zip(texts, samples)]
     scores = ctx.reward_fn(items)
-    import rewards  # a NaN or missing score stops the run here, naming the sample
     rewards.check_scores(scores, items, [s["prompt"]["prompt_text"] for s in samples], cfg.reward_function)
     for s, t, sc in zip(samples, texts, scores):
         s["text"], s["scores"], s["reward"] = t, sc, float(sc["overall"])
@@ -592,7 +475,7 @@ def train(cfg: Config, collect=collect_rollouts):
 def main(config_cls=Config, collect=collect_rollouts, demo=DEMO, text_demo=TEXT_DEMO, video_demo=VIDEO_DEMO):
     """The command line: defaults (EasyR1's, or the demo's), an EasyR1 --config, the flags; then train. A UserError
     (a bad option, file, row or reward) ends the run with one `error:` line and exit code 2."""
-    with easyr1_config.one_line_errors():
+    with one_line_errors():
         train(easyr1_config.cli(config_cls, demo, text_demo=text_demo, video_demo=video_demo), collect)
     dist.destroy_process_group()
 

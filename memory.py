@@ -31,8 +31,16 @@ FSDP2: parameters, gradients and state are DTensors sharded alike; the step work
 import contextlib
 import hashlib
 import os
+import resource
+import sys
+import tempfile
+import traceback
 
 import torch
+import torch.distributed as dist
+
+import tiny_model
+from common import UserError, all_reduce_cpu
 
 # bytes per parameter of the policy's state (weights, gradients, AdamW's two moments), per --precision; pure bf16
 # with Kahan's compensation keeps KAHAN_BYTES more
@@ -207,7 +215,6 @@ def metrics(engine, peaks, step_metrics):
     engine: its pool (weights + KV cache, what it maps while awake) from vLLM's allocator, what else it keeps
     allocated (engine_built), and what it took from the driver on waking (free memory asleep - awake, from
     cudaMemGetInfo). On CPU: the host's peak RSS only."""
-    import resource
     out = {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     if not torch.cuda.is_available():
         return out
@@ -255,17 +262,13 @@ def check_host_memory(cfg, model, engine):
     hold what the offloaded state will take at the first step (a lower bound: torch rounds page-locked blocks up),
     instead of the kernel killing the ranks minutes later with no word. Collective (every rank raises the same
     error, naming a rank on the node that is short)."""
-    import torch.distributed as dist
-
-    import fsdp_actor
-    from data import UserError
     if not (cfg.offload_params or cfg.offload_optimizer):
         return
     need = host_bytes_to_come(cfg, model, engine) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     avail = available_host_bytes()
     table = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64)  # [ranks, (need, available)]
     table[dist.get_rank()] = torch.tensor([need, need if avail is None else avail])
-    table = fsdp_actor.all_reduce_cpu(table)  # (the gloo group: every rank's row)
+    table = all_reduce_cpu(table)  # (the gloo group: every rank's row)
     short = table[:, 0] - table[:, 1]  # [ranks]
     if short.max() > 0:
         r = int(short.argmax())
@@ -298,8 +301,6 @@ _OOM_STAGES = [
 def oom_explained(ctx, step):
     """Around a training step: out of GPU memory becomes one line (exit 2; UserError) that says in which stage, how
     the card was shared at that moment, and which options move memory there, instead of a traceback per rank."""
-    import traceback
-    from data import UserError
     try:
         yield
     except (torch.OutOfMemoryError, RuntimeError) as e:
@@ -326,9 +327,7 @@ def oom_explained(ctx, step):
 # ----------------------------------------------------------------------------------------------- comparison
 def _flat_checkpoint(path):
     """(model tensors, optimizer state) of a checkpoint folder, read on one process (a temporary torch.save)."""
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # only `memory.py compare` reads one
     with tempfile.TemporaryDirectory() as d:
         dcp_to_torch_save(path, os.path.join(d, "ck.pt"))
         ck = torch.load(os.path.join(d, "ck.pt"), weights_only=False)
@@ -360,13 +359,11 @@ def compare_runs(init, amp, others):
 
 
 if __name__ == "__main__":  # python memory.py compare AMP_CKPT BF16_CKPT... (the demo's runs: the tiny model's init)
-    import sys
+    from transformers import AutoModelForImageTextToText  # as fsdp_actor.load_hf_model (it imports this file)
 
-    import fsdp_actor
-    import tiny_model
     if sys.argv[1:2] != ["compare"] or len(sys.argv) < 4:
         sys.exit("usage: python memory.py compare AMP_CHECKPOINT BF16_CHECKPOINT... (runs of the demo model)")
-    start = fsdp_actor.load_hf_model(tiny_model.build_tiny_model()).state_dict()
+    start = AutoModelForImageTextToText.from_pretrained(tiny_model.build_tiny_model(), dtype=torch.float32).state_dict()
     print(compare_runs(start, sys.argv[2], sys.argv[3:]))
 
 
@@ -377,9 +374,7 @@ def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visu
     tower too, unless targeted: vLLM takes no LoRA on the vision encoder, so it is excluded by default). The
     PeftModel wrapper is dropped: the trainer keeps calling the HF model, whose layers now carry the adapters.
     `modules_to_save` (peft's): modules trained in full next to the adapters, e.g. lm_head."""
-    from peft import LoraConfig, get_peft_model
-
-    from data import UserError
+    from peft import LoraConfig, get_peft_model  # peft: slow to import (~3 s)
     targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
     peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
                                                exclude_modules=exclude_modules or None,
@@ -391,7 +386,7 @@ def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visu
 
 def lora_layers(model):
     """{module name: LoRA scale} of the LoRA-wrapped layers ({} without LoRA)."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft: slow to import (~3 s)
     hf = getattr(model, "hf", model)
     return {n: m.scaling["default"] for n, m in hf.named_modules() if isinstance(m, LoraLayer)}
 
@@ -399,7 +394,7 @@ def lora_layers(model):
 @contextlib.contextmanager
 def adapters_disabled(model):
     """The base model, i.e. the reference policy of a LoRA run: no second copy of the weights."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft: slow to import (~3 s)
     from peft.utils.other import ModulesToSaveWrapper
     layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
     # the flag peft's own enable_adapters(False) sets, without its requires_grad switch: FSDP2 fixes each unit's

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
+import torch.distributed.checkpoint as dcp
 import tyro
+
+import fsdp_actor as actor
+import memory
+import tiny_model
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -45,16 +50,11 @@ def base_model_path(checkpoint, model_path=None):
     state = json.load(open(os.path.join(checkpoint, "trainer_state.json")))
     path = state.get("config", {}).get("model_path")
     if not path:  # the demo: the tiny model (of --demo-model) was built in code and cached
-        import tiny_model
         path = tiny_model.build_tiny_model(arch=state["config"].get("demo_model", "qwen2_5_vl"))
     return path
 
 
 def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
-    import torch.distributed.checkpoint as dcp
-
-    import fsdp_actor as actor
-    import memory
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
         raise FileNotFoundError(f"{checkpoint}: not a checkpoint folder (no .metadata); pass checkpoints/step_N")
     path = base_model_path(checkpoint, model_path)
@@ -92,7 +92,7 @@ def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
 def copy_tokenizer_files(path, out):
     """Tokenizer, processor, chat template and generation config, so the folder is complete on its own."""
     if not os.path.isdir(path):  # a hub name: fetch the small files only
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # only for a hub name
         path = snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"])
     for name in os.listdir(path):
         src = os.path.join(path, name)

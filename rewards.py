@@ -21,7 +21,7 @@ import traceback
 from math_verify import parse, verify
 
 import tiny_model
-from data import UserError
+from common import UserError
 
 # math_verify logs every unparsable string; rollouts produce plenty of those.
 logging.getLogger("math_verify").setLevel(logging.CRITICAL)

@@ -22,6 +22,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from common import UserError
 from fsdp_actor import load_hf_model, mm_token_types  # the same loading and M-RoPE inputs as the trainer
 
 
@@ -493,7 +494,6 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
     lo, hi = min_pixels, max_pixels
     vlo, vhi = video_min_pixels or lo, video_max_pixels or hi
     if limit_videos and lo and hi and not lo <= vlo <= vhi <= hi:
-        from data import UserError
         raise UserError(f"--video-min-pixels {vlo} / --video-max-pixels {vhi}: with vLLM they must lie within "
                         f"--min-pixels {lo} and --max-pixels {hi} (vLLM's video processor gets the image bounds and "
                         "would resize frames outside them)")

@@ -13,16 +13,19 @@ A folder holds one run. `--resume auto` continues it from its newest checkpoint,
 import json
 import os
 import shutil
+import sys
 from dataclasses import asdict
 from typing import Annotated
 
 import torch
 import torch.distributed as dist
 import tyro
+from tqdm import tqdm
 
+import flops
 import fsdp_actor as actor
 import memory
-from data import UserError
+from common import UserError
 
 # options that may change when a run is resumed: when to stop, validate, save and log, and engine / memory knobs that
 # do not change what is computed. Anything else (data, model, algorithm, batch sizes, seed, ...) must stay the same.
@@ -152,7 +155,7 @@ def open_trackers(cfg, start_step):
     logs, closes = [], []
     if "tensorboard" in cfg.logger:
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional: --logger tensorboard
         except ImportError:
             raise UserError(
                 "--logger tensorboard needs the tensorboard package: pip install tensorboard") from None
@@ -162,7 +165,7 @@ def open_trackers(cfg, start_step):
         closes.append(w.close)
     if "wandb" in cfg.logger:
         try:
-            import wandb
+            import wandb  # optional: --logger wandb
         except ImportError:
             raise UserError("--logger wandb needs the wandb package: pip install wandb") from None
         # without credentials (or a network) the run is written offline: `wandb sync` uploads it later
@@ -189,7 +192,7 @@ def plot_rewards(cfg):
 def plot(files: Annotated[list[str], tyro.conf.Positional], out: str = "reward.png", labels: tuple[str, ...] = (),
          title: str = "", chance: float | None = None) -> str:
     """Reward curves (train, and validation where logged) of metrics.jsonl files into the picture `out` (atomic)."""
-    import matplotlib
+    import matplotlib  # optional: only the plot needs it
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -221,9 +224,7 @@ def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
     the folder must be on a shared file system). Written to `<path>.tmp` and renamed when complete, so a crash
     mid-save never leaves a checkpoint that looks whole; then only the newest `keep` are kept (0 = all), and step
     `protect` (the best so far) besides."""
-    import json
-    import shutil
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # ~1 s to import: only where a checkpoint is written
     from torch.distributed.checkpoint.state_dict import get_state_dict
     tmp = path + ".tmp"
     if dist.get_rank() == 0 and os.path.exists(tmp):
@@ -244,8 +245,7 @@ def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
 
 
 def load_checkpoint(path, model, opt, sched):
-    import json
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # ~1 s to import: only where a checkpoint is read
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     options = _state_dict_options(model)
     msd, osd = get_state_dict(model, opt, options=options)
@@ -261,7 +261,7 @@ def load_checkpoint(path, model, opt, sched):
 def _state_dict_options(model):
     """A LoRA checkpoint holds the adapters and their optimizer state only (megabytes): the frozen base weights
     are the model_path's. Full training saves every weight."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # ~1 s to import: only at a checkpoint
     lora = bool(memory.lora_layers(model))
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
@@ -301,8 +301,6 @@ def step_metrics(ctx, samples, T, peaks, so_far):
     """A training step's metrics beside the update's: rewards and lengths, seconds per phase (T), tokens per second,
     MFU (model FLOPs of the step's real tokens, veRL's convention in flops.py, over the phase's seconds x peak) and
     memory (memory.metrics: peaks per phase, the engine's share; so_far: the step's metrics until now)."""
-    import flops
-    import memory
     cfg, out = ctx.cfg, sample_metrics(ctx, samples, "reward")
     n_tok = float(actor.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
     out.update({f"timing/{k}": v for k, v in T.items()})
@@ -386,9 +384,6 @@ class RunLog:
     def __init__(self, cfg, rank, start_step):
         self.cfg, self.on = cfg, rank == 0
         if self.on:
-            import sys
-
-            from tqdm import tqdm
             self.metrics_f = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a")
             self.samples_f = open(os.path.join(cfg.output_dir, "samples.jsonl"), "a")
             self.track, self.close_trackers = open_trackers(cfg, start_step)

@@ -9,6 +9,9 @@ Both save with save_pretrained (model, tokenizer, processor, generation_config) 
 (AutoModel*, AutoProcessor, vLLM) loads them exactly like a hub checkpoint. Builds are cached: a
 marker file is written last inside a temp dir that is then renamed into place, so a crashed build
 never looks complete.
+
+Below them, the demos' settings (DEMO, TEXT_DEMO, VIDEO_DEMO) and their synthetic tasks (pictures, clips, the
+largest digit), written on first use; data.py reaches the tasks through data_files.
 """
 import io
 import json
@@ -19,7 +22,10 @@ import tempfile
 import zlib
 
 import torch
+import torch.distributed as dist
 from PIL import Image, ImageDraw
+
+from common import UserError
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
@@ -76,8 +82,8 @@ def build_tokenizer(vocab_size=512, split_digits=False):
     """Byte-level BPE (like Qwen's) trained on the synthetic corpus, plus Qwen special tokens. split_digits: one
     token per digit, as Qwen's own tokenizers do (the Qwen3 models use it: numbers then read digit by digit; the
     older tiny models keep the merged numbers their demo numbers were measured with)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # slow to import (~2 s)
+    from transformers import PreTrainedTokenizerFast  # slow to import (~2 s)
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -106,14 +112,14 @@ def _token_ids(tok):
 # ----------------------------------------------------------------------------- configs
 def _vl_classes(arch):
     if arch == "qwen2_5_vl":
-        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,  # slow to import (~2 s)
                                   Qwen2_5_VLProcessor)
         return Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
     if arch == "qwen2_vl":
-        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor  # slow to import
         return Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
     if arch == "qwen3_vl":
-        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor  # slow to import
         return Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
     raise ValueError(f"unknown VL arch {arch!r}; expected one of {ARCHS}")
 
@@ -145,7 +151,7 @@ def tiny_config(arch, ids, vocab_size):
     if arch == "qwen3_vl":
         text["rope_parameters"]["mrope_interleaved"] = True  # what vLLM reads; transformers always interleaves
     if arch in TEXT_ARCHS:
-        from transformers import Qwen2Config, Qwen3Config
+        from transformers import Qwen2Config, Qwen3Config  # slow to import (~2 s)
         cfg = (Qwen3Config if arch == "qwen3" else Qwen2Config)(**text)
         cfg.architectures = ["Qwen3ForCausalLM" if arch == "qwen3" else "Qwen2ForCausalLM"]
         return cfg
@@ -231,7 +237,7 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
     processor refuses to exist without a video processor, and that needs torchvision, which the
     CPU box lacks. Machines with torchvision load these files with plain AutoProcessor; without
     it, use data.load_processor."""
-    import transformers
+    import transformers  # slow to import (~2 s)
     # The PIL backend (transformers 5: *Pil; 4.x: the slow class) works without torchvision and
     # saves as the plain "Qwen2VLImageProcessor" type, so each machine picks its own backend.
     ImgProc = getattr(transformers, "Qwen2VLImageProcessorPil", None)
@@ -269,7 +275,7 @@ def _write_json(path, obj):
 
 
 def _save_generation_config(ids, out):
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # slow to import (~2 s)
     GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
                      pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"],
                      do_sample=False).save_pretrained(out)
@@ -309,7 +315,6 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
     """Build (or reuse) the tiny random model; returns its folder (pass it to from_pretrained). rank: under
     torch.distributed, rank 0 builds and the others wait for it."""
     if rank is not None:
-        import torch.distributed as dist
         if rank == 0:
             build_tiny_model(out_dir, arch, seed)
         dist.barrier()
@@ -324,7 +329,7 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
         cfg = tiny_config(arch, ids, vocab_size)
         torch.manual_seed(seed)
         if arch in TEXT_ARCHS:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM  # slow to import (~2 s)
             model = AutoModelForCausalLM.from_config(cfg)
         else:
             model = _vl_classes(arch)[1](cfg)
@@ -420,7 +425,7 @@ def png_item(img):
 def write_parquet(rows, out_path, features=None):
     """Rows (column -> list) to a parquet file, written whole and then renamed: a reader (or a crash) never sees
     half a file. Returns the absolute path."""
-    import datasets
+    import datasets  # slow to import (~2 s): only where a task's data are written or read
     out_path = os.path.abspath(os.path.expanduser(out_path))
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".parquet.tmp", dir=os.path.dirname(out_path))
@@ -457,7 +462,7 @@ def draw_color_image(rng: random.Random):
 
 def make_color_dataset(out_path: str, n_rows: int, seed: int) -> str:
     """EasyR1-format parquet (problem, answer, images=[{"bytes": png}]); written atomically."""
-    import datasets
+    import datasets  # slow to import (~2 s): only where a task's data are written or read
     rng = random.Random(seed)
     rows = {"problem": [], "answer": [], "images": []}
     for _ in range(n_rows):
@@ -528,13 +533,60 @@ def demo_max_data(data_dir=None, n_train=4000, n_val=200):
         make_max_dataset(val, n_val, seed=1, split="val")
     if not os.path.isfile(train):
         make_max_dataset(train, n_train, seed=0, split="train")
-    seen = set(_data().load_rows(val)["problem"]) & set(_data().load_rows(train)["problem"])  # the cached files too, every time
+    seen = set(_questions(val)) & set(_questions(train))  # the cached files too, every time
     if seen:
-        raise _data().UserError(f"{len(seen)} validation questions occur in {train} (e.g. {min(seen)!r}): validation would "
+        raise UserError(f"{len(seen)} validation questions occur in {train} (e.g. {min(seen)!r}): validation would "
                         f"not be unseen; delete {data_dir} to have it made again")
     return train, val
 
 
-def _data():  # data.py imports this file's tasks lazily; importing it here at the top would be circular
-    import data
-    return data
+def _questions(path):
+    """The problem column of a parquet file of make_max_dataset (as data.load_rows reads it)."""
+    import datasets  # slow to import (~2 s): only where a task's data are written or read
+    return datasets.load_dataset("parquet", data_files=path, split="train")["problem"]
+
+
+# ================================================================================ the video demo's task
+VIDEO_QUESTION = "<video>Which colour does the video end with?"
+
+
+def draw_clip(rng: random.Random, n_frames=4):
+    """A clip whose first half is one colour and second half another (jittered per frame, one grey shape that
+    moves): the answer is in its last frames only. Returns (frames, first colour, last colour)."""
+    w, h = rng.randint(56, 84), rng.randint(56, 84)
+    first, last = rng.sample(list(COLORS), 2)
+    s = rng.randint(int(0.2 * min(w, h)), int(0.35 * min(w, h)))
+    frames = []
+    for i in range(n_frames):
+        color = first if i < n_frames // 2 else last
+        img = Image.new("RGB", (w, h), jittered(rng, color))
+        x, y = rng.randint(0, w - s), rng.randint(0, h - s)
+        ImageDraw.Draw(img).ellipse([x, y, x + s - 1, y + s - 1], fill=(rng.randint(90, 170),) * 3)
+        frames.append(img)
+    return frames, first, last
+
+
+def make_video_dataset(out_path: str, n_rows: int, seed: int) -> str:
+    """EasyR1-format parquet (problem, answer, videos=[[frame PNGs]]) of the video demo; written atomically."""
+    import datasets  # slow to import (~2 s): only where a task's data are written or read
+    rng = random.Random(seed)
+    rows = {"problem": [], "answer": [], "videos": []}
+    for _ in range(n_rows):
+        frames, _, last = draw_clip(rng)
+        rows["problem"].append(VIDEO_QUESTION)
+        rows["answer"].append(last)
+        rows["videos"].append([[png_item(f) for f in frames]])
+    features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
+                                  "videos": datasets.List(datasets.List(datasets.Image()))})
+    return write_parquet(rows, out_path, features)
+
+
+def demo_video_data(data_dir=None, n_train=2000, n_val=200):
+    """(train_path, val_path) of the video demo (--demo-task video); created once. Different seeds -> unseen clips."""
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/video-v1")
+    train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
+    if not os.path.isfile(train):
+        make_video_dataset(train, n_train, seed=0)
+    if not os.path.isfile(val):
+        make_video_dataset(val, n_val, seed=1)
+    return train, val

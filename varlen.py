@@ -8,6 +8,8 @@ SDPA call with a block-diagonal mask). fsdp_actor.build_actor turns the paths on
 """
 import functools
 import inspect
+import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +60,7 @@ def reference_varlen_attention(q, k, v, cu_seqlens, causal, scale=None):
 def _torch_varlen_kernel():
     """torch.nn.attention.varlen.varlen_attn (torch >= 2.10). Its keywords moved between releases: 2.10 took
     is_causal, 2.11 takes window_size=(-1, 0) for causal and has no GQA flag, 2.13 adds enable_gqa."""
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10 only (the caller skips a kernel that fails)
     params = inspect.signature(varlen_attn).parameters
 
     def kernel(q, k, v, cu, max_len, causal, scale):
@@ -86,7 +88,6 @@ def _flash_attn_kernel():
 def _fast_varlen_kernel(device_index):
     """The first kernel that imports *and* matches the reference (forward and backward, causal and not, GQA, an odd
     head size) on this device; None if none does. A kernel that fails here is skipped with a warning, never used."""
-    import warnings
     device = torch.device("cuda", device_index)
     for make in (_torch_varlen_kernel, _flash_attn_kernel):
         try:
@@ -143,7 +144,7 @@ def use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_f
 
 def set_varlen_attention(hf, text=False, vision=False):
     """Select our varlen function for the language model (packed rows) and/or the vision tower (one call per layer)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # slow to import (~2 s): only once a model is loaded
     AttentionInterface.register(VARLEN_TEXT, _hf_varlen_attention)
     AttentionInterface.register(VARLEN_VISION, _hf_varlen_attention)
     subs = getattr(hf.config, "sub_configs", None) or {}
@@ -163,7 +164,7 @@ def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None
     None). Without cu_seqlens (an ordinary padded call) it is transformers' own SDPA function."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # transformers: slow to import
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     if query.shape[0] != 1:
@@ -185,7 +186,6 @@ def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None
 def compile_elementwise(hf, log_probs_fn):
     """Compile hf's norms, gated MLPs and its modeling module's rotary functions in place, and return the
     compiled version of `log_probs_fn` (the per-chunk log-prob and entropy, also elementwise over [n, vocab])."""
-    import sys
     n = 0
     for m in hf.modules():
         name = type(m).__name__

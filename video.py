@@ -1,20 +1,57 @@
 """video.py -- video inputs for data.py: a video file (PyAV, optional) or a list of frames -> sampled, resized frames
 -> the Qwen-VL processor's video outputs (pixel_values_videos, video_grid_thw, second_per_grid_ts) and the prompt's
-video tokens (Qwen3-VL: with its "<t seconds>" timestamps); and the synthetic video demo task.
+video tokens (Qwen3-VL: with its "<t seconds>" timestamps); and the decoding of any image form (to_pil: a picture of
+the data or a frame of a video). The video demo's clips are tiny_model.py's.
 
 The Qwen-VL video processors of transformers need torchvision (not on every machine: not on the CPU box), and vLLM
 runs them itself from frames: so the trainer's side is done here, in the processors' own layout, on frames that
 those processors then leave unchanged (see the note below).
 """
+import io
 import math
 import os
-import random
 
+import numpy as np
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image, UnidentifiedImageError
 
-from data import UserError, first_line, to_pil
-from tiny_model import COLORS, jittered, png_item, write_parquet
+from common import UserError, first_line
+
+
+# ----------------------------------------------------------------------------- images (a video's frames are images)
+def to_pil(item, image_dir=None) -> Image.Image:
+    """Decode any image encoding found in datasets into an RGB PIL image."""
+    if isinstance(item, Image.Image):
+        return item.convert("RGB")
+    if isinstance(item, dict):  # datasets' Image feature: {"bytes": ..., "path": ...}
+        if item.get("bytes"):
+            return to_pil(item["bytes"])
+        if item.get("path"):
+            return to_pil(item["path"], image_dir)
+        raise UserError(f"image dict has neither 'bytes' nor 'path': keys {sorted(item)}")
+    if isinstance(item, (bytes, bytearray)):
+        try:
+            img = Image.open(io.BytesIO(item))
+            img.load()
+        except Exception as e:
+            raise UserError(f"could not decode {len(item)} image bytes ({_pil_reason(e)})") from e
+        return img.convert("RGB")
+    if isinstance(item, (str, os.PathLike)):
+        path = os.fspath(item)
+        if image_dir is not None and not os.path.isabs(path):
+            path = os.path.join(image_dir, path)
+        if not os.path.isfile(path):
+            raise UserError(f"image file not found: {path!r}")
+        try:
+            with Image.open(path) as img:
+                return img.convert("RGB")
+        except Exception as e:
+            raise UserError(f"could not decode image file {path!r} ({_pil_reason(e)})") from e
+    raise UserError(f"unsupported image type {type(item).__name__}")
+
+
+def _pil_reason(e):
+    return "not an image format PIL can read" if isinstance(e, UnidentifiedImageError) else first_line(e)
 
 
 # ----------------------------------------------------------------------------- videos
@@ -52,7 +89,7 @@ def _decode_video_file(path, image_dir, fps, max_frames):
     if not os.path.isfile(path):
         raise UserError(f"video file not found: {path!r}")
     try:
-        import av
+        import av  # optional (PyAV): only video files need it
     except ImportError as e:
         raise UserError(f"video file {path!r}: decoding video files needs PyAV (pip install av); a list of frames "
                         "needs nothing") from e
@@ -103,7 +140,6 @@ def smart_resize(h, w, factor, min_pixels, max_pixels, frames=1):
 def prepare_video(frames, proc, min_pixels, max_pixels):
     """PIL frames -> uint8 array [T, H, W, 3]: T padded to a multiple of the temporal patch with the last frame, every
     frame at the size the processor picks for the first one (Qwen3-VL: for the clip; see smart_resize)."""
-    import numpy as np
     patch, tps, merge, _, _ = vision_params(proc)
     frames = frames + [frames[-1]] * (-len(frames) % tps)
     clip = len(frames) if _arch(proc) == "qwen3_vl" else 1
@@ -177,52 +213,6 @@ def expand_video_pads(ids, grids, fps, proc):
             out += [pad] * (gt * per_frame)
         k += 1
     return out
-
-
-# ----------------------------------------------------------------------------- the video demo task
-VIDEO_QUESTION = "<video>Which colour does the video end with?"
-
-
-def draw_clip(rng: random.Random, n_frames=4):
-    """A clip whose first half is one colour and second half another (jittered per frame, one grey shape that
-    moves): the answer is in its last frames only. Returns (frames, first colour, last colour)."""
-    w, h = rng.randint(56, 84), rng.randint(56, 84)
-    first, last = rng.sample(list(COLORS), 2)
-    s = rng.randint(int(0.2 * min(w, h)), int(0.35 * min(w, h)))
-    frames = []
-    for i in range(n_frames):
-        color = first if i < n_frames // 2 else last
-        img = Image.new("RGB", (w, h), jittered(rng, color))
-        x, y = rng.randint(0, w - s), rng.randint(0, h - s)
-        ImageDraw.Draw(img).ellipse([x, y, x + s - 1, y + s - 1], fill=(rng.randint(90, 170),) * 3)
-        frames.append(img)
-    return frames, first, last
-
-
-def make_video_dataset(out_path: str, n_rows: int, seed: int) -> str:
-    """EasyR1-format parquet (problem, answer, videos=[[frame PNGs]]) of the video demo; written atomically."""
-    import datasets
-    rng = random.Random(seed)
-    rows = {"problem": [], "answer": [], "videos": []}
-    for _ in range(n_rows):
-        frames, _, last = draw_clip(rng)
-        rows["problem"].append(VIDEO_QUESTION)
-        rows["answer"].append(last)
-        rows["videos"].append([[png_item(f) for f in frames]])
-    features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
-                                  "videos": datasets.List(datasets.List(datasets.Image()))})
-    return write_parquet(rows, out_path, features)
-
-
-def demo_video_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the video demo (--demo-task video); created once. Different seeds -> unseen clips."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/video-v1")
-    train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
-    if not os.path.isfile(train):
-        make_video_dataset(train, n_train, seed=0)
-    if not os.path.isfile(val):
-        make_video_dataset(val, n_val, seed=1)
-    return train, val
 
 
 # ======================================================================== Qwen2(.5)-VL's time axis, as the model has it

@@ -1,60 +1,55 @@
 #!/usr/bin/env bash
-# benchmarks/gpu_speed.sh [MODE] -- the speed runs of issue 11 on the H200 device, after vLLM is installed in /tmp/vsite
-# (shared/gpu/README.md: calls 1 and 2). Results go to $OUT: <run>.log, <run>_metrics.jsonl, <run>_summary.json,
-# env.log (versions, the varlen kernel picked), varlen_gpu_tests.log, report.md (bench.py report over the runs).
-#   two (default, nvidia-h200-x2; one call, at most ~9.5 min, ~8 expected):
-#       GPU0: 3B forced bench (64 x 8 x 1024 forced tokens; padding-free and vision varlen on auto = on), then
-#             pytest -m gpu tests/test_varlen_gpu.py
-#       GPU1: 3B realistic bench with --padding-free on, then with --padding-free off (vision varlen on in both)
-#   a, b (nvidia-h200, two calls of ~8 min): a = the GPU0 column, b = the GPU1 column
-# Step counts and limits: FORCED_STEPS (3), REAL_STEPS (3), FORCED_TIMEOUT (320 s), REAL_TIMEOUT (200 s each),
-# TESTS_TIMEOUT (110 s). A run cut by its limit keeps the metrics of its finished steps (report.md uses them).
+# benchmarks/gpu_speed.sh [MODE] -- seconds per phase of a GRPO step on random models with the real dimensions
+# (bench.py: README "Speed"). On the one-H200 device, after vLLM is installed (the top of benchmarks/gpu_env.sh, from
+# ../shared/gpu/README.md): `bash benchmarks/gpu_speed.sh bar`. Modes, with the time each takes there:
+#   bar        (default; ~8 min: vLLM's start ~1 min, step 1 with the compilation ~2.5 min, steps 2 and 3 ~70 s each)
+#              the speed bar: the Qwen2.5-VL-3B shape, 64 prompts x 8 samples x 1024 forced tokens, one 512x512
+#              image and ~100 text tokens per prompt, 3 steps (README: 68.8 s per step, the mean of steps 2 and 3)
+#   realistic  (~7 min) the same prompts with seeded log-normal response lengths, padding-free training on, then off
+#   profile    (~4 min, no engine) the trainer alone on the 3B, 16 prompts x 8, 3 steps; the last step's kernel table
+#   8b         (~7 min) the Qwen3-VL-8B shape in pure bf16, 16 prompts x 8 x 1024, 2 steps (README: 37.5 s per step)
+# On two H200s (`nvidia-h200-x2`):
+#   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
+#   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
+# ARGS: more bench.py flags for every run (e.g. ARGS="--torch-compile off"); STEPS and LIMIT (seconds per run)
+# override a mode's. Results in $OUT: <run>.log, <run>_metrics.jsonl, <run>_summary.json, report.md.
 set -u
-export PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
-  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \
-  VLLM_ENABLE_V1_MULTIPROCESSING=0
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-MODE=${1:-two}
-FORCED_STEPS=${FORCED_STEPS:-3}; REAL_STEPS=${REAL_STEPS:-3}
-FORCED_TIMEOUT=${FORCED_TIMEOUT:-320}; REAL_TIMEOUT=${REAL_TIMEOUT:-200}; TESTS_TIMEOUT=${TESTS_TIMEOUT:-110}
-G0=0; G1=1; [ "$MODE" = two ] || G1=0
+cd "$(dirname "$0")/.."
+source benchmarks/gpu_env.sh
+MODE=${1:-bar}
 
-bench() {  # bench NAME GPU TIMEOUT ARGS...: one bench.py run, its log, metrics and summary under $OUT
-  local name=$1 gpu=$2 limit=$3; shift 3
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" python bench.py --preset qwen2_5_vl_3b --output-dir "/tmp/$name" "$@" \
-    > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name: exit $rc ($(grep -c '"timing/step"' /tmp/$name/metrics.jsonl 2>/dev/null) steps)"
-  cp "/tmp/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
-  cp "/tmp/$name/bench_summary.json" "$OUT/${name}_summary.json" 2>/dev/null
+bar() {  # bar GPU
+  prepare qwen2_5_vl_3b
+  run_bench bench3b_forced "$1" "${LIMIT:-540}" --preset qwen2_5_vl_3b --max-steps "${STEPS:-3}"
 }
 
-col0() {  # the forced workload with the fast paths, then the GPU tests of the fast kernels
-  bench forced_pf_auto $G0 "$FORCED_TIMEOUT" --max-steps "$FORCED_STEPS"
-  CUDA_VISIBLE_DEVICES=$G0 timeout "$TESTS_TIMEOUT" python -m pytest -m gpu -q -x tests/test_varlen_gpu.py \
-    > "$OUT/varlen_gpu_tests.log" 2>&1
-  echo "varlen GPU tests: $(tail -1 "$OUT/varlen_gpu_tests.log")"
+realistic() {  # realistic GPU
+  prepare qwen2_5_vl_3b
+  for pf in on off; do
+    run_bench "bench3b_realistic_pf_$pf" "$1" "${LIMIT:-200}" --preset qwen2_5_vl_3b --workload realistic \
+      --padding-free $pf --max-steps "${STEPS:-3}"
+  done
 }
 
-col1() {  # the realistic workload with and without padding-free training
-  bench realistic_pf_on $G1 "$REAL_TIMEOUT" --workload realistic --padding-free on --max-steps "$REAL_STEPS"
-  bench realistic_pf_off $G1 "$REAL_TIMEOUT" --workload realistic --padding-free off --max-steps "$REAL_STEPS"
-}
-
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  python -c "import torch, transformers, inspect; from torch.nn.attention.varlen import varlen_attn; \
-print('torch', torch.__version__, 'transformers', transformers.__version__); print(inspect.signature(varlen_attn))"
-  CUDA_VISIBLE_DEVICES=$G0 python -c "import varlen; k = varlen._fast_varlen_kernel(0); \
-print('varlen kernel:', k.__qualname__ if k else None)"
-} > "$OUT/env.log" 2>&1
-cat "$OUT/env.log"
-# the random 3B model and the data set, built once before the parallel runs (each would otherwise build its own)
-CUDA_VISIBLE_DEVICES=$G0 timeout 150 python bench.py --preset qwen2_5_vl_3b --prepare-only > "$OUT/prepare.log" 2>&1 \
-  || { echo "prepare failed:"; tail -5 "$OUT/prepare.log"; }
 case "$MODE" in
-  two) col0 & col1; wait ;;
-  a) col0 ;;
-  b) col1 ;;
-  *) echo "MODE: two | a | b"; exit 2 ;;
+  bar) bar 0 ;;
+  realistic) realistic 0 ;;
+  profile)  # the trainer alone (random responses instead of generation): where the 3B step's time goes
+    prepare qwen2_5_vl_3b
+    run_bench trainer3b_profile 0 "${LIMIT:-240}" --preset qwen2_5_vl_3b --trainer-only --profile \
+      --max-steps "${STEPS:-3}" --rollout-batch-size 16 --global-batch-size 16 ;;
+  8b)  # pure bf16 (10 bytes per parameter with Kahan's buffer): AMP's 16 do not fit one H200 beside the engine
+    prepare qwen3_vl_8b
+    run_bench bench8b_qwen3vl_bf16_1gpu_16x8 0 "${LIMIT:-420}" --preset qwen3_vl_8b --precision bf16 \
+      --max-steps "${STEPS:-2}" --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 ;;
+  8b_x2)
+    prepare qwen3_vl_8b
+    run_bench bench8b_qwen3vl_amp_2gpu 0,1 "${LIMIT:-530}" --preset qwen3_vl_8b --max-steps "${STEPS:-3}" \
+      --gpu-memory-utilization 0.3 ;;
+  two)
+    prepare qwen2_5_vl_3b
+    bar 0 & realistic 1
+    wait ;;
+  *) echo "usage: bash benchmarks/gpu_speed.sh [bar | realistic | profile | 8b | 8b_x2 | two]"; exit 2 ;;
 esac
 python bench.py report "$OUT"/*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"

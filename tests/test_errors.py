@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 
-import easyr1_config
+import common
 import tiny_model
 import dapo
 import grpo
@@ -32,7 +32,7 @@ def run(launch, log, args, nproc=1, script="grpo.py", timeout=600):
 def grpo_main(argv):
     """grpo.py's __main__ (grpo.main), in this process."""
     from easyr1_config import cli
-    with easyr1_config.one_line_errors():
+    with common.one_line_errors():
         grpo.train(cli(grpo.Config, grpo.DEMO, args=argv))
 
 

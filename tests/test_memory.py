@@ -186,7 +186,7 @@ def test_bf16_refuses_fp32_compute():
 def test_offload_wiring(tmp_path):
     """--offload-params hands FSDP2 its CPUOffloadPolicy on every unit; --offload-optimizer moves AdamW's state out
     and back around the step (on CPU both are the host: here the wiring and the numbers are checked, not the
-    bytes saved, which benchmarks/gpu_check.sh m measures)."""
+    bytes saved, which benchmarks/gpu_memory.sh measures)."""
     import tiny_model
     from torch.distributed.fsdp import CPUOffloadPolicy
     actor.init_distributed()

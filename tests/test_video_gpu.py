@@ -148,8 +148,8 @@ def test_vllm_video_prompts(arch, launch, tmp_path):
 
 
 def test_qwen3_vl_video_demo_engine_agrees_with_trainer(tmp_path, launch):
-    """The trainer's log-probs of the engine's samples, step by step (the Qwen2.5-VL video demo is gpu_check.sh v's
-    own run, whose metrics hold the same numbers)."""
+    """The trainer's log-probs of the engine's samples, step by step (the Qwen2.5-VL video demo's own run with vLLM
+    logs the same numbers in its metrics)."""
     rows = run(launch, tmp_path, "--demo-model", "qwen3_vl", "--demo-task", "video")
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     assert len(diffs) == 4 and max(diffs) < 0.01, diffs

@@ -1,0 +1,44 @@
+# benchmarks/gpu_env.sh -- sourced by the GPU recipes (gpu_speed.sh, gpu_memory.sh, gpu_tests.sh): the environment they
+# run in on the H200 device, and the helpers that keep each run's log, metrics and summary in $OUT.
+#
+# Before the first recipe on a fresh machine (../shared/gpu/README.md, "Recipe"). Once, here:
+#   echo /.gpu/ >> .git/info/exclude
+#   mkdir -p .gpu && cp ../shared/gpu/vllm-0.26.0/*.part-* ../shared/gpu/install_vllm.sh .gpu/
+#   bash ../shared/gpu/fetch_wheels.sh .gpu/wheels   # tyro, datasets, math-verify: the device image lacks them
+# Then two device calls on the one-H200 kind (`nvidia-h200`), back to back (a machine stays warm 30 s after a call):
+#   1. carry .gpu/vllm026-slim.tar.xz.part-00:   mkdir -p /tmp/vparts && cp .gpu/*.part-00 /tmp/vparts/
+#   2. carry .gpu/vllm026-slim.tar.xz.part-01, .gpu/install_vllm.sh and .gpu/wheels:
+#      cp .gpu/*.part-01 /tmp/vparts/ && bash .gpu/install_vllm.sh && bash benchmarks/gpu_speed.sh bar
+# The install takes ~20 s; a later call on the same warm machine runs a recipe alone (`bash benchmarks/gpu_X.sh ...`).
+# One call may run 10 minutes: each recipe says how long its modes take. What a call leaves in $OUT comes back.
+export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \
+  VLLM_ENABLE_V1_MULTIPROCESSING=0
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+if [ ! -d /tmp/site ] && ls .gpu/wheels/*.whl > /dev/null 2>&1; then  # the carried wheels, installed once per machine
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl
+fi
+python -c "import vllm, tyro, datasets" 2> /dev/null \
+  || echo "gpu_env.sh: vllm, tyro or datasets does not import: install them as the top of benchmarks/gpu_env.sh says" >&2
+NGPU=$(nvidia-smi -L 2> /dev/null | wc -l)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+prepare() {  # prepare PRESET: build the random model and the data set once, before the runs that share them
+  timeout "${PREPARE_LIMIT:-200}" python bench.py --preset "$1" --prepare-only > "$OUT/prepare_$1.log" 2>&1 \
+    || { echo "prepare $1 failed:"; tail -5 "$OUT/prepare_$1.log"; }
+}
+
+run_bench() {  # run_bench NAME GPUS LIMIT_S BENCH_ARGS...: bench.py on GPUS ("0", or "0,1" under torchrun); its log,
+  # metrics.jsonl and bench_summary.json in $OUT as NAME.log, NAME_metrics.jsonl, NAME_summary.json. A run cut by
+  # its limit keeps the metrics of its finished steps.
+  local name=$1 gpus=$2 limit=$3; shift 3
+  local launch=(python)
+  [[ $gpus == *,* ]] && launch=(torchrun --standalone --nproc_per_node "$(tr ',' '\n' <<< "$gpus" | wc -l)")
+  CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "${launch[@]}" bench.py --output-dir "/tmp/$name" "$@" ${ARGS:-} \
+    > "$OUT/$name.log" 2>&1
+  echo "$name: exit $? ($(cat "/tmp/$name/metrics.jsonl" 2> /dev/null | grep -c '"timing/step"') steps)"
+  cp "/tmp/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2> /dev/null
+  cp "/tmp/$name/bench_summary.json" "$OUT/${name}_summary.json" 2> /dev/null
+  cp "/tmp/$name/profile.txt" "$OUT/${name}_profile.txt" 2> /dev/null
+  grep -o 'BENCH_RESULT.*' "$OUT/$name.log" | head -c 1200; echo
+}

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# benchmarks/gpu_tests.sh [FILE... | spmd] -- the GPU tests (`pytest -m gpu`; CPU machines skip them), one test file at
+# a time so that each vLLM engine has the GPU to itself (they profile its memory); default: every tests/*_gpu.py. On
+# the one-H200 device, after vLLM is installed (the top of benchmarks/gpu_env.sh, from ../shared/gpu/README.md):
+#   bash benchmarks/gpu_tests.sh test_varlen_gpu.py test_vllm_gpu.py test_grpo_gpu.py
+# Minutes per file there, each under its own limit:
+#   test_varlen_gpu.py  ~2  the variable-length attention kernels at the 3B's shapes
+#   test_vllm_gpu.py    ~2  the engine: prompts, log-probs, seeds, greedy, weight sync, sleep, preempted requests
+#   test_grpo_gpu.py    ~2  grpo.py with vLLM: engine and trainer agree after every sync (and with LoRA); a skipped
+#                           sync is caught
+#   test_video_gpu.py   ~4  vLLM's video prompts and M-RoPE positions against the trainer's
+#   test_memory_gpu.py  ~5  the memory keys; pure bf16 and both offloads with the engine
+#   test_qwen3_gpu.py   ~6  Qwen3-VL and Qwen3: the engine, deepstack-only sync, the demos' agreement
+# All of them take ~21 min, more than one call's 10: give each call files that add up to less, as above.
+# On two H200s (`nvidia-h200-x2`), `spmd` (~3 min): tests/test_vllm_gpu.py under torchrun, one engine per rank at
+# tensor parallel 1, then one engine over both at tensor parallel 2.
+# Results in $OUT: one log per file, and summary.txt with each one's last line.
+set -u
+cd "$(dirname "$0")/.."
+source benchmarks/gpu_env.sh
+declare -A LIMITS=([test_varlen_gpu.py]=150 [test_vllm_gpu.py]=200 [test_grpo_gpu.py]=200 [test_video_gpu.py]=300
+                   [test_memory_gpu.py]=420 [test_qwen3_gpu.py]=540)
+python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in ('qwen2_5_vl', 'qwen3_vl', 'qwen3')]" \
+  > "$OUT/build_tiny_models.log" 2>&1  # once, before the tests' subprocesses would each wait for it
+if [ "${1:-}" = spmd ]; then
+  for tp in 1 2; do
+    CUDA_VISIBLE_DEVICES=0,1 timeout "${LIMIT:-200}" torchrun --standalone --nproc_per_node 2 tests/test_vllm_gpu.py \
+      --tp $tp > "$OUT/vllm_spmd_tp$tp.log" 2>&1
+    echo "torchrun x2 tests/test_vllm_gpu.py --tp $tp: exit $?: $(tail -1 "$OUT/vllm_spmd_tp$tp.log")" \
+      | tee -a "$OUT/summary.txt"
+  done
+  exit
+fi
+files=("$@")
+[ ${#files[@]} -gt 0 ] || files=(test_varlen_gpu.py test_vllm_gpu.py test_grpo_gpu.py test_video_gpu.py
+                                 test_memory_gpu.py test_qwen3_gpu.py)
+for f in "${files[@]}"; do
+  f=$(basename "$f")
+  CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-${LIMITS[$f]:-300}}" python -m pytest -m gpu -q -rs "tests/$f" \
+    > "$OUT/${f%.py}.log" 2>&1
+  echo "$f: exit $?: $(tail -1 "$OUT/${f%.py}.log")" | tee -a "$OUT/summary.txt"
+done

@@ -1,0 +1,71 @@
+"""common.py -- the floor: what any file may import, and which imports no file of this project. The user-error type
+and its one-line report, the image pixel bounds that the options and the data share, and the small CPU collectives
+that the actor, the loop and the run folder count with.
+
+Every other file imports downwards only (README, "Files"; tests/test_imports.py keeps it so).
+"""
+import contextlib
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+# EasyR1 defaults (data.min_pixels / data.max_pixels).
+MIN_PIXELS, MAX_PIXELS = 262144, 4194304
+
+
+class UserError(ValueError):
+    """A mistake in what the user gave (an option, a file, a data row, a reward file). grpo.py and dapo.py print
+    its message as one `error:` line (rank 0 only, unless rank_local: only the rank that raised it saw it) and exit
+    with code 2, no traceback."""
+
+    def __init__(self, message, rank_local=False):
+        super().__init__(message)
+        self.rank_local = rank_local
+
+
+def first_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Around a command line's work: a UserError ends the process with `error: <message>` and exit code 2, no
+    traceback. The checks are deterministic, so every rank raises the same one and rank 0 speaks for them all;
+    a rank_local one (a reward only this rank computed) is printed by the rank that raised it."""
+    try:
+        yield
+    except UserError as e:
+        if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
+            for bar in list(tqdm._instances):
+                bar.close()  # end the progress bar's line first
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(2)  # exiting first would let torchrun stop rank 0 before it prints
+        if dist.is_initialized() and not e.rank_local:  # (the others may be inside a collective: just go)
+            dist.destroy_process_group()
+        sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------------- CPU collectives
+_CPU_GROUP = None
+
+
+def _cpu_group():
+    """A gloo group for small CPU collectives (counts, Python objects) next to NCCL."""
+    global _CPU_GROUP
+    if _CPU_GROUP is None:
+        _CPU_GROUP = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    return _CPU_GROUP
+
+
+def all_reduce_cpu(x, op=dist.ReduceOp.SUM):
+    """Sum (or max) a small CPU tensor over ranks."""
+    x = torch.as_tensor(x, dtype=torch.float64).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x, op=op, group=_cpu_group())
+    return x

@@ -1,0 +1,94 @@
+"""The files import downwards only. Read from the source of the root .py files (every import statement: at the top,
+under `if __name__ == "__main__":`, or inside a function): the import graph has no cycle, each file imports only
+files on its own floor or below (FLOORS, the drawing of README "Files"), and no function imports a file of this
+project. An import inside a function hides a dependency from the top of the file and is how a cycle was once held
+apart; one stays only for an optional or heavy third-party package (vLLM, peft, PyAV, wandb, ...)."""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = {f[:-3]: os.path.join(ROOT, f) for f in sorted(os.listdir(ROOT)) if f.endswith(".py")}
+
+# the floors, bottom first; a file imports files of its own floor or lower ones, never a higher one
+FLOORS = [
+    ["common", "conftest"],  # the floor: the user-error type, its one-line report, shared constants, CPU collectives
+    ["config", "tiny_model", "flops", "varlen"],  # the options; the demos (models, tasks, settings); FLOPs; kernels
+    ["video", "data", "easyr1_config"],  # the data (data.py reaches the demos through data_files); the command line
+    ["memory", "fsdp_actor", "rollout", "rewards", "rundir"],  # the stages
+    ["grpo"],  # the loop
+    ["dapo", "bench", "merge"],  # entry points on top of it
+]
+FLOOR = {m: i for i, names in enumerate(FLOORS) for m in names}
+
+
+def project_imports(path):
+    """[(project module, line, inside a function)] of one file: import statements, and __import__ /
+    importlib.import_module of a project module's name."""
+    out = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            names = []
+            if isinstance(child, ast.Import):
+                names = [a.name.split(".")[0] for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                names = [child.module.split(".")[0]]
+            elif (isinstance(child, ast.Call) and child.args and isinstance(child.args[0], ast.Constant)
+                  and getattr(child.func, "id", getattr(child.func, "attr", None)) in ("__import__", "import_module")):
+                names = [str(child.args[0].value).split(".")[0]]
+            out.extend((n, child.lineno, in_function) for n in names if n in FILES)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    with open(path) as f:
+        visit(ast.parse(f.read(), path), False)
+    return out
+
+
+def graph():
+    return {m: sorted({n for n, _, _ in project_imports(p)} - {m}) for m, p in FILES.items()}
+
+
+def find_cycle(g):
+    """One cycle of the directed graph g (node -> its successors) as [a, b, ..., a], or None."""
+    state, stack = {}, []  # state: 1 on the current path, 2 done
+
+    def dfs(u):
+        state[u] = 1
+        stack.append(u)
+        for v in g.get(u, []):
+            if state.get(v) == 1:
+                return stack[stack.index(v):] + [v]
+            if v not in state and (found := dfs(v)):
+                return found
+        stack.pop()
+        state[u] = 2
+        return None
+
+    return next((c for u in sorted(g) if u not in state and (c := dfs(u))), None)
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(f"{m}.py" for m in cycle)
+
+
+def test_no_project_module_imported_inside_a_function():
+    inside = [f"{m}.py:{line}: imports {n} inside a function" for m, p in FILES.items()
+              for n, line, in_function in project_imports(p) if in_function]
+    assert inside == [], "\n".join(inside + ["import it at the top of the file (README, Files: which floor may)"])
+
+
+def test_every_file_imports_only_its_floor_or_below():
+    g = graph()
+    assert sorted(set(FILES) - set(FLOOR)) == [], "a new file: give it a floor in FLOORS (and in README, Files)"
+    up = [f"{m}.py (floor {FLOOR[m]}) imports {n}.py (floor {FLOOR[n]})" for m in g for n in g[m]
+          if FLOOR[n] > FLOOR[m]]
+    assert up == [], "\n".join(up)
+    assert g["common"] == [], "the floor imports no file of this project"
+    # the demos' tasks are reached by the data layer through one door (data.data_files), and import no data file
+    assert [m for m in FLOORS[2] if "tiny_model" in g[m]] == ["data"] and g["tiny_model"] == ["common"]
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b", "c"], "b": ["c"], "c": []}) is None
