@@ -42,6 +42,12 @@ def _pick(option, names):  # a value spelled differently here
     return conv
 
 
+def _loss_type(v, y):
+    if v in ("sapo", "gspo_token"):  # EasyR1's, named so that the user knows it is the loss, not a typo
+        raise ValueError(f"EasyR1's {v} loss is not implemented here yet; choose default, gspo or cispo")
+    return _pick("loss_type", {"default": "ppo_clip", "ppo_clip": "ppo_clip", "gspo": "gspo", "cispo": "cispo"})(v, y)
+
+
 def _kl_loss(v, y):
     if not v and not y.get("algorithm.disable_kl") and y.get("algorithm.kl_coef", 1) != 0:
         raise ValueError("a KL penalty in the reward is not implemented: set use_kl_loss: true (the KL as a loss "
@@ -176,9 +182,7 @@ TABLE = {
     "worker.actor.clip_ratio_high": ("clip_ratio_high", None, SAME),
     "worker.actor.clip_ratio_dual": ("clip_ratio_dual", None, SAME),
     "worker.actor.loss_avg_mode": ("loss_avg_mode", None, SAME),
-    "worker.actor.loss_type": ("loss_type", _pick("loss_type", {"default": "ppo_clip", "ppo_clip": "ppo_clip",
-                                                                "gspo": "gspo", "cispo": "cispo"}),
-                               "default -> ppo_clip"),
+    "worker.actor.loss_type": ("loss_type", _loss_type, "default -> ppo_clip"),
     "worker.actor.ppo_epochs": ("ppo_epochs", None, SAME),
     "worker.actor.padding_free": ("padding_free", lambda v, y: {"padding_free": "auto" if v else "off"},
                                   "true = auto (on where a fast varlen kernel runs)"),
