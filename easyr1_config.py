@@ -85,9 +85,9 @@ def _reward_kwargs(v, y):  # a YAML mapping here, a JSON string in the option (c
 
 
 def _loggers(v, y):
-    names = {"console": "console", "file": "jsonl", "jsonl": "jsonl", "tensorboard": "tensorboard", "wandb": "wandb"}
+    names = {"file": "jsonl", **{x: x for x in ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow")}}
     if bad := [x for x in v if x not in names]:
-        raise ValueError(f"{bad} not supported here; choose from console, file, tensorboard, wandb")
+        raise ValueError(f"{bad} not supported here; choose from console, file, tensorboard, wandb, swanlab, mlflow")
     return {"logger": sorted({names[x] for x in v} | {"jsonl"})}
 
 
@@ -257,9 +257,10 @@ TABLE = {
     "worker.reward.num_cpus": (None, None, "rewards run in the trainer's processes"),
     "trainer.total_epochs": ("total_epochs", None, "used when max_steps is null"),
     "trainer.max_steps": ("max_steps", lambda v, y: {"max_steps": v} if v else {}, "null -> total_epochs"),
-    "trainer.project_name": ("project_name", None, "wandb"),
-    "trainer.experiment_name": ("experiment_name", None, "wandb"),
-    "trainer.logger": ("logger", _loggers, "file -> jsonl (always on); mlflow, swanlab are not supported"),
+    "trainer.project_name": ("project_name", None, "wandb, swanlab, mlflow (its experiment)"),
+    "trainer.experiment_name": ("experiment_name", None, "wandb, swanlab, mlflow (its run name)"),
+    "trainer.logger": ("logger", _loggers, "file -> jsonl (always on); wandb and swanlab offline without an API key, "
+                                           "mlflow into output_dir/mlflow.db without MLFLOW_TRACKING_URI"),
     "trainer.nnodes": (None, lambda v, y: {} if "trainer.n_gpus_per_node" in y else _world(v, y),
                        "torchrun's --nnodes (see n_gpus_per_node)"),
     "trainer.n_gpus_per_node": (None, _world, "torchrun's --nproc_per_node: python grpo.py runs one process, torchrun "

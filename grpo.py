@@ -134,8 +134,8 @@ class Config:
     config: str | None = None  # an EasyR1 YAML config (examples/config.yaml, unchanged); flags override it
     seed: int = 1  # data order, sampling seeds and initialisation
     log_samples: int = 4  # generations written to samples.jsonl per step
-    logger: Annotated[list[Literal["console", "jsonl", "tensorboard", "wandb"]], tyro.conf.arg(
-        help="experiment trackers; jsonl is always on; wandb runs offline without an API key")] = field(
+    logger: Annotated[list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow"]], tyro.conf.arg(
+        help="trackers; jsonl always on; wandb, swanlab offline without an API key; mlflow: output_dir/mlflow.db")] = field(
         default_factory=lambda: ["console", "jsonl"])
     project_name: str = "vlm_rl"  # for wandb
     experiment_name: str = ""  # for wandb; "" = the output folder's name

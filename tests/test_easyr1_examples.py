@@ -41,9 +41,6 @@ STOPS = {
     "examples/qwen2_5_vl_7b_geo3k_sapo.sh": [
         ("worker.actor.loss_type='sapo': EasyR1's sapo loss is not implemented here yet; choose default, gspo or "
          "cispo", PHASE2)],
-    "examples/qwen2_5_vl_7b_geo3k_swanlab.sh": [
-        ("trainer.logger=['console', 'swanlab']: ['swanlab'] not supported here; choose from console, file, "
-         "tensorboard, wandb", "SwanLab: next commit")],
     "examples/qwen3_14b_dapo17k_dapo.sh": [
         ("algorithm.online_filtering=True: that is DAPO's dynamic sampling: run dapo.py with the same arguments "
          "(grpo.py does not have it yet)", PHASE2),
