@@ -482,7 +482,7 @@ def data_files(cfg):
     import video
     if cfg.train_files:
         return cfg.train_files, cfg.val_files, cfg.format_prompt
-    text = not cfg.model_path and cfg.demo_model == "qwen3"
+    text = not cfg.model_path and cfg.demo_model in tiny_model.TEXT_ARCHS
     make = (tiny_model.demo_max_data if text else video.demo_video_data if cfg.demo_task == "video" else
             tiny_model.demo_data)
     fmt = tiny_model.NUMBER_FORMAT_PROMPT if text else tiny_model.DEMO_FORMAT_PROMPT

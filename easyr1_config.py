@@ -19,6 +19,7 @@ import typing
 import yaml
 
 import data
+import tiny_model
 from data import UserError
 
 
@@ -448,7 +449,7 @@ def cli(cls, demo, args=None, text_demo=None, video_demo=None):
         config, path = from_words(words, first.config)
         from_yaml, notes = translate(config, cls, sources)
     is_demo = not (first.model_path or from_yaml.get("model_path"))
-    if is_demo and text_demo and getattr(first, "demo_model", "") == "qwen3":
+    if is_demo and text_demo and getattr(first, "demo_model", "") in tiny_model.TEXT_ARCHS:
         demo = {**demo, **text_demo}
     elif is_demo and video_demo and getattr(first, "demo_task", "") == "video":
         demo = {**demo, **video_demo}
