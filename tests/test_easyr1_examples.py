@@ -57,19 +57,24 @@ def test_the_twenty_scripts_are_there():
         assert a.read().split("\n", 2)[2] == b.read()  # the same EasyR1 config as test_config.py's
 
 
+def recorder(tmp_path, name):
+    """An executable `name` in tmp_path/bin that writes its arguments to tmp_path/argv.json."""
+    shim = tmp_path / "bin"
+    shim.mkdir(exist_ok=True)
+    code = f"import json, sys; json.dump(sys.argv[1:], open({str(tmp_path / 'argv.json')!r}, 'w'))"
+    (shim / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" -c "{code}" "$@"\n')
+    (shim / name).chmod(0o755)
+    if not (tmp_path / "examples").exists():  # the scripts' relative paths, from a folder of the test's own
+        (tmp_path / "examples").symlink_to(os.path.join(VENDORED, "examples"))
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "EXPERIMENT_NAME")}
+    return {**env, "PATH": f"{shim}{os.pathsep}{env['PATH']}"}
+
+
 def expand(script, tmp_path):
     """The script's python3 command line as bash builds it: a python3 on PATH that writes its argv as JSON. Runs in
     a folder of its own that sees the vendored examples/ (the save path EasyR1 derives is relative)."""
-    shim = tmp_path / "bin"
-    shim.mkdir(exist_ok=True)
-    (shim / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" -c "import json, sys; '
-                                  f'json.dump(sys.argv[1:], open(\'{tmp_path}/argv.json\', \'w\'))" "$@"\n')
-    (shim / "python3").chmod(0o755)
-    if not (tmp_path / "examples").exists():
-        (tmp_path / "examples").symlink_to(os.path.join(VENDORED, "examples"))
-    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "EXPERIMENT_NAME")}
-    subprocess.run(["bash", os.path.join(VENDORED, script)], cwd=tmp_path, check=True, capture_output=True,
-                   env={**env, "PATH": f"{shim}{os.pathsep}{env['PATH']}"})
+    env = recorder(tmp_path, "python3")
+    subprocess.run(["bash", os.path.join(VENDORED, script)], cwd=tmp_path, check=True, capture_output=True, env=env)
     argv = json.load(open(tmp_path / "argv.json"))
     assert argv[:2] == ["-m", "verl.trainer.main"], argv
     return argv[2:]
@@ -126,3 +131,21 @@ def test_the_dapo_script_passes_under_dapo_py_today(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = parse_and_check(words, dapo.DAPOConfig, monkeypatch)
     assert (cfg.filter_groups, cfg.kl_coef, cfg.gen_batch_size, cfg.clip_ratio_high) == (True, 0.0, 128, 0.28)
+
+
+def test_readme_one_word_change_runs_a_script(tmp_path, monkeypatch):
+    """README's command, as written, with torchrun recording its argv: the script's words reach grpo.py, parse and
+    pass the checks; and README's count of the scripts that run agrees with STOPS."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    lines = [x.strip() for x in readme.splitlines()]
+    i = next(i for i, x in enumerate(lines) if x.startswith("sed 's|python3 -m verl.trainer.main|"))
+    cmd = (lines[i].rstrip("\\") + lines[i + 1]).replace("/path/to/vlm-rl/grpo.py", os.path.join(ROOT, "grpo.py"))
+    subprocess.run(cmd, shell=True, cwd=tmp_path, check=True, capture_output=True,
+                   env=recorder(tmp_path, "torchrun"))
+    argv = json.load(open(tmp_path / "argv.json"))
+    assert argv[:2] == ["--nproc_per_node", "8"] and argv[2] == os.path.join(ROOT, "grpo.py"), argv
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_and_check(argv[3:], grpo.Config, monkeypatch)
+    assert cfg.model_path == "Qwen/Qwen2.5-VL-7B-Instruct" and cfg.experiment_name == "qwen2_5_vl_7b_geo_grpo"
+    assert f"{len(SCRIPTS)} example scripts" in readme
+    assert f"{len(SCRIPTS) - len(STOPS)} run this way; {len(STOPS)} stop" in " ".join(readme.split())
