@@ -358,13 +358,6 @@ def translate(config, cls, sources=None):
     return opts, [f"{', '.join(keys)} ({why})" for why, keys in notes.items()]
 
 
-def load(path, cls, sources=None):
-    if not os.path.isfile(path):
-        raise UserError(f"--config {path}: no such file")
-    with open(path) as f:
-        return translate(yaml.safe_load(f) or {}, cls, sources)
-
-
 SECTIONS = ("data", "algorithm", "worker", "trainer")  # EasyR1's top-level keys
 
 

@@ -122,4 +122,5 @@ def test_python_grpo_py_takes_easyr1s_form(launch, tmp_path):
     p = launch.run([sys.executable, "grpo.py", f"config={EXAMPLE}", "worker.actor.model.model_path=./no/such/model",
                     "--output-dir", str(tmp_path), "trainer.n_gpus_per_node=1"], tmp_path / "log", timeout=300,
                    expect=2)
-    assert "[config] defaults: EasyR1; from " in p.out and "error: --model-path ./no/such/model: no such folder" in p.out
+    assert "[config] defaults: EasyR1; from " in p.out
+    assert "error: --model-path ./no/such/model: no such folder" in p.out
