@@ -112,11 +112,12 @@ def _torch_dtype(v, y):  # EasyR1's actor storage dtype: null = fp32 master weig
 
 def _world(v, y):
     """EasyR1 starts n_gpus_per_node x nnodes workers itself; here the launcher starts the processes, so the two must
-    agree. Checked only under torchrun (WORLD_SIZE set): a plain `python grpo.py` is the one-GPU launch, and EasyR1's
+    agree. Checked only when several processes run (torchrun, WORLD_SIZE > 1): one process (`python grpo.py`, which
+    leaves WORLD_SIZE unset until it makes its 1-rank group, or torchrun with 1) is the one-GPU launch, and EasyR1's
     config.yaml says 8 GPUs, which would otherwise stop every single-GPU try of an EasyR1 script."""
     gpus, nodes = y.get("trainer.n_gpus_per_node", 8), y.get("trainer.nnodes", 1)  # EasyR1's defaults
-    world = os.environ.get("WORLD_SIZE")
-    if world is not None and int(world) != gpus * nodes:
+    world = os.environ.get("WORLD_SIZE", "1")
+    if int(world) > 1 and int(world) != gpus * nodes:
         raise ValueError(f"trainer.n_gpus_per_node x trainer.nnodes = {gpus} x {nodes} = {gpus * nodes} processes, but "
                          f"torchrun started {world} (WORLD_SIZE): launch torchrun --nnodes {nodes} --nproc_per_node "
                          f"{gpus}, or set trainer.n_gpus_per_node={int(world) // nodes or 1}")
@@ -265,8 +266,8 @@ TABLE = {
     "trainer.nnodes": (None, lambda v, y: {} if "trainer.n_gpus_per_node" in y else _world(v, y),
                        "torchrun's --nnodes (see n_gpus_per_node)"),
     "trainer.n_gpus_per_node": (None, _world, "torchrun's --nproc_per_node: python grpo.py runs one process, torchrun "
-                                              "--nproc_per_node N grpo.py N; under torchrun n_gpus_per_node x nnodes "
-                                              "must be its world size"),
+                                              "--nproc_per_node N grpo.py N; with several, n_gpus_per_node x nnodes "
+                                              "must be their number"),
     "trainer.max_try_make_batch": ("max_try_make_batch", lambda v, y: {"max_try_make_batch": _off(v)},
                                    "dapo.py; -1 -> 0 (unlimited)"),
     "trainer.critic_warmup": (None, None, "no critic"),

@@ -86,10 +86,13 @@ def test_world_size_must_match_n_gpus_per_node_times_nnodes(monkeypatch, capsys)
                                          r"4 x 2 = 8 processes, but torchrun started 4 \(WORLD_SIZE\): launch "
                                          r"torchrun --nnodes 2 --nproc_per_node 4, or set trainer.n_gpus_per_node=2"):
         E.cli(grpo.Config, grpo.DEMO, args=args)
-    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun with one process, the file's 8 GPUs: refused too
-    with pytest.raises(ValueError, match="1 x 8 = 8 processes, but torchrun started 1"):
-        E.cli(grpo.Config, grpo.DEMO, args=[f"config={EXAMPLE}", "trainer.nnodes=8", "trainer.n_gpus_per_node=1"])
-    # plain `python grpo.py` is the one-GPU launch: EasyR1's config.yaml says 8 GPUs, and that does not stop it
+    monkeypatch.setenv("WORLD_SIZE", "2")  # only nnodes given: EasyR1's 8 GPUs per node
+    with pytest.raises(ValueError, match=r"trainer.nnodes=2: .* = 8 x 2 = 16 processes, but torchrun started 2"):
+        E.cli(grpo.Config, grpo.DEMO, args=[MODEL, "trainer.nnodes=2"])
+    # one process (`python grpo.py`, or torchrun with 1: WORLD_SIZE unset or 1) is the one-GPU launch: EasyR1's
+    # config.yaml says 8 GPUs, and that does not stop it
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    E.cli(grpo.Config, grpo.DEMO, args=args)
     monkeypatch.delenv("WORLD_SIZE")
     capsys.readouterr()
     E.cli(grpo.Config, grpo.DEMO, args=args)
