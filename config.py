@@ -16,8 +16,8 @@ from common import MAX_PIXELS, MIN_PIXELS
 class Config:
     # --- model and data (empty model_path / train_files = the built-in demo) ---
     model_path: str = ""  # HF hub name or local folder; "" builds the tiny demo VLM in code
-    # the demo's tiny model (no model_path): qwen2_5_vl / qwen3_vl (colour or video task), qwen3 (largest digit)
-    demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3"] = "qwen2_5_vl"
+    # the demo's tiny model (no model_path): qwen2_5_vl / qwen3_vl (colour or video task), qwen3 / llama (largest digit)
+    demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3", "llama"] = "qwen2_5_vl"
     demo_task: Literal["color", "video"] = "color"  # the VL demos' task: a picture's colour, or a clip's last colour
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)
@@ -117,8 +117,8 @@ class Config:
     config: str | None = None  # an EasyR1 YAML config (examples/config.yaml, unchanged); flags override it
     seed: int = 1  # data order, sampling seeds and initialisation
     log_samples: int = 4  # generations written to samples.jsonl per step
-    logger: Annotated[list[Literal["console", "jsonl", "tensorboard", "wandb"]], tyro.conf.arg(
-        help="experiment trackers; jsonl is always on; wandb runs offline without an API key")] = field(
+    logger: Annotated[list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow"]], tyro.conf.arg(
+        help="trackers; jsonl always on; wandb, swanlab offline without an API key; mlflow: output_dir/mlflow.db")] = field(
         default_factory=lambda: ["console", "jsonl"])
     project_name: str = "vlm_rl"  # for wandb
     experiment_name: str = ""  # for wandb; "" = the output folder's name

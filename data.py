@@ -428,12 +428,17 @@ def _epoch_perm(N, seed):
     return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
 
 
+def is_text_demo(demo_model):
+    """--demo-model names a text-only model (its own task and reward: the largest digit)."""
+    return demo_model in tiny_model.TEXT_ARCHS
+
+
 def data_files(cfg):
     """(train files, validation files, format prompt) of cfg's data options; the demo's synthetic task (written on
     first use) when --train-files is empty: the largest digit for the text demo, clips or pictures for the VL ones."""
     if cfg.train_files:
         return cfg.train_files, cfg.val_files, cfg.format_prompt
-    text = not cfg.model_path and cfg.demo_model == "qwen3"
+    text = not cfg.model_path and is_text_demo(cfg.demo_model)
     make = (tiny_model.demo_max_data if text else tiny_model.demo_video_data if cfg.demo_task == "video" else
             tiny_model.demo_data)
     fmt = tiny_model.NUMBER_FORMAT_PROMPT if text else tiny_model.DEMO_FORMAT_PROMPT

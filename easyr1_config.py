@@ -1,5 +1,7 @@
 """easyr1_config.py -- the command line in EasyR1's terms: its defaults (or the demo's), its nested YAML config read
-unchanged (`grpo.py --config examples/config.yaml`), then the flags; and the checks of the values (`check`).
+unchanged (`grpo.py --config examples/config.yaml`, or EasyR1's own form `grpo.py config=examples/config.yaml
+worker.rollout.n=8 ...`: dotted keys merged over the file as OmegaConf merges them), then the flags; and the checks
+of the values (`check`).
 
 TABLE holds every EasyR1 key: the option it sets here (converted where the two spell a value differently), or none
 and why. A key whose value would change the result but cannot be honoured stops the run with the reason; a key with
@@ -7,7 +9,9 @@ no effect here is listed at start; an unknown key (a typo) stops the run. Flags 
 the file. Keys absent from the file keep this project's defaults (EasyR1's example values, see config.Config), not
 EasyR1's dataclass defaults. `python easyr1_config.py` prints the README's migration table (a test keeps it equal).
 """
+import json
 import os
+import re
 import tempfile
 import typing
 
@@ -37,6 +41,12 @@ def _pick(option, names):  # a value spelled differently here
     return conv
 
 
+def _loss_type(v, y):
+    if v in ("sapo", "gspo_token"):  # EasyR1's, named so that the user knows it is the loss, not a typo
+        raise ValueError(f"EasyR1's {v} loss is not implemented here yet; choose default, gspo or cispo")
+    return _pick("loss_type", {"default": "ppo_clip", "ppo_clip": "ppo_clip", "gspo": "gspo", "cispo": "cispo"})(v, y)
+
+
 def _kl_loss(v, y):
     if not v and not y.get("algorithm.disable_kl") and y.get("algorithm.kl_coef", 1) != 0:
         raise ValueError("a KL penalty in the reward is not implemented: set use_kl_loss: true (the KL as a loss "
@@ -63,10 +73,20 @@ def _reward(v, y):  # EasyR1: "file.py" alone means its function `main`
     return {"reward_function": f"{v}:main" if v.endswith(".py") else v} if v else {}
 
 
+def _reward_kwargs(v, y):  # a YAML mapping here, a JSON string in the option (checked against the function later)
+    if v in (None, {}):
+        return {}
+    if isinstance(v, str):
+        return {"reward_function_kwargs": v}
+    if not isinstance(v, dict):
+        raise ValueError("give a mapping of argument names to values, e.g. '{\"max_response_length\": 4096}'")
+    return {"reward_function_kwargs": json.dumps(v)}
+
+
 def _loggers(v, y):
-    names = {"console": "console", "file": "jsonl", "jsonl": "jsonl", "tensorboard": "tensorboard", "wandb": "wandb"}
+    names = {"file": "jsonl", **{x: x for x in ("console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow")}}
     if bad := [x for x in v if x not in names]:
-        raise ValueError(f"{bad} not supported here; choose from console, file, tensorboard, wandb")
+        raise ValueError(f"{bad} not supported here; choose from console, file, tensorboard, wandb, swanlab, mlflow")
     return {"logger": sorted({names[x] for x in v} | {"jsonl"})}
 
 
@@ -86,6 +106,20 @@ def _torch_dtype(v, y):  # EasyR1's actor storage dtype: null = fp32 master weig
     if v in ("bf16", "bfloat16"):
         return {"precision": "bf16"}
     raise ValueError("choose null, fp32 or bf16")
+
+
+def _world(v, y):
+    """EasyR1 starts n_gpus_per_node x nnodes workers itself; here the launcher starts the processes, so the two must
+    agree. Checked only when several processes run (torchrun, WORLD_SIZE > 1): one process (`python grpo.py`, which
+    leaves WORLD_SIZE unset until it makes its 1-rank group, or torchrun with 1) is the one-GPU launch, and EasyR1's
+    config.yaml says 8 GPUs, which would otherwise stop every single-GPU try of an EasyR1 script."""
+    gpus, nodes = y.get("trainer.n_gpus_per_node", 8), y.get("trainer.nnodes", 1)  # EasyR1's defaults
+    world = os.environ.get("WORLD_SIZE", "1")
+    if int(world) > 1 and int(world) != gpus * nodes:
+        raise ValueError(f"trainer.n_gpus_per_node x trainer.nnodes = {gpus} x {nodes} = {gpus * nodes} processes, but "
+                         f"torchrun started {world} (WORLD_SIZE): launch torchrun --nnodes {nodes} --nproc_per_node "
+                         f"{gpus}, or set trainer.n_gpus_per_node={int(world) // nodes or 1}")
+    return {}
 
 
 def _flag(option):
@@ -148,14 +182,14 @@ TABLE = {
     "worker.actor.clip_ratio_high": ("clip_ratio_high", None, SAME),
     "worker.actor.clip_ratio_dual": ("clip_ratio_dual", None, SAME),
     "worker.actor.loss_avg_mode": ("loss_avg_mode", None, SAME),
-    "worker.actor.loss_type": ("loss_type", _pick("loss_type", {"default": "ppo_clip", "ppo_clip": "ppo_clip",
-                                                                "gspo": "gspo", "cispo": "cispo"}),
-                               "default -> ppo_clip"),
+    "worker.actor.loss_type": ("loss_type", _loss_type, "default -> ppo_clip"),
     "worker.actor.ppo_epochs": ("ppo_epochs", None, SAME),
     "worker.actor.padding_free": ("padding_free", lambda v, y: {"padding_free": "auto" if v else "off"},
                                   "true = auto (on where a fast varlen kernel runs)"),
     "worker.actor.dynamic_batching": (None, None, "always on: micro-batches by padded tokens"),
-    "worker.actor.ulysses_size": (None, None, "sequence parallelism is not implemented (memory only)"),
+    "worker.actor.ulysses_size": (None, _only(1, None, why="Ulysses sequence parallelism is not implemented here: "
+                                              "set it to 1 (each rank then holds whole sequences)"),
+                                  "must be 1: sequence parallelism is not implemented"),
     "worker.actor.use_torch_compile": ("torch_compile", lambda v, y: {"torch_compile": "auto" if v else "off"},
                                        "true = auto (on for CUDA in bf16)"),
     "worker.actor.tau_positive": (None, None, "SAPO is not implemented"),
@@ -216,17 +250,22 @@ TABLE = {
     "worker.ref.*": (None, None, "the reference model: FSDP2-sharded in the compute dtype; on the host between its "
                                  "passes with --offload-params"),
     "worker.reward.reward_function": ("reward_function", _reward, "file.py:fn, built-ins math | r1v | dapo"),
-    "worker.reward.reward_function_kwargs": (None, _only({}, None, why="not supported"), "must be empty"),
+    "worker.reward.reward_function_kwargs": ("reward_function_kwargs", _reward_kwargs,
+                                             "a mapping: keyword arguments of the reward function, as EasyR1"),
     "worker.reward.skip_special_tokens": (None, _only(True, why="responses are always decoded without special tokens"),
                                           "must be true"),
     "worker.reward.num_cpus": (None, None, "rewards run in the trainer's processes"),
     "trainer.total_epochs": ("total_epochs", None, "used when max_steps is null"),
     "trainer.max_steps": ("max_steps", lambda v, y: {"max_steps": v} if v else {}, "null -> total_epochs"),
-    "trainer.project_name": ("project_name", None, "wandb"),
-    "trainer.experiment_name": ("experiment_name", None, "wandb"),
-    "trainer.logger": ("logger", _loggers, "file -> jsonl (always on); mlflow, swanlab are not supported"),
-    "trainer.nnodes": (None, None, "torchrun's --nnodes"),
-    "trainer.n_gpus_per_node": (None, None, "torchrun's --nproc_per_node"),
+    "trainer.project_name": ("project_name", None, "wandb, swanlab, mlflow (its experiment)"),
+    "trainer.experiment_name": ("experiment_name", None, "wandb, swanlab, mlflow (its run name)"),
+    "trainer.logger": ("logger", _loggers, "file -> jsonl (always on); wandb and swanlab offline without an API key, "
+                                           "mlflow into output_dir/mlflow.db without MLFLOW_TRACKING_URI"),
+    "trainer.nnodes": (None, lambda v, y: {} if "trainer.n_gpus_per_node" in y else _world(v, y),
+                       "torchrun's --nnodes (see n_gpus_per_node)"),
+    "trainer.n_gpus_per_node": (None, _world, "torchrun's --nproc_per_node: python grpo.py runs one process, torchrun "
+                                              "--nproc_per_node N grpo.py N; with several, n_gpus_per_node x nnodes "
+                                              "must be their number"),
     "trainer.max_try_make_batch": ("max_try_make_batch", lambda v, y: {"max_try_make_batch": _off(v)},
                                    "dapo.py; -1 -> 0 (unlimited)"),
     "trainer.critic_warmup": (None, None, "no critic"),
@@ -248,7 +287,7 @@ TABLE = {
 
 def _leaves(d, prefix=""):
     for k, v in d.items():
-        if isinstance(v, dict) and v:
+        if isinstance(v, dict) and v and f"{prefix}{k}" not in TABLE:  # a key whose value is a dict stays whole
             yield from _leaves(v, f"{prefix}{k}.")
         else:
             yield f"{prefix}{k}", v
@@ -286,9 +325,10 @@ def _coerce(v, tp):
     return str(v) if tp is str else v
 
 
-def translate(config, cls):
+def translate(config, cls, sources=None):
     """A nested EasyR1 config (dict) -> ({option: value} for `cls`, notes on the keys without effect here). Raises
-    one ValueError listing every key that cannot be honoured, with the reason."""
+    one ValueError listing every key that cannot be honoured, with the reason. `sources`, a dict, gets the EasyR1
+    key that set each option."""
     y = dict(_leaves(config))
     y.setdefault("trainer.save_checkpoint_path", None)  # EasyR1 derives it when absent, so do we
     hints = typing.get_type_hints(cls)
@@ -303,10 +343,13 @@ def translate(config, cls):
                 for o, v in got.items():
                     if o not in hints:  # an option of dapo.py read by grpo.py
                         if o == "filter_groups" and v:
-                            raise ValueError("that is DAPO's dynamic sampling: run dapo.py --config")
+                            raise ValueError("that is DAPO's dynamic sampling: run dapo.py with the same arguments "
+                                             "(grpo.py does not have it yet)")
                         notes.setdefault(f"not an option of this script: {note}", []).append(f"{k}={y[k]!r}")
                         continue
                     opts[o] = _coerce(v, hints[o])
+                    if sources is not None:
+                        sources[o] = f"{k}={y[k]!r}"
             except ValueError as e:
                 errors.append(f"{k}={y[k]!r}: {e}")
     if errors:
@@ -314,29 +357,92 @@ def translate(config, cls):
     return opts, [f"{', '.join(keys)} ({why})" for why, keys in notes.items()]
 
 
-def load(path, cls):
-    if not os.path.isfile(path):
-        raise UserError(f"--config {path}: no such file")
-    with open(path) as f:
-        return translate(yaml.safe_load(f) or {}, cls)
+SECTIONS = ("data", "algorithm", "worker", "trainer")  # EasyR1's top-level keys
+
+
+class _YAML(yaml.SafeLoader):
+    """YAML as OmegaConf reads it: 1e-6 is a number (YAML 1.1 wants a dot, and would give the string "1e-6" to a
+    reward function's keyword argument)."""
+
+
+_YAML.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+    r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def split_argv(args):
+    """EasyR1's words (`config=FILE`, `section.key=value`) apart from this project's flags, in their order. Only
+    words that start with `config=` or one of EasyR1's sections count, so a flag's value holding `=` stays a value."""
+    easyr1, flags = [], []
+    for a in args:
+        head = a.partition("=")[0]
+        ours = "=" in a and (head == "config" or head.split(".")[0] in SECTIONS) and " " not in head
+        (easyr1 if ours else flags).append(a)
+    return easyr1, flags
+
+
+def _merge(old, new):  # OmegaConf's merge: mappings key by key, anything else replaced
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{k: _merge(old.get(k), v) for k, v in new.items()}}
+    return new
+
+
+def from_words(words, config_flag=None):
+    """EasyR1's command line -> (its nested config, the file it read or None): the `config=` file (or --config),
+    then every dotted key merged over it whatever its place, as EasyR1's main does. Values are YAML, as
+    OmegaConf's dotlist reads them: `[a,b]` a list, `{"n":16}` a mapping, true, 1e-6, null."""
+    files = [w.partition("=")[2] for w in words if w.startswith("config=")]
+    given = files + ([config_flag] if config_flag else [])
+    if len(given) > 1:
+        raise UserError(f"config= / --config given {len(given)} times ({', '.join(given)}): give one file")
+    path = (files or [config_flag])[0]
+    if path is not None and not os.path.isfile(path):
+        raise UserError(f"{'config=' if files else '--config '}{path}: no such file")
+    config = {}
+    if path is not None:
+        with open(path) as f:
+            config = yaml.load(f, _YAML) or {}
+    for w in words:
+        key, _, text = w.partition("=")
+        if key == "config":
+            continue
+        try:
+            value = yaml.load(text, _YAML)
+        except yaml.YAMLError as e:
+            raise UserError(f"{key}={text}: not a YAML value ({str(e).splitlines()[0]}); quote the word for the "
+                            "shell, e.g. key='[a,b]'") from None
+        *parents, last = key.split(".")
+        node = config
+        for i, p in enumerate(parents):
+            if node.get(p) is None:  # absent (or null in the file): a new mapping
+                node[p] = {}
+            elif not isinstance(node[p], dict):
+                raise UserError(f"{key}={text}: {'.'.join(parents[:i + 1])} holds a value, not keys")
+            node = node[p]
+        node[last] = _merge(node.get(last), value)
+    return config, path
 
 
 def cli(cls, demo, args=None, text_demo=None, video_demo=None):
     """Parse the command line over the defaults in force: `cls`'s own (EasyR1's), or those changed by `demo` for the
-    demo (no --model-path; `text_demo` on top for --demo-model qwen3, `video_demo` for --demo-task video); --config
-    goes between the defaults and the flags. Rank 0 says which set is in force and what the file and the flags
-    changed."""
+    demo (no --model-path; `text_demo` on top for --demo-model qwen3, `video_demo` for --demo-task video); the EasyR1
+    config (--config, or `config=FILE` and dotted keys) goes between the defaults and the flags. Rank 0 says which
+    set is in force, what the config and the flags changed, and where a flag won over the config."""
     import sys
     from dataclasses import asdict, replace
 
     import tyro
     script = sys.modules["__main__"].__doc__ or sys.modules[cls.__module__].__doc__  # grpo.py's Config is config.py's
-    desc = (f"{script.splitlines()[0]} Defaults shown are EasyR1's; the demo (no "
-            "--model-path) uses " + ", ".join(f"{k}={v}" for k, v in demo.items()) + ".")
+    desc = (f"{script.splitlines()[0]} Also EasyR1's form: config=FILE and dotted keys (worker.rollout.n=8), with the "
+            "flags in any order; a flag wins. Defaults shown are EasyR1's; the demo (no --model-path) uses "
+            + ", ".join(f"{k}={v}" for k, v in demo.items()) + ".")
+    words, args = split_argv(sys.argv[1:] if args is None else list(args))
     first = tyro.cli(cls, args=args, description=desc)  # --help stops here, showing the real defaults
-    from_yaml, notes = load(first.config, cls) if first.config else ({}, [])
+    from_yaml, notes, sources, path = {}, [], {}, None
+    if first.config or words:
+        config, path = from_words(words, first.config)
+        from_yaml, notes = translate(config, cls, sources)
     is_demo = not (first.model_path or from_yaml.get("model_path"))
-    if is_demo and text_demo and getattr(first, "demo_model", "") == "qwen3":
+    if is_demo and text_demo and data.is_text_demo(getattr(first, "demo_model", "")):
         demo = {**demo, **text_demo}
     elif is_demo and video_demo and getattr(first, "demo_task", "") == "video":
         demo = {**demo, **video_demo}
@@ -344,9 +450,14 @@ def cli(cls, demo, args=None, text_demo=None, video_demo=None):
     cfg = tyro.cli(cls, args=args, default=defaults, description=desc)
     if os.environ.get("RANK", "0") == "0":
         changed = [f"{k}={v}" for k, v in asdict(cfg).items() if v != getattr(defaults, k)]
+        dotted = sum(not w.startswith("config=") for w in words)
+        origin = " and ".join([path] * bool(path) + [f"{dotted} dotted key(s)"] * bool(dotted))
+        won = [f"--{o.replace('_', '-')} {getattr(cfg, o)} over {sources[o]}" for o in from_yaml
+               if getattr(cfg, o) != from_yaml[o]]  # only a flag makes them differ
         print(f"[config] defaults: {'demo (tiny model)' if is_demo else 'EasyR1'}"
-              + (f"; from {first.config}: " + " ".join(f"{k}={v}" for k, v in from_yaml.items()) if from_yaml else "")
-              + f"; set: {' '.join(changed) or 'nothing'}" + "".join(f"\n[config] {n}" for n in notes), flush=True)
+              + (f"; from {origin}: " + " ".join(f"{k}={v}" for k, v in from_yaml.items()) if from_yaml else "")
+              + f"; set: {' '.join(changed) or 'nothing'}" + "".join(f"\n[config] {n}" for n in notes)
+              + (f"\n[config] flags win: {'; '.join(won)}" if won else ""), flush=True)
     return cfg
 
 

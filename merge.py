@@ -90,14 +90,18 @@ def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
 
 
 def copy_tokenizer_files(path, out):
-    """Tokenizer, processor, chat template and generation config, so the folder is complete on its own."""
+    """Tokenizer, processor, chat template and generation config, so the folder is complete on its own. The
+    generation config is the base folder's file as it is, over the one save_pretrained wrote: that one is only
+    transformers' reading of it (EasyR1's merger, which builds the model from config.json, lost Qwen3's list of end
+    tokens that way; here the model is loaded with from_pretrained, which reads it, and the copy keeps it exact)."""
     if not os.path.isdir(path):  # a hub name: fetch the small files only
         from huggingface_hub import snapshot_download  # only for a hub name
         path = snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"])
     for name in os.listdir(path):
         src = os.path.join(path, name)
         if (os.path.isfile(src) and not name.endswith(WEIGHT_FILES) and not name.endswith(".index.json")
-                and name not in ("config.json", "BUILD_COMPLETE.json") and not os.path.exists(os.path.join(out, name))):
+                and name not in ("config.json", "BUILD_COMPLETE.json")
+                and (name == "generation_config.json" or not os.path.exists(os.path.join(out, name)))):
             shutil.copy2(src, os.path.join(out, name))
 
 

@@ -174,7 +174,59 @@ def open_trackers(cfg, start_step):
             os.path.abspath(cfg.output_dir)), dir=cfg.output_dir, config=asdict(cfg), mode=mode)
         logs.append(lambda m, step: run.log(m, step=step))
         closes.append(run.finish)
+    for name, start in (("swanlab", _swanlab), ("mlflow", _mlflow)):
+        if name in cfg.logger:
+            log, close = start(cfg)
+            logs.append(log)
+            closes.append(close)
     return lambda m, step: [f(m, step) for f in logs], lambda: [f() for f in closes]
+
+
+def _numbers(m):  # what SwanLab and MLflow plot (wandb takes the rest as well)
+    return {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
+
+
+def _swanlab(cfg):
+    try:
+        import swanlab
+    except ImportError:
+        raise UserError("--logger swanlab needs the swanlab package: pip install swanlab") from None
+    # without an API key (SWANLAB_API_KEY, or `swanlab login`) the run is written offline into the output folder, as
+    # wandb's: `swanlab sync <folder>` uploads it later; SWANLAB_MODE (cloud, local, offline, disabled) decides when set
+    settings = getattr(swanlab, "Settings", None)  # swanlab >= 0.7 reads the login file there; older: the variable
+    key = os.environ.get("SWANLAB_API_KEY") or (settings and settings().api_key)
+    # logdir / experiment_name: the names every swanlab version takes (EasyR1's call), newer ones also log_dir / name
+    swanlab.init(project=cfg.project_name, experiment_name=cfg.experiment_name or os.path.basename(
+        os.path.abspath(cfg.output_dir)), logdir=os.path.join(cfg.output_dir, "swanlab"), config=asdict(cfg),
+        mode=os.environ.get("SWANLAB_MODE") or ("cloud" if key else "offline"))
+    return lambda m, step: swanlab.log(_numbers(m), step=step), swanlab.finish
+
+
+def _mlflow(cfg):
+    try:
+        import mlflow  # noqa: F401  (first: the package itself decides whether it is there)
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        raise UserError("--logger mlflow needs the mlflow package: pip install mlflow") from None
+    import time
+    # MLFLOW_TRACKING_URI names a server (or store) when set; otherwise one SQLite file in the output folder: a file
+    # store MLflow still writes (its ./mlruns folder store is refused by MLflow 3), read with `mlflow ui
+    # --backend-store-uri sqlite:///<output_dir>/mlflow.db`
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(os.path.join(cfg.output_dir,
+                                                                                              "mlflow.db"))
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(cfg.project_name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(
+        cfg.project_name, artifact_location=os.path.abspath(os.path.join(cfg.output_dir, "mlflow_artifacts")))
+    run_id = client.create_run(exp_id, run_name=cfg.experiment_name or os.path.basename(
+        os.path.abspath(cfg.output_dir))).info.run_id
+    client.log_batch(run_id, params=[Param(k, str(v)[:500]) for k, v in asdict(cfg).items()])  # MLflow 2's limit
+
+    def log(m, step):
+        now = int(time.time() * 1000)
+        client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in _numbers(m).items()])
+    return log, lambda: client.set_terminated(run_id)
 
 
 def plot_rewards(cfg):

@@ -1,6 +1,6 @@
 """Builds small Qwen-VL checkpoints in code (no hub access needed).
 
-build_tiny_model():   a tiny random-weight Qwen2.5-VL / Qwen2-VL / Qwen3-VL / Qwen2 / Qwen3 with a BPE
+build_tiny_model():   a tiny random-weight Qwen2.5-VL / Qwen2-VL / Qwen3-VL / Qwen2 / Qwen3 / Llama-3 with a BPE
                       tokenizer trained in code; trains in seconds on a 2-core CPU (the demos and the tests).
 build_random_model(): the real Qwen2.5-VL-3B/7B-Instruct or Qwen3-VL-8B-Instruct dimensions with random
                       bf16 weights, for GPU throughput benchmarks without downloading anything.
@@ -54,8 +54,8 @@ FILLER_WORDS = ("the a of is what which this image picture shows one word with i
                 "think so because therefore number count left right").split()
 MARKER = "BUILD_COMPLETE.json"
 CACHE_ROOT = os.path.expanduser("~/.cache/vlm_rl")
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen2", "qwen3_vl", "qwen3")
-TEXT_ARCHS = ("qwen2", "qwen3")  # causal LMs without a vision tower
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen2", "qwen3_vl", "qwen3", "llama")
+TEXT_ARCHS = ("qwen2", "qwen3", "llama")  # causal LMs without a vision tower
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -141,6 +141,8 @@ def _text_config(ids, vocab_size, hidden, intermediate, layers, heads, kv_heads,
 
 def tiny_config(arch, ids, vocab_size):
     """Config of the tiny demo model. head_dim = 128/4 = 32, so mrope_section sums to 16."""
+    if arch == "llama":
+        return _llama_config(ids, vocab_size)
     # Qwen3-VL interleaves the (time, height, width) frequencies (t h w t h w ...) instead of giving each a block;
     # [6, 5, 5] is its [24, 20, 20] scaled to 16 frequencies
     mrope = None if arch in TEXT_ARCHS else [6, 5, 5] if arch == "qwen3_vl" else [4, 6, 6]
@@ -170,6 +172,25 @@ def tiny_config(arch, ids, vocab_size):
         vision = dict(depth=2, embed_dim=64, mlp_ratio=2, hidden_size=128, num_heads=2,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     return _vl_config(Cfg, Model, text, vision, ids, tie=False)
+
+
+def _llama_config(ids, vocab_size):
+    """Llama 3.2's shape in small: grouped-query attention (2 key/value heads for 4), rope_theta 500000 with Llama
+    3.1's long-context frequency scaling ("llama3"), no biases, rms_norm_eps 1e-5, and the input embedding tied to the
+    output layer as Llama 3.2 1B/3B have it (8B and up do not). The tokenizer is this file's byte-level BPE with
+    Qwen's special tokens and chat template (the DeepSeek-R1 Llama distills keep Llama's architecture, not its
+    tokenizer), so the same data and reward code runs on it."""
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
+                      max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192},
+                      bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                      pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=True)
+    cfg.architectures = ["LlamaForCausalLM"]
+    return cfg
 
 
 def _vl_config(Cfg, Model, text, vision, ids, tie):

@@ -107,13 +107,13 @@ def test_conversions_and_refusals():
     assert (opts["max_steps"], opts["lr_warmup_steps"], opts["reward_function"]) == (40, 4, "my_reward.py:main")
     y["worker"]["actor"]["model"]["lora"]["rank"] = 8
     y["algorithm"].update(online_filtering=True, kl_penalty="full", adv_estimator="gae")
-    y["trainer"]["logger"] = ["mlflow"]
+    y["trainer"]["logger"] = ["clearml"]
     y["data"]["typo_key"] = 1
     with pytest.raises(ValueError) as e:
         E.translate(y, grpo.Config)
     for part in ("data.typo_key: not an EasyR1 key", "algorithm.kl_penalty='full'", "algorithm.adv_estimator='gae'",
                  "online_filtering=True: that is DAPO's dynamic sampling",
-                 "trainer.logger=['mlflow']"):
+                 "trainer.logger=['clearml']"):
         assert part in str(e.value), part
     assert "dynamic sampling" not in str(pytest.raises(ValueError, E.translate, y, dapo.DAPOConfig).value)
 

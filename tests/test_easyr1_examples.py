@@ -1,0 +1,151 @@
+"""EasyR1's 20 example scripts (tests/easyr1_examples, copied unchanged; its README names the commit) with
+`python3 -m verl.trainer.main` replaced by `grpo.py`: bash expands each (its variables, `${MODEL_PATH}`, quotes,
+line continuations, `$(date ...)`), a recorder stands in for python3, and the words go through grpo.py's parser and
+the checks that run before a model loads, launched as README says: `python grpo.py` when the script asks for one
+GPU, `torchrun --nproc_per_node N grpo.py` (WORLD_SIZE = n_gpus_per_node x nnodes) otherwise.
+
+STOPS lists every script that stops and its exact one-line reason; every other script must parse and pass."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import dapo
+import easyr1_config as E
+import grpo
+from data import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENDORED = os.path.join(ROOT, "tests", "easyr1_examples")
+SCRIPTS = sorted(os.path.relpath(p, VENDORED) for p in glob.glob(os.path.join(VENDORED, "examples", "**", "*.sh"),
+                                                                   recursive=True))
+PHASE2 = "not built yet (issue 21, phase 2): must parse once it is"
+NEVER = "not built: Ulysses sequence parallelism"
+# script -> [(the part of the error line, why)], in the order the error line lists them (the key table's)
+STOPS = {
+    "examples/qwen2_5_vl_3b_android_gui_grpo.sh": [
+        ("worker.actor.optim.lr_warmup_ratio=0.05: give worker.actor.optim.lr_warmup_steps instead (the step count "
+         "is only known once the data are loaded)", PHASE2)],
+    "examples/qwen2_5_vl_7b_geo3k_dapo.sh": [
+        ("algorithm.online_filtering=True: that is DAPO's dynamic sampling: run dapo.py with the same arguments "
+         "(grpo.py does not have it yet)", PHASE2)],
+    "examples/qwen2_5_vl_7b_geo3k_gspo.sh": [
+        ("worker.actor.loss_type='gspo_token': EasyR1's gspo_token loss is not implemented here yet; choose default, "
+         "gspo or cispo", PHASE2)],
+    "examples/qwen2_5_vl_7b_geo3k_reinforce.sh": [
+        ("algorithm.use_kl_loss=False: a KL penalty in the reward is not implemented: set use_kl_loss: true (the KL "
+         "as a loss term, EasyR1's example) or disable_kl: true", PHASE2)],
+    "examples/qwen2_5_vl_7b_geo3k_sapo.sh": [
+        ("worker.actor.loss_type='sapo': EasyR1's sapo loss is not implemented here yet; choose default, gspo or "
+         "cispo", PHASE2)],
+    "examples/qwen3_14b_dapo17k_dapo.sh": [
+        ("algorithm.online_filtering=True: that is DAPO's dynamic sampling: run dapo.py with the same arguments "
+         "(grpo.py does not have it yet)", PHASE2),
+        ("worker.actor.ulysses_size=8: Ulysses sequence parallelism is not implemented here: set it to 1 (each rank "
+         "then holds whole sequences)", NEVER),
+        ("worker.rollout.val_override_config.n=16: validation scores one answer per prompt", PHASE2)],
+}
+
+
+def test_the_twenty_scripts_are_there():
+    assert len(SCRIPTS) == 20 and set(STOPS) <= set(SCRIPTS)
+    with open(os.path.join(ROOT, "tests", "easyr1_config.yaml")) as a, \
+            open(os.path.join(VENDORED, "examples", "config.yaml")) as b:
+        assert a.read().split("\n", 2)[2] == b.read()  # the same EasyR1 config as test_config.py's
+
+
+def recorder(tmp_path, name):
+    """An executable `name` in tmp_path/bin that writes its arguments to tmp_path/argv.json."""
+    shim = tmp_path / "bin"
+    shim.mkdir(exist_ok=True)
+    code = f"import json, sys; json.dump(sys.argv[1:], open({str(tmp_path / 'argv.json')!r}, 'w'))"
+    (shim / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" -c "{code}" "$@"\n')
+    (shim / name).chmod(0o755)
+    if not (tmp_path / "examples").exists():  # the scripts' relative paths, from a folder of the test's own
+        (tmp_path / "examples").symlink_to(os.path.join(VENDORED, "examples"))
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "EXPERIMENT_NAME")}
+    return {**env, "PATH": f"{shim}{os.pathsep}{env['PATH']}"}
+
+
+def expand(script, tmp_path):
+    """The script's python3 command line as bash builds it: a python3 on PATH that writes its argv as JSON. Runs in
+    a folder of its own that sees the vendored examples/ (the save path EasyR1 derives is relative)."""
+    env = recorder(tmp_path, "python3")
+    subprocess.run(["bash", os.path.join(VENDORED, script)], cwd=tmp_path, check=True, capture_output=True, env=env)
+    argv = json.load(open(tmp_path / "argv.json"))
+    assert argv[:2] == ["-m", "verl.trainer.main"], argv
+    return argv[2:]
+
+
+def parse_and_check(words, cls, monkeypatch):
+    """grpo.py's (or dapo.py's) start under the launcher the script's n_gpus_per_node x nnodes asks for."""
+    trainer = E.from_words(words)[0].get("trainer", {})
+    world = trainer.get("n_gpus_per_node", 8) * trainer.get("nnodes", 1)
+    if world > 1:
+        monkeypatch.setenv("WORLD_SIZE", str(world))  # torchrun --nproc_per_node N
+    else:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)  # python grpo.py
+    cfg = E.cli(cls, grpo.DEMO, args=words)
+    E.check(cfg, world)
+    return cfg
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_easyr1_script_parses_and_passes_the_checks(script, tmp_path, monkeypatch):
+    words = expand(script, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    if script not in STOPS:
+        cfg = parse_and_check(words, grpo.Config, monkeypatch)
+        assert cfg.model_path.startswith("Qwen/") and os.path.isdir(cfg.output_dir)
+        return
+    with pytest.raises(UserError) as e:
+        parse_and_check(words, grpo.Config, monkeypatch)
+    assert str(e.value) == "EasyR1 config: " + "; ".join(part for part, _ in STOPS[script])
+
+
+def test_what_the_scripts_ask_for_arrives(tmp_path, monkeypatch):
+    """A few values through bash and the parser: quoting, lists, the environment variable's default, a mapping."""
+    words = expand("examples/qwen2_5_vl_3b_android_gui_grpo.sh", tmp_path)
+    exp = next(w for w in words if w.startswith("trainer.experiment_name="))
+    assert exp.startswith("trainer.experiment_name=qwen2_5_vl_3b_android_gui_grpo_2")  # ${VAR:-...$(date ...)}
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_and_check([w for w in words if "lr_warmup_ratio" not in w], grpo.Config, monkeypatch)
+    assert (cfg.logger, cfg.kl_coef, cfg.lr, cfg.max_grad_norm, cfg.filter_overlong_prompts, cfg.seed) == (
+        ["console", "jsonl", "wandb"], 0.04, 1e-5, 0.1, False, 42)
+    words = expand("examples/qwen2_5_vl_7b_geo3k_swanlab.sh", tmp_path)
+    assert "trainer.logger=[console,swanlab]" in words  # bash removed the quotes inside the brackets
+    words = expand("examples/qwen3_14b_dapo17k_dapo.sh", tmp_path)
+    cfg = parse_and_check([w for w in words if not w.startswith(("worker.actor.ulysses", "worker.rollout.val_over"))],
+                          dapo.DAPOConfig, monkeypatch)
+    assert json.loads(cfg.reward_function_kwargs) == {"max_response_length": 20480, "overlong_buffer_length": 4096,
+                                                      "overlong_penalty_factor": 1.0}
+    assert (cfg.filter_groups, cfg.filter_key, cfg.gen_batch_size, cfg.max_try_make_batch, cfg.precision) == (
+        True, "accuracy_normalized", 256, 10, "bf16")
+
+
+def test_the_dapo_script_passes_under_dapo_py_today(tmp_path, monkeypatch):
+    words = expand("examples/qwen2_5_vl_7b_geo3k_dapo.sh", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_and_check(words, dapo.DAPOConfig, monkeypatch)
+    assert (cfg.filter_groups, cfg.kl_coef, cfg.gen_batch_size, cfg.clip_ratio_high) == (True, 0.0, 128, 0.28)
+
+
+def test_readme_one_word_change_runs_a_script(tmp_path, monkeypatch):
+    """README's command, as written, with torchrun recording its argv: the script's words reach grpo.py, parse and
+    pass the checks; and README's count of the scripts that run agrees with STOPS."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    lines = [x.strip() for x in readme.splitlines()]
+    i = next(i for i, x in enumerate(lines) if x.startswith("sed 's|python3 -m verl.trainer.main|"))
+    cmd = (lines[i].rstrip("\\") + lines[i + 1]).replace("/path/to/vlm-rl/grpo.py", os.path.join(ROOT, "grpo.py"))
+    subprocess.run(cmd, shell=True, cwd=tmp_path, check=True, capture_output=True,
+                   env=recorder(tmp_path, "torchrun"))
+    argv = json.load(open(tmp_path / "argv.json"))
+    assert argv[:2] == ["--nproc_per_node", "8"] and argv[2] == os.path.join(ROOT, "grpo.py"), argv
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_and_check(argv[3:], grpo.Config, monkeypatch)
+    assert cfg.model_path == "Qwen/Qwen2.5-VL-7B-Instruct" and cfg.experiment_name == "qwen2_5_vl_7b_geo_grpo"
+    assert f"{len(SCRIPTS)} example scripts" in readme
+    assert f"{len(SCRIPTS) - len(STOPS)} run this way; {len(STOPS)} stop" in " ".join(readme.split())
