@@ -123,20 +123,36 @@ def _fmt(x, spec):
 
 
 def table(docs):
-    """Markdown: one line per row of every kept run (rows: demo; columns: the asserted figures)."""
-    lines = ["| row | what | steps to target (target) | final val | agreement mean / max | s/step | peak GiB | "
-             "result | run |", "|---|---|---|---|---|---|---|---|---|"]
+    """Markdown: one line per row, from the last of the kept runs (files in order) that ran it; earlier attempts
+    at a row are listed below the table with what stopped them."""
+    latest, earlier = {}, []
     for doc in docs:
-        v = doc["versions"]
-        ran = f"{doc['date']}, {v.get('gpu')}, vLLM {v.get('vllm')}, torch {v.get('torch')}"
         for s in doc["rows"]:
-            what = ROWS.get(s["row"], ("", [], 0, s["row"]))[3]
-            lines.append(
-                f"| {s['row']} | {what} | {_fmt(s['steps_to_target'], 'd')} ({s['target']}) of {s['steps']} | "
-                f"{_fmt(s['final_val'], '.3f')} | {_fmt(s['diff_mean'], '.1e')} / {_fmt(s['diff_max'], '.2f')} | "
-                f"{_fmt(s['sec_per_step'], '.2f')} | {_fmt(s['peak_gb'], '.1f')} | "
-                f"{'pass' if not s['failures'] else 'FAIL: ' + '; '.join(s['failures'])} | {ran} |")
+            if s["row"] in latest:
+                earlier.append(latest[s["row"]])
+            latest[s["row"]] = {**s, "doc": doc}
+    lines = ["| row | what | steps to target (target) | final val | agreement mean / max | s/step | peak GiB | "
+             "result | date |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in [n for n in ROWS if n in latest] + [n for n in latest if n not in ROWS]:
+        s = latest[name]
+        what = ROWS.get(name, ("", [], 0, name))[3]
+        lines.append(
+            f"| {name} | {what} | {_fmt(s['steps_to_target'], 'd')} ({s['target']}) of {s['steps']} | "
+            f"{_fmt(s['final_val'], '.3f')} | {_fmt(s['diff_mean'], '.1e')} / {_fmt(s['diff_max'], '.2f')} | "
+            f"{_fmt(s['sec_per_step'], '.2f')} | {_fmt(s['peak_gb'], '.1f')} | "
+            f"{'pass' if not s['failures'] else 'FAIL: ' + '; '.join(s['failures'])} | {s['doc']['date']} |")
+    ran = sorted({_ran(s["doc"]) for s in latest.values()})
+    lines.insert(0, "Ran on: " + "; ".join(ran) + ".\n")
+    for s in earlier:
+        err = [ln for ln in s.get("log_tail", "").splitlines() if "Error" in ln]
+        lines.append(f"\nEarlier attempt at {s['row']} ({s['doc']['date']}): {'; '.join(s['failures']) or 'passed'} "
+                     f"at step {s['steps']}" + (f" ({err[-1].strip()[-120:]})" if err else "") + ".")
     return "\n".join(lines)
+
+
+def _ran(doc):
+    v = doc["versions"]
+    return f"{v.get('gpu')}, vLLM {v.get('vllm')}, torch {v.get('torch')}, transformers {v.get('transformers')}"
 
 
 def main(argv=None):

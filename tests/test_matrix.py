@@ -1,0 +1,77 @@
+"""matrix.py: what a row must show to pass, the run's verdict, and the kept H200 results quoted in README and
+BENCHMARKS as generated (not hand-copied)."""
+import glob
+import json
+import os
+import sys
+import types
+
+import matrix
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEPT = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "h200", "matrix_*.json")))
+
+
+def write_metrics(path, val, diff=1e-3, skipped=0, steps=20):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for step in range(1, steps + 1):
+            row = {"step": step, "timing/step": 1.0, "rollout/logprob_diff_mean": diff,
+                   "rollout/logprob_diff_max": 10 * diff, "actor/skipped_steps_total": skipped if step == steps else 0}
+            if step % 10 == 0:
+                row["val/mean"] = row["val/accuracy"] = val[step // 10 - 1]
+            f.write(json.dumps(row) + "\n")
+
+
+def test_the_stalled_qwen3vl_run_fails_its_row():
+    s = matrix.summarize("qwen3vl_colour", os.path.join(ROOT, "benchmarks/h200/demo_vllm_qwen3vl_80steps_metrics.jsonl"),
+                         0.95)
+    assert s["final_val"] == 0.755 and s["steps_to_target"] is None
+    assert s["failures"] == ["validation never reached 0.95 (last 0.755)"]
+
+
+def test_each_bar_fails_a_row(tmp_path):
+    p = str(tmp_path / "m.jsonl")
+    write_metrics(p, [0.5, 0.96])
+    assert matrix.summarize("r", p, 0.95)["failures"] == [] and matrix.summarize("r", p, 0.95)["steps_to_target"] == 20
+    write_metrics(p, [0.5, 0.96], diff=6e-3)
+    assert "log-prob difference" in " ".join(matrix.summarize("r", p, 0.95)["failures"])
+    write_metrics(p, [0.5, 0.96], skipped=2)
+    assert matrix.summarize("r", p, 0.95)["failures"] == ["2 optimizer steps skipped"]
+    assert "never reached" in matrix.summarize("r", str(tmp_path / "missing.jsonl"), 0.95)["failures"][0]
+
+
+def test_run_fails_when_a_row_fails(tmp_path, monkeypatch):
+    """Two stand-in rows (a script that writes a metrics file like a demo's): the run passes only if both do."""
+    script = tmp_path / "fake_demo.py"
+    script.write_text("import json, os, sys\n"
+                      "out = sys.argv[sys.argv.index('--output-dir') + 1]\n"
+                      "val = float(sys.argv[sys.argv.index('--val') + 1])\n"
+                      "os.makedirs(out)\n"
+                      "with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:\n"
+                      "    for s in (1, 2):\n"
+                      "        f.write(json.dumps({'step': s, 'timing/step': 1.0, 'rollout/logprob_diff_mean': 1e-3,\n"
+                      "                            'val/mean': val}) + '\\n')\n")
+    monkeypatch.setattr(matrix, "ENGINE", [])
+    # no tiny models to build, no nvidia-smi to ask
+    monkeypatch.setattr(matrix.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=""))
+    monkeypatch.setattr(matrix.time, "sleep", lambda s: None)
+    monkeypatch.setattr(matrix, "ROWS", {"good": (str(script), ["--val", "1.0"], 0.95, "passes"),
+                                         "bad": (str(script), ["--val", "0.5"], 0.95, "stalls")})
+    out = tmp_path / "out"
+    assert matrix.run(["good"], str(out), 60, str(tmp_path / "runs1"))
+    assert not matrix.run(["good", "bad"], str(out), 60, str(tmp_path / "runs2"))
+    doc = json.load(open(out / "matrix.json"))
+    assert [r["failures"] for r in doc["rows"]] == [[], ["validation never reached 0.95 (last 0.5)"]]
+    assert sys.executable and doc["versions"]["torch"]
+
+
+def test_readme_and_benchmarks_quote_the_generated_matrix():
+    assert KEPT, "no kept matrix run in benchmarks/h200"
+    docs = [json.load(open(f)) for f in KEPT]
+    text = matrix.table(docs)
+    for doc in ("README.md", "benchmarks/BENCHMARKS.md"):
+        assert text in open(os.path.join(ROOT, doc)).read(), f"{doc}: paste `python matrix.py table " \
+            "benchmarks/h200/matrix_*.json`"
+    latest = {r["row"]: r for d in docs for r in d["rows"]}
+    assert set(latest) == set(matrix.ROWS) and all(not r["failures"] for r in latest.values())
