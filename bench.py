@@ -20,11 +20,18 @@ Any flag of grpo.Config can be given; the defaults below are the benchmark's. Wr
 and prints a summary line per phase (mean over the steps after the first, which pays for warm-up).
 """
 import json
+import math
 import os
 import random
+import shutil
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
+
+import torch
+import torch.distributed as dist
+import tyro
+from PIL import Image, ImageDraw
 
 import data
 import grpo
@@ -38,7 +45,6 @@ WORDS = ("in the figure triangle circle angle line segment point length area rad
 def make_geo_dataset(path, n_rows, tokenizer, seed=0, size=512, text_tokens=100):
     """EasyR1-format parquet: one size x size line drawing per row and a question of about `text_tokens` tokens
     under `tokenizer` (the model's: the BPE built in code splits these words finer than Qwen's would)."""
-    from PIL import Image, ImageDraw
     rng = random.Random(seed)
     rows = {"problem": [], "answer": [], "images": []}
     for _ in range(n_rows):
@@ -64,9 +70,7 @@ REALISTIC_MEDIAN, REALISTIC_SIGMA = 0.3, 0.65
 def response_lengths(seed, pos, n, max_len):
     """The n forced response lengths of the prompt at stream position `pos`: a pure function of (seed, pos), so
     the same prompt gets the same lengths whatever the rank count, engine or run."""
-    import math
 
-    import torch
     g = torch.Generator().manual_seed(seed * 1_000_003 + pos * 7 + 11)
     x = torch.empty(n, dtype=torch.float64).log_normal_(math.log(REALISTIC_MEDIAN * max_len), REALISTIC_SIGMA,
                                                          generator=g)
@@ -139,7 +143,6 @@ def synthetic_collect(ctx, step, metrics, realistic=False):
     """--trainer-only: this rank's prompts with random responses (full length, or the realistic workload's lengths)
     and random 0/1 rewards in place of generation, so the trainer's phases can be timed (and profiled) without an
     inference engine."""
-    import torch
     cfg = ctx.cfg
     drawn = data.draw_prompts(ctx.train, ctx.cursor, cfg.rollout_batch_size, ctx.rank, ctx.world, cfg.seed)
     ctx.cursor += cfg.rollout_batch_size
@@ -162,12 +165,10 @@ def run(cfg, trainer_only=False, profile=False, workload="forced"):
     (sorted by device time) goes to <output_dir>/profile.txt. Returns the summary (steady-state means)."""
     if workload not in ("forced", "realistic"):
         raise ValueError(f"--workload {workload}: choose forced or realistic")
-    import torch
     if trainer_only:
         cfg = replace(cfg, rollout_engine="hf")  # built but never asked to generate: only weight syncs reach it
     rank = grpo.actor.init_distributed()[0]
     if rank == 0:  # a benchmark starts over every time (--resume never refuses a folder that holds a run)
-        import shutil
         shutil.rmtree(cfg.output_dir, ignore_errors=True)
     grpo.dist.barrier()
     realistic = workload == "realistic"
@@ -219,7 +220,6 @@ def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
     already asks for less. Not torch.cuda.set_per_process_memory_fraction: that limit counts reserved segments, and
     vLLM's sleep-mode pool stays reserved while asleep (only its physical pages are released), so the trainer could
     never reuse what the sleeping engine gave back, as it can on a real card of that size."""
-    import torch
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # (before init_distributed: this rank's GPU)
     free, total = (x / 2**30 for x in torch.cuda.mem_get_info())
     memory.occupy(max(0.0, total - cap_gb))
@@ -406,24 +406,19 @@ def main():
         os.makedirs(workdir, exist_ok=True)
         tiny_model.build_random_model(model_path, preset)
         if not os.path.exists(data_path):
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # slow to import (~2 s)
             make_geo_dataset(data_path, 256, AutoTokenizer.from_pretrained(model_path))
     else:
-        import time
         while not (os.path.exists(os.path.join(model_path, "BUILD_COMPLETE.json")) and os.path.exists(data_path)):
             time.sleep(2)
     if flags["--prepare-only"]:  # build the model and the data set, nothing else (before parallel runs)
         return
-    import tyro
     cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
     if opts["--gpu-memory-cap-gb"]:
         cfg = cap_gpu_memory(cfg, float(opts["--gpu-memory-cap-gb"]))
     summary = run(replace(cfg, resume="never"), flags["--trainer-only"], flags["--profile"], workload)
     if rank == 0:
-        import time
-        from dataclasses import asdict
 
-        import torch
         summary.update(preset=preset, workload=workload, padding_free=cfg.padding_free, config=asdict(cfg),
                        world=grpo.dist.get_world_size(), date=time.strftime("%Y-%m-%d", time.gmtime()),
                        command=" ".join(["bench.py"] + sys.argv[1:]), gpu_memory_cap_gb=opts["--gpu-memory-cap-gb"],
@@ -431,7 +426,6 @@ def main():
         print("BENCH_RESULT " + json.dumps(summary), flush=True)
         with open(os.path.join(cfg.output_dir, "bench_summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
-    import torch.distributed as dist
     dist.destroy_process_group()
 
 

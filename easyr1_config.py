@@ -12,9 +12,12 @@ EasyR1's dataclass defaults. `python easyr1_config.py` prints the README's migra
 import json
 import os
 import re
+import sys
 import tempfile
 import typing
+from dataclasses import asdict, replace
 
+import tyro
 import yaml
 
 import data
@@ -427,10 +430,6 @@ def cli(cls, demo, args=None, text_demo=None, video_demo=None):
     demo (no --model-path; `text_demo` on top for --demo-model qwen3, `video_demo` for --demo-task video); the EasyR1
     config (--config, or `config=FILE` and dotted keys) goes between the defaults and the flags. Rank 0 says which
     set is in force, what the config and the flags changed, and where a flag won over the config."""
-    import sys
-    from dataclasses import asdict, replace
-
-    import tyro
     script = sys.modules["__main__"].__doc__ or sys.modules[cls.__module__].__doc__  # grpo.py's Config is config.py's
     desc = (f"{script.splitlines()[0]} Also EasyR1's form: config=FILE and dotted keys (worker.rollout.n=8), with the "
             "flags in any order; a flag wins. Defaults shown are EasyR1's; the demo (no --model-path) uses "

@@ -272,7 +272,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     step on the host (FSDP2 offers the three only together), each unit's shard copied in just before its
     all-gather; a frozen model is kept on the host whole instead."""
     from torch.distributed.device_mesh import init_device_mesh  # (FSDP2's modules: ~1 s to import)
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # (likewise)
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
     hf.config.use_cache = False
     use_varlen = varlen.use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free,

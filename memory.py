@@ -395,7 +395,7 @@ def lora_layers(model):
 def adapters_disabled(model):
     """The base model, i.e. the reference policy of a LoRA run: no second copy of the weights."""
     from peft.tuners.lora import LoraLayer  # peft: slow to import (~3 s)
-    from peft.utils.other import ModulesToSaveWrapper
+    from peft.utils.other import ModulesToSaveWrapper  # (likewise)
     layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
     # the flag peft's own enable_adapters(False) sets, without its requires_grad switch: FSDP2 fixes each unit's
     # gradient dtypes at its first forward, and the reference pass is often the first (seen on GPU: a bf16

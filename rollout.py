@@ -21,6 +21,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, LogitsProcessorList,
+                          SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper)
 
 from common import UserError
 from fsdp_actor import load_hf_model, mm_token_types  # the same loading and M-RoPE inputs as the trainer
@@ -31,7 +33,6 @@ def special_token_ids(model_path):
     """(eos_ids, forbidden_ids) of a checkpoint folder, read the same way by both engines so they stop alike.
     eos: generation_config's eos list (Qwen lists <|im_end|> and <|endoftext|>) plus the tokenizer's eos.
     forbidden: the image/video pad ids; sampling one would corrupt the next forward's vision placement."""
-    from transformers import AutoConfig, GenerationConfig
     eos = []
 
     def add(x):
@@ -47,7 +48,6 @@ def special_token_ids(model_path):
     if not eos:
         add(getattr(cfg.get_text_config(), "eos_token_id", None))
     try:
-        from transformers import AutoTokenizer
         add(AutoTokenizer.from_pretrained(model_path).eos_token_id)
     except Exception:  # a folder without tokenizer files still works from the configs
         pass
@@ -113,7 +113,6 @@ class HFRollout:
     (weights, prompt i, seeds[i]) and the caller's global RNG stream is left untouched."""
 
     def __init__(self, model_path, device=None, dtype=torch.float32):
-        from transformers import GenerationConfig
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_hf_model(model_path, dtype).to(self.device).eval()
         self.dtype = dtype
@@ -134,8 +133,6 @@ class HFRollout:
                 for p, s, L in zip(prompts, seeds, lengths)]
 
     def _generate_one(self, prompt, n, temperature, top_p, max_tokens, seed, lengths=None):
-        from transformers import (LogitsProcessorList, SuppressTokensLogitsProcessor, TemperatureLogitsWarper,
-                                  TopPLogitsWarper)
         greedy = temperature == 0
         rows = 1 if greedy else n  # greedy samples are identical: compute one and copy it
         ids = torch.tensor([prompt["prompt_ids"]] * rows, device=self.device)  # [rows, Lp]
@@ -234,14 +231,14 @@ def _hashable(d):
     """vLLM keeps its HF processors in an lru_cache keyed by the processor keywords: a plain dict inside a keyword's
     list would not hash (vLLM wraps only the outer list and dicts)."""
     try:
-        from vllm.transformers_utils.processor import HashableDict
+        from vllm.transformers_utils.processor import HashableDict  # optional: the GPU engine
     except ImportError:  # another vLLM layout: the keywords then go as they are
         return d
     return HashableDict(d)
 
 
 def _engine_arg_names():
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.arg_utils import EngineArgs  # optional: the GPU engine
     return {f.name for f in dataclasses.fields(EngineArgs)}
 
 
@@ -261,9 +258,8 @@ class VLLMRollout:
         _set_vllm_env()
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise RuntimeError("VLLMRollout needs the in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
-        import vllm
-        from vllm import LLM
-        from transformers import AutoConfig
+        import vllm  # optional: the GPU engine; imported after _set_vllm_env, which it reads
+        from vllm import LLM  # (likewise)
         self.version = vllm.__version__
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.tp = tensor_parallel_size
@@ -308,7 +304,7 @@ class VLLMRollout:
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False):
         """seed: the request's own; vLLM gives its j-th of `rows` samples the seed `seed + j` (parallel_sampling.py),
         so requests must be given seeds at least `rows` apart (request_seed)."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional: the GPU engine
         greedy = temperature == 0
         # logit_bias is clamped to [-100, 100] by vLLM: -100 is probability ~e-44, i.e. forbidden
         bias = {i: -100.0 for i in self.forbidden_ids} or None
@@ -428,7 +424,7 @@ class VLLMRollout:
         from torch's default pool and cannot be told apart from the trainer."""
         if not self.sleep_mode:
             return 0
-        from vllm.device_allocator.cumem import CuMemAllocator
+        from vllm.device_allocator.cumem import CuMemAllocator  # optional: the GPU engine
         return CuMemAllocator.get_instance().get_current_usage()
 
     def sleep(self):
@@ -472,7 +468,7 @@ def _vllm_usable():
         return False
     _set_vllm_env()
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401  (optional: does the GPU engine import here?)
         return True
     except Exception as e:  # a broken install falls back to HF with a note, rather than crashing "auto"
         warnings.warn(f"vLLM not usable ({e!r}); using the HF rollout engine")

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from dataclasses import asdict
 from typing import Annotated
 
@@ -188,7 +189,7 @@ def _numbers(m):  # what SwanLab and MLflow plot (wandb takes the rest as well)
 
 def _swanlab(cfg):
     try:
-        import swanlab
+        import swanlab  # optional tracker: only with --logger swanlab
     except ImportError:
         raise UserError("--logger swanlab needs the swanlab package: pip install swanlab") from None
     # without an API key (SWANLAB_API_KEY, or `swanlab login`) the run is written offline into the output folder, as
@@ -205,11 +206,10 @@ def _swanlab(cfg):
 def _mlflow(cfg):
     try:
         import mlflow  # noqa: F401  (first: the package itself decides whether it is there)
-        from mlflow.entities import Metric, Param
-        from mlflow.tracking import MlflowClient
+        from mlflow.entities import Metric, Param  # (likewise)
+        from mlflow.tracking import MlflowClient  # (likewise)
     except ImportError:
         raise UserError("--logger mlflow needs the mlflow package: pip install mlflow") from None
-    import time
     # MLFLOW_TRACKING_URI names a server (or store) when set; otherwise one SQLite file in the output folder: a file
     # store MLflow still writes (its ./mlruns folder store is refused by MLflow 3), read with `mlflow ui
     # --backend-store-uri sqlite:///<output_dir>/mlflow.db`
@@ -246,7 +246,7 @@ def plot(files: Annotated[list[str], tyro.conf.Positional], out: str = "reward.p
     """Reward curves (train, and validation where logged) of metrics.jsonl files into the picture `out` (atomic)."""
     import matplotlib  # optional: only the plot needs it
     matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # (after use("Agg"))
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, path in enumerate(files):
         rows = [json.loads(x) for x in open(path) if x.strip()]
@@ -277,7 +277,7 @@ def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
     mid-save never leaves a checkpoint that looks whole; then only the newest `keep` are kept (0 = all), and step
     `protect` (the best so far) besides."""
     import torch.distributed.checkpoint as dcp  # ~1 s to import: only where a checkpoint is written
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # (the same package)
     tmp = path + ".tmp"
     if dist.get_rank() == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)
@@ -298,7 +298,7 @@ def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
 
 def load_checkpoint(path, model, opt, sched):
     import torch.distributed.checkpoint as dcp  # ~1 s to import: only where a checkpoint is read
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # (the same package)
     options = _state_dict_options(model)
     msd, osd = get_state_dict(model, opt, options=options)
     state = {"model": msd, "optim": osd}

@@ -180,7 +180,7 @@ def _llama_config(ids, vocab_size):
     output layer as Llama 3.2 1B/3B have it (8B and up do not). The tokenizer is this file's byte-level BPE with
     Qwen's special tokens and chat template (the DeepSeek-R1 Llama distills keep Llama's architecture, not its
     tokenizer), so the same data and reward code runs on it."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # slow to import (~2 s)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
                       max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,

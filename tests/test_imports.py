@@ -5,6 +5,7 @@ project. An import inside a function hides a dependency from the top of the file
 apart; one stays only for an optional or heavy third-party package (vLLM, peft, PyAV, wandb, ...)."""
 import ast
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = {f[:-3]: os.path.join(ROOT, f) for f in sorted(os.listdir(ROOT)) if f.endswith(".py")}
@@ -92,3 +93,26 @@ def test_every_file_imports_only_its_floor_or_below():
 def test_find_cycle_finds_one():
     assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": ["b", "c"], "b": ["c"], "c": []}) is None
+
+
+def function_level_imports(path):
+    """[(line number, top-level package, the statement's first line)] of the imports inside functions of one file."""
+    with open(path) as f:
+        src = f.read()
+    lines, out = src.splitlines(), []
+    for fn in ast.walk(ast.parse(src, path)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    out += [(node.lineno, a.name.split(".")[0], lines[node.lineno - 1]) for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    out.append((node.lineno, node.module.split(".")[0], lines[node.lineno - 1]))
+    return sorted(set(out))
+
+
+def test_an_import_inside_a_function_is_an_optional_or_slow_package_with_its_reason():
+    """Standard-library modules cost nothing to import at the top; a third-party one stays in a function only when it
+    is optional (vLLM, peft, trackers, PyAV) or slow to import where most runs never need it, and its line says so."""
+    bad = [f"{m}.py:{n}: {line.strip()}" for m, p in FILES.items() for n, pkg, line in function_level_imports(p)
+           if pkg in sys.stdlib_module_names or pkg in FILES or "#" not in line]
+    assert bad == [], "\n".join(bad)
