@@ -11,6 +11,8 @@
 #   test_video_gpu.py   ~4  vLLM's video prompts and M-RoPE positions against the trainer's
 #   test_memory_gpu.py  ~5  the memory keys; pure bf16 and both offloads with the engine
 #   test_qwen3_gpu.py   ~6  Qwen3-VL and Qwen3: the engine, deepstack-only sync, the demos' agreement
+#   test_engine_growth_gpu.py  (never run yet; guess ~2)  50 steps of fresh pictures: no encoder cache left, no growth
+#   test_llama_gpu.py   (never run yet; guess ~2)  the tiny Llama with vLLM
 # All of them take ~21 min, more than one call's 10: give each call files that add up to less, as above.
 # On two H200s (`nvidia-h200-x2`), `spmd` (~3 min): tests/test_vllm_gpu.py under torchrun, one engine per rank at
 # tensor parallel 1, then one engine over both at tensor parallel 2.
@@ -19,7 +21,8 @@ set -u
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
 declare -A LIMITS=([test_varlen_gpu.py]=150 [test_vllm_gpu.py]=200 [test_grpo_gpu.py]=200 [test_video_gpu.py]=300
-                   [test_memory_gpu.py]=420 [test_qwen3_gpu.py]=540)
+                   [test_memory_gpu.py]=420 [test_qwen3_gpu.py]=540 [test_engine_growth_gpu.py]=240
+                   [test_llama_gpu.py]=200)
 python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in ('qwen2_5_vl', 'qwen3_vl', 'qwen3')]" \
   > "$OUT/build_tiny_models.log" 2>&1  # once, before the tests' subprocesses would each wait for it
 if [ "${1:-}" = spmd ]; then
@@ -33,7 +36,7 @@ if [ "${1:-}" = spmd ]; then
 fi
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(test_varlen_gpu.py test_vllm_gpu.py test_grpo_gpu.py test_video_gpu.py
-                                 test_memory_gpu.py test_qwen3_gpu.py)
+                                 test_memory_gpu.py test_qwen3_gpu.py test_engine_growth_gpu.py test_llama_gpu.py)
 for f in "${files[@]}"; do
   f=$(basename "$f")
   CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-${LIMITS[$f]:-300}}" python -m pytest -m gpu -q -rs "tests/$f" \
