@@ -12,6 +12,7 @@ other rows' engines sleep and wake every step. Results: one JSON file (the rows'
 the versions that ran) and the table, under --out.
 """
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -19,6 +20,16 @@ import subprocess
 import sys
 import time
 from importlib import metadata
+
+import torch
+
+import data
+import fsdp_actor as actor
+import merge
+import rollout
+import rundir
+import video
+from config import Config
 
 ENGINE = ["--rollout-engine", "vllm", "--enforce-eager", "--gpu-memory-utilization", "0.05",
           "--kv-cache-memory-gb", "2", "--save-freq", "-1"]
@@ -35,6 +46,7 @@ ROWS = {
     "rloo": ("grpo.py", ["--adv-estimator", "rloo"], 0.95, "RLOO, Qwen2.5-VL colour"),
 }
 MAX_DIFF_MEAN = 5e-3
+MIN_GREEDY_EQUAL = 0.99  # parity: the share of validation prompts on which vLLM's greedy answer is the HF engine's
 
 
 def versions():
@@ -59,7 +71,8 @@ def summarize(name, metrics_path, target):
     steps = [r for r in rows if "timing/step" in r]
     diffs = [r["rollout/logprob_diff_mean"] for r in steps if "rollout/logprob_diff_mean" in r]
     reached = next((s for s, v in val if v >= target), None)
-    s = dict(row=name, steps=max((r["step"] for r in steps), default=0), target=target, steps_to_target=reached, final_val=val[-1][1] if val else None, val=val,
+    s = dict(row=name, steps=max((r["step"] for r in steps), default=0), target=target, steps_to_target=reached,
+             final_val=val[-1][1] if val else None, val=val,
              diff_mean=statistics.fmean(diffs) if diffs else None,
              diff_max=max((r.get("rollout/logprob_diff_max", 0) for r in steps), default=None),
              sec_per_step=statistics.median(r["timing/step"] for r in steps[1:]) if len(steps) > 1 else None,
@@ -80,7 +93,7 @@ def failures(s):
     return out
 
 
-def run(names, out, timeout, runs_dir):
+def run(names, out, timeout, runs_dir, with_parity=False):
     os.makedirs(out, exist_ok=True)
     subprocess.run([sys.executable, "-c", "import tiny_model, video; [tiny_model.build_tiny_model(arch=a) for a in "
                     "tiny_model.ARCHS]; tiny_model.demo_data(); tiny_model.demo_max_data(); video.demo_video_data()"],
@@ -88,7 +101,8 @@ def run(names, out, timeout, runs_dir):
     procs, t0 = {}, time.time()
     for name in names:
         script, extra, _, _ = ROWS[name]
-        cmd = [sys.executable, script, *ENGINE, *extra, "--output-dir", os.path.join(runs_dir, name)]
+        save = ["--save-freq", "0"] if with_parity else []  # 0: the last step only, for the parity check
+        cmd = [sys.executable, script, *ENGINE, *extra, *save, "--output-dir", os.path.join(runs_dir, name)]
         env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
         log = open(os.path.join(out, f"{name}.log"), "w")
         procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log, cmd)
@@ -108,6 +122,25 @@ def run(names, out, timeout, runs_dir):
             s["failures"].append(f"exit code {p.returncode}" + (" (cut by --timeout)" if p.returncode < 0 else ""))
         results.append(s)
         print(f"[matrix] {name}: {'PASS' if not s['failures'] else 'FAIL ' + '; '.join(s['failures'])}", flush=True)
+    if with_parity:  # every finished row's checkpoint at once, each engine with the row's fixed KV cache
+        checks = {}
+        for s in results:
+            if rundir.latest_checkpoint(os.path.join(runs_dir, s["row"], "checkpoints")):
+                path = os.path.join(out, f"{s['row']}_parity.json")
+                cmd = [sys.executable, __file__, "parity", os.path.join(runs_dir, s["row"]), "--json", path]
+                checks[s["row"]] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                                     stderr=open(path + ".log", "w")), path)
+                time.sleep(3)
+        for s in results:
+            if s["row"] not in checks:
+                continue
+            p, path = checks[s["row"]]
+            try:
+                p.wait(timeout=max(1, timeout - (time.time() - t0)))
+            except subprocess.TimeoutExpired:
+                p.kill()
+            s["parity"] = json.load(open(path)) if os.path.isfile(path) else None
+            s["failures"] += s["parity"]["failures"] if s["parity"] else ["the parity check did not finish"]
     doc = dict(date=time.strftime("%Y-%m-%d"), versions=versions(), rows=results)
     with open(os.path.join(out, "matrix.json"), "w") as f:
         json.dump(doc, f, indent=1)
@@ -116,6 +149,51 @@ def run(names, out, timeout, runs_dir):
         f.write(md + "\n")
     print(md)
     return all(not s["failures"] for s in results)
+
+
+def parity(run_dir, engine="vllm", samples=4):
+    """Engine = HF engine on one trained checkpoint: the run's last checkpoint merged into an HF folder, its
+    validation prompts answered greedily by `engine` and by the HF engine (the share of equal answers), and `samples`
+    sampled responses per prompt scored by the HF model (|engine log-prob - HF log-prob| per token, per prompt class:
+    the answer; the worst class shows a class that the mean hides). Returns the summary dict."""
+    cfg = Config(**{k: v for k, v in json.load(open(os.path.join(run_dir, "config.json"))).items()
+                    if k in Config.__dataclass_fields__})
+    hf_dir = os.path.join(run_dir, "hf")
+    if not os.path.isdir(hf_dir):
+        merge.merge(rundir.latest_checkpoint(os.path.join(run_dir, "checkpoints")), hf_dir)
+    _, _, device = actor.init_distributed()
+    _, _, val = data.load_datasets(cfg, hf_dir)
+    recs = [val[j] for j in range(min(len(val), cfg.val_max_rows or len(val)))]
+    seeds, T = list(range(len(recs))), cfg.max_response_length
+    opts = rollout.engine_options(cfg, limit_videos=video.most_videos(val))  # the row's: a fixed KV cache
+    eng = rollout.make_rollout(engine, hf_dir, device, torch.bfloat16, **opts)
+    greedy = [g[0]["response_ids"] for g in eng.generate(recs, 1, 0.0, 1.0, T, seeds)]
+    sampled = eng.generate(recs, samples, 1.0, 1.0, T, seeds)
+    eng.sleep()
+    hf = rollout.HFRollout(hf_dir, device, torch.bfloat16)
+    hf_greedy = [g[0]["response_ids"] for g in hf.generate(recs, 1, 0.0, 1.0, T, seeds)]
+    diffs = collections.defaultdict(list)  # prompt class -> |diff| per token
+    with torch.no_grad():
+        for rec, group in zip(recs, sampled):
+            for smp in group:
+                ids = torch.tensor([rec["prompt_ids"] + smp["response_ids"]], device=device)  # [1, L]
+                mm = {k: (v.to(device, torch.bfloat16) if v.is_floating_point() else v.to(device))
+                      for k, v in rec["mm_inputs"].items()}
+                logits = hf.model(input_ids=ids, attention_mask=torch.ones_like(ids), **mm,
+                                  **actor.mm_token_types(hf.model, ids, mm)).logits[0].float()
+                Lp, R = len(rec["prompt_ids"]), len(smp["response_ids"])
+                logits = logits[Lp - 1:Lp - 1 + R]  # [R, V]: the distributions the response tokens were drawn from
+                logits[:, hf.forbidden_ids] = float("-inf")
+                lp = torch.log_softmax(logits, -1).gather(1, ids[0, Lp:, None]).squeeze(1)  # [R]
+                diffs[rec["answer"]] += (lp.cpu() - torch.tensor(smp["logprobs"])).abs().tolist()
+    classes = {c: dict(tokens=len(d), mean=statistics.fmean(d), max=max(d)) for c, d in sorted(diffs.items())}
+    worst = max(classes, key=lambda c: classes[c]["mean"])
+    out = dict(greedy_equal=sum(a == b for a, b in zip(greedy, hf_greedy)) / len(recs), prompts=len(recs),
+               classes=classes, worst_class=worst, worst_mean=classes[worst]["mean"],
+               mean=statistics.fmean(x for d in diffs.values() for x in d))
+    out["failures"] = [f"greedy answers equal the HF engine's on {out['greedy_equal']:.3f} of prompts "
+                       f"(bar {MIN_GREEDY_EQUAL})"] if out["greedy_equal"] < MIN_GREEDY_EQUAL else []
+    return out
 
 
 def _fmt(x, spec):
@@ -140,7 +218,8 @@ def table(docs):
             f"| {name} | {what} | {_fmt(s['steps_to_target'], 'd')} ({s['target']}) of {s['steps']} | "
             f"{_fmt(s['final_val'], '.3f')} | {_fmt(s['diff_mean'], '.1e')} / {_fmt(s['diff_max'], '.2f')} | "
             f"{_fmt(s['sec_per_step'], '.2f')} | {_fmt(s['peak_gb'], '.1f')} | "
-            f"{'pass' if not s['failures'] else 'FAIL: ' + '; '.join(s['failures'])} | {s['doc']['date']} |")
+            f"{'pass' if not s['failures'] else 'FAIL: ' + '; '.join(s['failures'])}{_parity_note(s)} | "
+            f"{s['doc']['date']} |")
     ran = sorted({_ran(s["doc"]) for s in latest.values()})
     lines.insert(0, "Ran on: " + "; ".join(ran) + ".\n")
     for s in earlier:
@@ -148,6 +227,12 @@ def table(docs):
         lines.append(f"\nEarlier attempt at {s['row']} ({s['doc']['date']}): {'; '.join(s['failures']) or 'passed'} "
                      f"at step {s['steps']}" + (f" ({err[-1].strip()[-120:]})" if err else "") + ".")
     return "\n".join(lines)
+
+
+def _parity_note(s):
+    p = s.get("parity")
+    return "" if not p else (f"; greedy = HF engine on {p['greedy_equal']:.3f}, log-prob diff {p['mean']:.1e}, "
+                             f"worst class {p['worst_class']} {p['worst_mean']:.1e}")
 
 
 def _ran(doc):
@@ -163,9 +248,20 @@ def main(argv=None):
     r.add_argument("--out", default=os.environ.get("OUT", "outputs/matrix"))
     r.add_argument("--timeout", type=float, default=540, help="seconds for all rows together")
     r.add_argument("--runs-dir", default="/tmp/matrix_runs", help="the rows' output folders (checkpoints, logs)")
+    r.add_argument("--parity", action="store_true", help="then each row's final checkpoint: engine = HF engine")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
+    q = sub.add_parser("parity", help="one trained run folder: the engine's answers and log-probs against HF's")
+    q.add_argument("run_dir")
+    q.add_argument("--engine", default="vllm", help="vllm, or hf (compares the HF engine with itself: a CPU check)")
+    q.add_argument("--json", default=None, help="write the summary here")
     a = ap.parse_args(argv)
+    if a.cmd == "parity":
+        res = parity(a.run_dir, a.engine)
+        print(json.dumps(res, indent=1))
+        if a.json:
+            rundir.write_atomic(a.json, json.dumps(res, indent=1))
+        return 0 if not res["failures"] else 1
     if a.cmd == "table":
         print(table([json.load(open(f)) for f in a.files]))
         return 0
@@ -173,7 +269,7 @@ def main(argv=None):
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
-    return 0 if run(names, a.out, a.timeout, a.runs_dir) else 1
+    return 0 if run(names, a.out, a.timeout, a.runs_dir, a.parity) else 1
 
 
 if __name__ == "__main__":

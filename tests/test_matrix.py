@@ -75,3 +75,21 @@ def test_readme_and_benchmarks_quote_the_generated_matrix():
             "benchmarks/h200/matrix_*.json`"
     latest = {r["row"]: r for d in docs for r in d["rows"]}
     assert set(latest) == set(matrix.ROWS) and all(not r["failures"] for r in latest.values())
+
+
+def test_parity_of_a_trained_run_on_the_cpu(tmp_path):
+    """The parity check's plumbing (the run's config and last checkpoint, merged; its validation prompts; greedy
+    answers and sampled log-probs per prompt class) with the HF engine on both sides: equal answers, tiny gaps."""
+    import subprocess
+    run = str(tmp_path / "run")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), "--max-steps", "1", "--save-freq", "0",
+                    "--val-freq", "0", "--val-max-rows", "6", "--rollout-batch-size", "4", "--global-batch-size", "4",
+                    "--n", "4", "--output-dir", run], check=True, env=env, capture_output=True)
+    out = str(tmp_path / "parity.json")
+    subprocess.run([sys.executable, os.path.join(ROOT, "matrix.py"), "parity", run, "--engine", "hf", "--json", out],
+                   check=True, env=env, capture_output=True)
+    p = json.load(open(out))
+    assert p["prompts"] == 6 and p["greedy_equal"] == 1.0 and p["failures"] == []
+    assert 6 * 4 <= sum(c["tokens"] for c in p["classes"].values()) <= 6 * 4 * 4  # 4 samples, 1 to 4 tokens each
+    assert p["worst_mean"] < 5e-2 and p["worst_class"] in p["classes"]
