@@ -26,27 +26,9 @@ PHASE2 = "not built yet (issue 21, phase 2): must parse once it is"
 NEVER = "not built: Ulysses sequence parallelism"
 # script -> [(the part of the error line, why)], in the order the error line lists them (the key table's)
 STOPS = {
-    "examples/qwen2_5_vl_3b_android_gui_grpo.sh": [
-        ("worker.actor.optim.lr_warmup_ratio=0.05: give worker.actor.optim.lr_warmup_steps instead (the step count "
-         "is only known once the data are loaded)", PHASE2)],
-    "examples/qwen2_5_vl_7b_geo3k_dapo.sh": [
-        ("algorithm.online_filtering=True: that is DAPO's dynamic sampling: run dapo.py with the same arguments "
-         "(grpo.py does not have it yet)", PHASE2)],
-    "examples/qwen2_5_vl_7b_geo3k_gspo.sh": [
-        ("worker.actor.loss_type='gspo_token': EasyR1's gspo_token loss is not implemented here yet; choose default, "
-         "gspo or cispo", PHASE2)],
-    "examples/qwen2_5_vl_7b_geo3k_reinforce.sh": [
-        ("algorithm.use_kl_loss=False: a KL penalty in the reward is not implemented: set use_kl_loss: true (the KL "
-         "as a loss term, EasyR1's example) or disable_kl: true", PHASE2)],
-    "examples/qwen2_5_vl_7b_geo3k_sapo.sh": [
-        ("worker.actor.loss_type='sapo': EasyR1's sapo loss is not implemented here yet; choose default, gspo or "
-         "cispo", PHASE2)],
     "examples/qwen3_14b_dapo17k_dapo.sh": [
-        ("algorithm.online_filtering=True: that is DAPO's dynamic sampling: run dapo.py with the same arguments "
-         "(grpo.py does not have it yet)", PHASE2),
         ("worker.actor.ulysses_size=8: Ulysses sequence parallelism is not implemented here: set it to 1 (each rank "
-         "then holds whole sequences)", NEVER),
-        ("worker.rollout.val_override_config.n=16: validation scores one answer per prompt", PHASE2)],
+         "then holds whole sequences)", NEVER)],
 }
 
 
