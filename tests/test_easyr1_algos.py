@@ -393,6 +393,12 @@ def test_online_filtering_rule_matches_easyr1():
         ref = r1_filter(scores.tolist(), [i // n for i in range(40)], low, high)
         assert [id(s) for s in kept] == [id(samples[i]) for i in ref] and failed == 10 - len(ref) // n
         assert 0 < len(ref) < 40
+    # the bounds themselves are out: with 0/1 scores in groups of 4 and bounds 0.25 / 0.75 only a mean of 0.5 stays
+    scores = [1, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 1, 1, 1]
+    samples = [dict(scores={"accuracy": float(a)}) for a in scores]
+    kept, failed = select_groups(samples, 4, "accuracy", bounds=(0.25, 0.75))
+    assert kept == samples[4:8] and failed == 3 and r1_filter(scores, [i // 4 for i in range(16)], 0.25, 0.75) == [
+        4, 5, 6, 7]
 
 
 def test_validation_with_n_answers_reports_mean_and_pass_at_n(monkeypatch):
