@@ -179,6 +179,7 @@ def sample(ctx, drawn, shape=None):
     samples = shape(samples, cfg) if shape else samples
     if cfg.adv_estimator == "remax":
         greedy = generate_and_score(ctx, drawn, 1, 0.0, top_p=1.0)
+        greedy = shape(greedy, cfg) if shape else greedy  # the baseline's reward is shaped as the samples' are
         for i, s in enumerate(samples):
             s["reward_baseline"] = greedy[i // cfg.n]["reward"]
     return samples

@@ -293,6 +293,9 @@ def test_remax_generates_one_greedy_response_per_prompt(monkeypatch):
     out = grpo.sample(ctx, [(0, {}), (1, {})])
     assert calls == [(2, 3, 1.0), (2, 1, 0.0)]
     assert [s["reward_baseline"] for s in out] == [0.5] * 3 + [10.5] * 3
+    # a shaped reward (dapo.py's overlong penalty) is shaped in the baseline too, as EasyR1's reward function does
+    out = grpo.sample(ctx, [(0, {})], shape=lambda ss, cfg: [dict(s, reward=s["reward"] - 1) for s in ss])
+    assert [s["reward_baseline"] for s in out] == [-0.5] * 3
     calls.clear()
     grpo.sample(SimpleNamespace(cfg=Config(n=3)), [(0, {})])
     assert calls == [(1, 3, 1.0)]  # no extra generation for the other estimators
