@@ -22,7 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENDORED = os.path.join(ROOT, "tests", "easyr1_examples")
 SCRIPTS = sorted(os.path.relpath(p, VENDORED) for p in glob.glob(os.path.join(VENDORED, "examples", "**", "*.sh"),
                                                                    recursive=True))
-PHASE2 = "not built yet (issue 21, phase 2): must parse once it is"
 NEVER = "not built: Ulysses sequence parallelism"
 # script -> [(the part of the error line, why)], in the order the error line lists them (the key table's)
 STOPS = {
@@ -100,12 +99,20 @@ def test_what_the_scripts_ask_for_arrives(tmp_path, monkeypatch):
     words = expand("examples/qwen2_5_vl_7b_geo3k_swanlab.sh", tmp_path)
     assert "trainer.logger=[console,swanlab]" in words  # bash removed the quotes inside the brackets
     words = expand("examples/qwen3_14b_dapo17k_dapo.sh", tmp_path)
-    cfg = parse_and_check([w for w in words if not w.startswith(("worker.actor.ulysses", "worker.rollout.val_over"))],
-                          dapo.DAPOConfig, monkeypatch)
+    # without Ulysses (the one key that stops it) grpo.py runs it: dynamic sampling, 16 validation answers
+    cfg = parse_and_check([w for w in words if not w.startswith("worker.actor.ulysses")], grpo.Config, monkeypatch)
     assert json.loads(cfg.reward_function_kwargs) == {"max_response_length": 20480, "overlong_buffer_length": 4096,
                                                       "overlong_penalty_factor": 1.0}
     assert (cfg.filter_groups, cfg.filter_key, cfg.gen_batch_size, cfg.max_try_make_batch, cfg.precision) == (
         True, "accuracy_normalized", 256, 10, "bf16")
+    assert (cfg.filter_low, cfg.filter_high, cfg.val_n, cfg.val_temperature, cfg.val_top_p) == (0.01, 0.99, 16, 1.0,
+                                                                                                 0.7)
+    words = expand("examples/qwen2_5_vl_7b_geo3k_reinforce.sh", tmp_path)
+    cfg = parse_and_check(words, grpo.Config, monkeypatch)  # REINFORCE++ with the KL in the reward, as EasyR1
+    assert (cfg.adv_estimator, cfg.kl_in_reward, cfg.kl_penalty, cfg.kl_coef, cfg.kl_type) == (
+        "reinforce_plus_plus", True, "k1", 1e-3, "fixed")
+    words = expand("examples/qwen2_5_vl_3b_android_gui_grpo.sh", tmp_path)
+    assert parse_and_check(words, grpo.Config, monkeypatch).lr_warmup_ratio == 0.05  # steps once the data load
 
 
 def test_the_dapo_script_passes_under_dapo_py_today(tmp_path, monkeypatch):
