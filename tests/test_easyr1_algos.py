@@ -429,8 +429,9 @@ def test_validation_with_n_answers_reports_mean_and_pass_at_n(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ end to end
 OVERRIDES = ["worker.actor.loss_type=sapo", "algorithm.adv_estimator=remax", "algorithm.adv_estimator=grpo_passk",
-             "algorithm.use_kl_loss=false", "worker.actor.optim.lr_scheduler_type=cosine",
-             "algorithm.online_filtering=true"]
+             # the REINFORCE++ example's keys: per-token advantages reach the loss
+             "algorithm.use_kl_loss=false algorithm.adv_estimator=reinforce_plus_plus algorithm.kl_penalty=kl",
+             "worker.actor.optim.lr_scheduler_type=cosine", "algorithm.online_filtering=true"]
 
 
 @pytest.mark.parametrize("override", OVERRIDES)
@@ -449,20 +450,21 @@ def test_easyr1_command_line_trains_with_each_algorithm(override, tmp_path, laun
              "worker.actor.offload.offload_params=false", "worker.actor.offload.offload_optimizer=false",
              f"trainer.save_checkpoint_path={out}", "worker.rollout.tensor_parallel_size=1",
              "worker.rollout.val_override_config.n=2", "algorithm.filter_key=accuracy", "trainer.max_try_make_batch=-1",
-             "worker.actor.optim.lr_warmup_ratio=0.34", override]
+             "worker.actor.optim.lr_warmup_ratio=0.34", *override.split()]
     p = launch.run([sys.executable, "grpo.py", *words, "--rollout-engine", "hf"], tmp_path / "log", timeout=600)
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
     cfg = json.load(open(out / "config.json"))
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and "val/pass@2" in rows[-1]
     assert rows[-1]["val/pass@2"] >= rows[-1]["val/accuracy"]
     assert all(math.isfinite(r["actor/grad_norm"]) for r in rows[1:]) and "flags win" not in p.out
-    key, value = override.split("=")
+    key, value = override.split()[0].split("=")
     if key.endswith("loss_type"):
         assert cfg["loss_type"] == "sapo"
     elif key.endswith("adv_estimator"):
         assert cfg["adv_estimator"] == value
     elif key.endswith("use_kl_loss"):
-        assert cfg["kl_in_reward"] and all(r["actor/kl_coef"] == 0.01 and "actor/kl" not in r for r in rows[1:])
+        assert (cfg["kl_in_reward"], cfg["adv_estimator"], cfg["kl_penalty"]) == (True, "reinforce_plus_plus", "k1")
+        assert all(r["actor/kl_coef"] == 0.01 and "actor/kl" not in r for r in rows[1:])
     elif key.endswith("lr_scheduler_type"):  # 1 warm-up step (0.34 x 3 optimizer steps), then the cosine to 0
         lrs = [r["actor/lr"] for r in rows[1:]]  # logged after each step: the next step's
         assert lrs == pytest.approx([1e-3 * r1_cosine(s, 1, 3) for s in (1, 2, 3)], abs=1e-12)
