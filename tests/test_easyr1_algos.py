@@ -434,10 +434,8 @@ OVERRIDES = ["worker.actor.loss_type=sapo", "algorithm.adv_estimator=remax", "al
              "worker.actor.optim.lr_scheduler_type=cosine", "algorithm.online_filtering=true"]
 
 
-@pytest.mark.parametrize("override", OVERRIDES)
-def test_easyr1_command_line_trains_with_each_algorithm(override, tmp_path, launch):
-    """`python grpo.py config=<EasyR1's config.yaml> data.train_files=... worker.actor.model.model_path=<tiny>`
-    plus the key, 3 steps on the CPU (batches shrunk for two cores; the digit task's reward and prompt)."""
+def easyr1_words(tmp_path, *more):
+    """EasyR1's command line over its config.yaml for the tiny Llama on the digit task; the output folder."""
     path = tiny_model.build_tiny_model(str(tmp_path / "llama"), arch="llama")
     train, val = tiny_model.demo_max_data(str(tmp_path / "max"), n_train=64, n_val=4)
     out, fmt = tmp_path / "out", tmp_path / "number.jinja"
@@ -450,7 +448,15 @@ def test_easyr1_command_line_trains_with_each_algorithm(override, tmp_path, laun
              "worker.actor.offload.offload_params=false", "worker.actor.offload.offload_optimizer=false",
              f"trainer.save_checkpoint_path={out}", "worker.rollout.tensor_parallel_size=1",
              "worker.rollout.val_override_config.n=2", "algorithm.filter_key=accuracy", "trainer.max_try_make_batch=-1",
-             "worker.actor.optim.lr_warmup_ratio=0.34", *override.split()]
+             "worker.actor.optim.lr_warmup_ratio=0.34", *more]
+    return words, out
+
+
+@pytest.mark.parametrize("override", OVERRIDES)
+def test_easyr1_command_line_trains_with_each_algorithm(override, tmp_path, launch):
+    """`python grpo.py config=<EasyR1's config.yaml> data.train_files=... worker.actor.model.model_path=<tiny>`
+    plus the key, 3 steps on the CPU (batches shrunk for two cores; the digit task's reward and prompt)."""
+    words, out = easyr1_words(tmp_path, *override.split())
     p = launch.run([sys.executable, "grpo.py", *words, "--rollout-engine", "hf"], tmp_path / "log", timeout=600)
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
     cfg = json.load(open(out / "config.json"))
@@ -470,3 +476,20 @@ def test_easyr1_command_line_trains_with_each_algorithm(override, tmp_path, laun
         assert lrs == pytest.approx([1e-3 * r1_cosine(s, 1, 3) for s in (1, 2, 3)], abs=1e-12)
     else:
         assert cfg["filter_groups"] and all(r["dapo/groups_kept"] == 2 for r in rows[1:])
+
+
+def test_adaptive_kl_coefficient_is_saved_and_resumed(tmp_path, launch):
+    """The adaptive coefficient moves every step (a target far above the KL: down by the most it may), a checkpoint
+    saves it, and a resumed run goes on from it rather than from kl_coef."""
+    words, out = easyr1_words(tmp_path, "algorithm.use_kl_loss=false", "algorithm.kl_type=adaptive",
+                              "algorithm.kl_target=100", "algorithm.kl_horizon=10", "trainer.val_freq=-1",
+                              "trainer.val_before_train=false", "trainer.save_freq=1")
+    cmd = [sys.executable, "grpo.py", "--rollout-engine", "hf"]
+    launch.run(cmd + [w.replace("trainer.max_steps=3", "trainer.max_steps=2") for w in words], tmp_path / "a.log",
+               timeout=600)
+    launch.run(cmd + words, tmp_path / "b.log", timeout=600)  # resumes from step 2
+    coefs = [json.loads(x)["actor/kl_coef"] for x in open(out / "metrics.jsonl")]
+    saved = [json.load(open(out / "checkpoints" / f"step_{s}" / "trainer_state.json"))["kl_coef"] for s in (1, 2)]
+    # each step shrinks it by 1 - 0.2 x 8 samples / horizon 10
+    assert coefs == pytest.approx([0.01 * 0.84 ** k for k in range(3)], rel=1e-9)
+    assert saved == pytest.approx(coefs[1:], rel=1e-12)
