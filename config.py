@@ -47,6 +47,7 @@ class Config:
     top_p: float = 1.0  # nucleus sampling of the training rollouts; 1 = off
     val_temperature: float = 0.0  # sampling temperature of validation; 0 = greedy (EasyR1's example: 0.6, top_p 0.95)
     val_top_p: float = 1.0  # nucleus sampling of validation
+    val_n: int = 1  # answers per validation prompt: val/mean over all, val/pass@n per prompt
     tensor_parallel_size: int = 1  # vLLM tensor parallelism; data parallel engines = world size / this
     gpu_memory_utilization: float = 0.6  # share of GPU memory vLLM may take for weights and KV cache
     kv_cache_memory_gb: float = 0.0  # vLLM's KV cache (GiB) set, not profiled: runs can share a GPU; 0 = measured
@@ -65,22 +66,41 @@ class Config:
     lr: float = 1e-6  # AdamW learning rate; the demo's tiny model, trained from scratch, uses 1e-3
     weight_decay: float = 1e-2  # AdamW's decoupled weight decay
     lr_warmup_steps: int = 0  # optimizer steps of linear warmup, then constant
+    lr_warmup_ratio: float = 0.0  # warm-up as a share of all optimizer steps (when lr_warmup_steps is 0; EasyR1's)
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"  # after warm-up: constant, or EasyR1's cosine decay
+    min_lr_ratio: float = 0.0  # cosine: the learning rate ends at lr x this
     max_grad_norm: float = 1.0  # clip the gradient norm; a step with a non-finite norm is skipped
     max_skipped_steps: int = 3  # stop when this many optimizer steps in a row were skipped; 0 = never stop
     # --- the algorithm ---
-    adv_estimator: Annotated[Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"],
+    adv_estimator: Annotated[Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                     "grpo_passk", "remax"],
                              tyro.conf.arg(help="rewards -> advantages; veRL's names and formulas: reinforce_plus_plus "
-                                           "has no group baseline, reinforce_plus_plus_baseline removes the group mean "
-                                           "(README: Algorithms)")] = "grpo"
-    loss_type: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"  # policy loss: per-token / sequence ratio / CISPO
+                                           "has no group baseline, reinforce_plus_plus_baseline removes the group "
+                                           "mean; grpo_passk credits only each group's best; remax: a greedy response "
+                                           "per prompt is the baseline (README: Algorithms)")] = "grpo"
+    # policy loss: per-token ratio / sequence ratio (gspo_token: EasyR1's name for it, dual-clipped) / CISPO / SAPO
+    loss_type: Literal["ppo_clip", "gspo", "gspo_token", "cispo", "sapo"] = "ppo_clip"
     loss_avg_mode: Literal["token", "seq", "seq-mean-token-sum-norm"] = "token"  # how token losses are averaged
     clip_ratio_low: float = 0.2  # PPO clip: the ratio may fall to 1 - this
     clip_ratio_high: float = 0.3  # PPO clip: the ratio may rise to 1 + this
     clip_ratio_dual: float = 3.0  # dual clip: bounds the loss of negative-advantage tokens with huge ratios
     gspo_dual_clip: bool = False  # also dual-clip GSPO's sequence ratio, as EasyR1 does (the paper and veRL do not)
     cispo_clip_low: bool = False  # bound CISPO's weight below by 1 - clip_ratio_low, as EasyR1/veRL (the paper: none)
+    tau_positive: float = 1.0  # SAPO's gate temperature for positive advantages (EasyR1's default)
+    tau_negative: float = 1.05  # SAPO's for negative advantages: a steeper fade
     kl_coef: float = 1e-2  # weight of the KL-to-reference loss term; 0 drops the reference model entirely
     kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"  # KL estimator (k3 = low_var_kl)
+    kl_in_reward: bool = False  # the KL penalty goes into the reward (EasyR1's use_kl_loss: false), not into the loss
+    kl_type: Literal["fixed", "adaptive"] = "fixed"  # kl_in_reward: adaptive moves kl_coef towards kl_target
+    kl_target: float = 0.1  # adaptive KL: the per-token KL aimed at
+    kl_horizon: float = 10000.0  # adaptive KL: samples over which the coefficient may change by 20%
+    # dynamic sampling (DAPO's; EasyR1's online_filtering): generate until the batch holds rollout_batch_size groups
+    filter_groups: bool = False  # keep only groups whose filter_key scores differ (dapo.py: on)
+    filter_key: str = "overall"  # the score a group must vary in (EasyR1's filter_key; veRL's "acc"; dapo.py: accuracy)
+    filter_low: float | None = 0.01  # keep the groups whose mean filter_key is above this (EasyR1's rule)
+    filter_high: float | None = 0.99  # ... and below this; both None: the groups whose scores are not all equal
+    gen_batch_size: int = 0  # prompts per try, all ranks together; 0 = rollout_batch_size (dapo.py: 3 x, the paper's)
+    max_try_make_batch: int = 20  # tries before giving up with an error; 0 = unlimited
     # truncated importance sampling from the engine's own log-probs (veRL's rollout_is, TRL's vllm_importance_sampling)
     rollout_correction: Literal["none", "tis"] = "none"  # tis: weight each token's loss by pi_old / pi_engine, capped
     rollout_correction_level: Literal["token", "sequence"] = "token"  # one weight per token, or per sequence

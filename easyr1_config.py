@@ -45,25 +45,11 @@ def _pick(option, names):  # a value spelled differently here
 
 
 def _loss_type(v, y):
-    if v in ("sapo", "gspo_token"):  # EasyR1's, named so that the user knows it is the loss, not a typo
-        raise ValueError(f"EasyR1's {v} loss is not implemented here yet; choose default, gspo or cispo")
-    return _pick("loss_type", {"default": "ppo_clip", "ppo_clip": "ppo_clip", "gspo": "gspo", "cispo": "cispo"})(v, y)
-
-
-def _kl_loss(v, y):
-    if not v and not y.get("algorithm.disable_kl") and y.get("algorithm.kl_coef", 1) != 0:
-        raise ValueError("a KL penalty in the reward is not implemented: set use_kl_loss: true (the KL as a loss "
-                         "term, EasyR1's example) or disable_kl: true")
-    return {}
-
-
-def _warmup_ratio(v, y):
-    if not v:
-        return {}
-    if not y.get("trainer.max_steps"):
-        raise ValueError("give worker.actor.optim.lr_warmup_steps instead (the step count is only known once the "
-                         "data are loaded)")
-    return {"lr_warmup_steps": int(v * y["trainer.max_steps"])}  # EasyR1's rounding
+    """EasyR1's losses as EasyR1 computes them: its gspo is dual-clipped, its cispo bounds the weight below (the
+    flags --no-gspo-dual-clip / --no-cispo-clip-low still give the papers')."""
+    got = _pick("loss_type", {"default": "ppo_clip", "ppo_clip": "ppo_clip", "gspo": "gspo", "gspo_token":
+                              "gspo_token", "cispo": "cispo", "sapo": "sapo"})(v, y)
+    return {**got, **{"gspo": {"gspo_dual_clip": True}, "cispo": {"cispo_clip_low": True}}.get(v, {})}
 
 
 def _tokenizer(v, y):
@@ -142,7 +128,7 @@ TABLE = {
     "data.max_response_length": ("max_response_length", None, SAME),
     "data.rollout_batch_size": ("rollout_batch_size", None, SAME),
     "data.mini_rollout_batch_size": ("gen_batch_size", lambda v, y: {"gen_batch_size": v or y.get(
-        "data.rollout_batch_size", 512)}, "dapo.py: prompts per dynamic-sampling try (null: the rollout batch)"),
+        "data.rollout_batch_size", 512)}, "prompts per dynamic-sampling try (null: the rollout batch)"),
     "data.val_batch_size": (None, None, "validation runs 64 prompts per rank at a time (memory only)"),
     "data.format_prompt": ("format_prompt", None, SAME),
     "data.override_chat_template": (None, _only(None, why="not supported: the model's own chat template is used"),
@@ -163,16 +149,16 @@ TABLE = {
     "algorithm.kl_coef": ("kl_coef", None, SAME),
     "algorithm.disable_kl": ("kl_coef", lambda v, y: {"kl_coef": 0.0} if v else {},
                              "true -> --kl-coef 0 (no reference model)"),
-    "algorithm.use_kl_loss": (None, _kl_loss, "the KL is always a loss term here: false needs disable_kl: true"),
-    "algorithm.kl_type": (None, _only("fixed", why="an adaptive KL controller is not implemented"), "must be fixed"),
-    "algorithm.kl_horizon": (None, None, "adaptive KL controller only (not implemented)"),
-    "algorithm.kl_target": (None, None, "adaptive KL controller only (not implemented)"),
+    "algorithm.use_kl_loss": ("kl_in_reward", lambda v, y: {"kl_in_reward": not v},
+                              "false -> --kl-in-reward (the KL penalty in the reward)"),
+    "algorithm.kl_type": ("kl_type", None, SAME),
+    "algorithm.kl_horizon": ("kl_horizon", None, SAME),
+    "algorithm.kl_target": ("kl_target", None, SAME),
     "algorithm.online_filtering": ("filter_groups", lambda v, y: {"filter_groups": v},
-                                   "dapo.py's dynamic sampling (grpo.py refuses true)"),
-    "algorithm.filter_key": ("filter_key", None, "dapo.py"),
-    "algorithm.filter_low": (None, None, "dapo.py keeps the groups whose filter_key is not all equal: for a 0/1 score, "
-                                         "what 0.01 / 0.99 give"),
-    "algorithm.filter_high": (None, None, "see filter_low"),
+                                   "dynamic sampling (DAPO's), in grpo.py and dapo.py"),
+    "algorithm.filter_key": ("filter_key", None, SAME),
+    "algorithm.filter_low": ("filter_low", None, SAME),
+    "algorithm.filter_high": ("filter_high", None, SAME),
     "worker.hybrid_engine": (None, _only(True, why="the trainer and vLLM always share the GPUs"), "always colocated"),
     "worker.actor.strategy": (None, _only("fsdp", why="FSDP2 only"), "FSDP2"),
     "worker.actor.global_batch_size": ("global_batch_size", None, SAME),
@@ -185,7 +171,8 @@ TABLE = {
     "worker.actor.clip_ratio_high": ("clip_ratio_high", None, SAME),
     "worker.actor.clip_ratio_dual": ("clip_ratio_dual", None, SAME),
     "worker.actor.loss_avg_mode": ("loss_avg_mode", None, SAME),
-    "worker.actor.loss_type": ("loss_type", _loss_type, "default -> ppo_clip"),
+    "worker.actor.loss_type": ("loss_type", _loss_type, "default -> ppo_clip; gspo -> gspo with --gspo-dual-clip; "
+                                                         "cispo -> cispo with --cispo-clip-low (EasyR1's formulas)"),
     "worker.actor.ppo_epochs": ("ppo_epochs", None, SAME),
     "worker.actor.padding_free": ("padding_free", lambda v, y: {"padding_free": "auto" if v else "off"},
                                   "true = auto (on where a fast varlen kernel runs)"),
@@ -195,8 +182,8 @@ TABLE = {
                                   "must be 1: sequence parallelism is not implemented"),
     "worker.actor.use_torch_compile": ("torch_compile", lambda v, y: {"torch_compile": "auto" if v else "off"},
                                        "true = auto (on for CUDA in bf16)"),
-    "worker.actor.tau_positive": (None, None, "SAPO is not implemented"),
-    "worker.actor.tau_negative": (None, None, "SAPO is not implemented"),
+    "worker.actor.tau_positive": ("tau_positive", None, SAME),
+    "worker.actor.tau_negative": ("tau_negative", None, SAME),
     "worker.actor.model.model_path": ("model_path", None, None),
     "worker.actor.model.tokenizer_path": (None, _tokenizer, "must be null: the model folder's tokenizer is used"),
     "worker.actor.model.override_config": (None, _only({}, None, why="not supported"), "must be empty"),
@@ -212,12 +199,10 @@ TABLE = {
     "worker.actor.optim.betas": (None, _only([0.9, 0.999], why="AdamW's betas are (0.9, 0.999) here"),
                                  "must be [0.9, 0.999]"),
     "worker.actor.optim.strategy": (None, None, "AdamW (adamw_bf16 runs as adamw; --precision bf16 keeps weights and state in bf16)"),
-    "worker.actor.optim.lr_warmup_ratio": ("lr_warmup_steps", _warmup_ratio, "x trainer.max_steps (0: no warm-up)"),
+    "worker.actor.optim.lr_warmup_ratio": ("lr_warmup_ratio", None, "x the optimizer steps, once the data are loaded"),
     "worker.actor.optim.lr_warmup_steps": ("lr_warmup_steps", lambda v, y: {"lr_warmup_steps": v} if v else {}, None),
-    "worker.actor.optim.min_lr_ratio": (None, _only(None, why="the learning rate is constant after warm-up"),
-                                        "must be null"),
-    "worker.actor.optim.lr_scheduler_type": (None, _only("constant", why="the learning rate is constant after warm-up"),
-                                             "must be constant"),
+    "worker.actor.optim.min_lr_ratio": ("min_lr_ratio", lambda v, y: {"min_lr_ratio": v or 0.0}, "null -> 0"),
+    "worker.actor.optim.lr_scheduler_type": ("lr_scheduler_type", None, SAME),
     "worker.actor.fsdp.torch_dtype": ("precision", _torch_dtype, "null / fp32 -> amp (fp32 master weights); bf16 -> "
                                       "bf16 (weights, gradients, AdamW state in bf16)"),
     "worker.actor.fsdp.enable_cpu_offload": ("offload_params", _flag("offload_params"),
@@ -248,8 +233,7 @@ TABLE = {
     "worker.rollout.disable_tqdm": (None, None, "display only"),
     "worker.rollout.val_override_config.temperature": ("val_temperature", None, None),
     "worker.rollout.val_override_config.top_p": ("val_top_p", None, None),
-    "worker.rollout.val_override_config.n": (None, _only(1, why="validation scores one answer per prompt"),
-                                             "must be 1"),
+    "worker.rollout.val_override_config.n": ("val_n", None, "answers per validation prompt: val/mean, val/pass@n"),
     "worker.ref.*": (None, None, "the reference model: FSDP2-sharded in the compute dtype; on the host between its "
                                  "passes with --offload-params"),
     "worker.reward.reward_function": ("reward_function", _reward, "file.py:fn, built-ins math | r1v | dapo"),
@@ -270,7 +254,7 @@ TABLE = {
                                               "--nproc_per_node N grpo.py N; with several, n_gpus_per_node x nnodes "
                                               "must be their number"),
     "trainer.max_try_make_batch": ("max_try_make_batch", lambda v, y: {"max_try_make_batch": _off(v)},
-                                   "dapo.py; -1 -> 0 (unlimited)"),
+                                   "-1 -> 0 (unlimited)"),
     "trainer.critic_warmup": (None, None, "no critic"),
     "trainer.val_freq": ("val_freq", lambda v, y: {"val_freq": _off(v)}, "-1 -> 0 (never)"),
     "trainer.val_before_train": ("val_before_train", None, SAME),
@@ -345,9 +329,6 @@ def translate(config, cls, sources=None):
                     notes.setdefault(why, []).append(f"{k}={y[k]!r}")
                 for o, v in got.items():
                     if o not in hints:  # an option of dapo.py read by grpo.py
-                        if o == "filter_groups" and v:
-                            raise ValueError("that is DAPO's dynamic sampling: run dapo.py with the same arguments "
-                                             "(grpo.py does not have it yet)")
                         notes.setdefault(f"not an option of this script: {note}", []).append(f"{k}={y[k]!r}")
                         continue
                     opts[o] = _coerce(v, hints[o])

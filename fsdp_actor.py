@@ -500,9 +500,10 @@ def compute_logprobs(model, samples, pad_id, device, temperature, max_tokens, ma
 
 
 # ----------------------------------------------------------------------------------------------- optimizer
-def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device, bf16_rounding=None, seed=0):
+def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device, bf16_rounding=None, seed=0, schedule=None):
     """AdamW over the trainable parameters (fp32 master weights), or, with `bf16_rounding`, memory.py's AdamW
-    for pure-bf16 weights and state."""
+    for pure-bf16 weights and state. schedule: optimizer step -> learning-rate factor (default: warm-up, then
+    constant)."""
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = memory.local(params[0]).device.type == "cuda"  # offloaded weights step on the host
     if bf16_rounding:
@@ -511,7 +512,7 @@ def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device, bf16_r
     else:
         opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=on_gpu or None)
     # linear warmup from lr/warmup to lr, then constant (EasyR1's default schedule)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule or (lambda s: min(1.0, (s + 1) / max(1, warmup_steps))))
     return opt, sched
 
 

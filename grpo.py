@@ -3,9 +3,10 @@
     python grpo.py                                    # the demo: tiny VLM built in code, synthetic colour task
     torchrun --nproc_per_node 8 grpo.py --model-path Qwen/Qwen2.5-VL-7B-Instruct --train-files hiyouga/geometry3k@train ...
 
-One step:  sync -> sample -> score -> advantage -> (old / ref log-probs) -> clipped loss + KL -> optimizer step.
-The algorithm lives in the middle section (advantages, KL estimators, policy losses, loss aggregation); the rest
-is plumbing. The options are config.py's. dapo.py imports this file and swaps in dynamic sampling and overlong shaping.
+One step:  sync -> sample -> score -> (old / ref log-probs) -> advantage -> clipped loss + KL -> optimizer step.
+The step below calls the algorithm's formulas (algos.py: advantages, KL estimators, policy losses, loss aggregation)
+in that order; the rest is plumbing. The options are config.py's. dapo.py imports this file, turns dynamic sampling
+on and adds overlong shaping.
 """
 import math
 import os
@@ -26,103 +27,13 @@ import rollout
 import rundir
 import tiny_model
 import video
+from algos import (adaptive_kl_coef, agg_loss, compute_advantages, kl_penalty, lr_factor,  # the formulas
+                   policy_loss, select_groups)
 from common import UserError, one_line_errors
 from config import Config  # the options; their defaults are EasyR1's (examples/config.yaml)
 # the demos' own defaults (no --model-path), where a flag does not say otherwise: DEMO, and TEXT_DEMO / VIDEO_DEMO on
 # top of it for the text and the video demo
 from tiny_model import DEMO, TEXT_DEMO, VIDEO_DEMO
-
-
-# ================================================================================================ algorithm
-def compute_advantages(rewards, estimator="grpo", lengths=None, eps=1e-6):
-    """rewards [G, n] (n samples of each of G prompts) -> advantages [G, n], one scalar per sample (every token of
-    a response shares it). lengths [G, n]: response tokens per sample, the REINFORCE++ whitening weights (default:
-    all equal)."""
-    G, n = rewards.shape
-    if estimator == "grpo":  # group-normalised; a group of equal rewards gives 0, not NaN
-        std = rewards.std(dim=1, keepdim=True) if n > 1 else torch.ones_like(rewards)
-        return (rewards - rewards.mean(dim=1, keepdim=True)) / (std + eps)
-    if estimator == "dr_grpo":  # Dr. GRPO: no std division (it favours too-easy / too-hard groups)
-        return rewards - rewards.mean(dim=1, keepdim=True)
-    if estimator == "rloo":  # leave-one-out baseline: the mean of the *other* n-1 samples
-        if n == 1:
-            return torch.zeros_like(rewards)
-        return (rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1))
-    if estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
-        # veRL's compute_reinforce_plus_plus(_baseline)_outcome_advantage. With one outcome reward and gamma 1
-        # every response token's return is its sample's reward (the baseline variant first removes the group
-        # mean; a lone sample keeps its reward, as veRL's mean of 0). Then masked_whiten over all response tokens
-        # of the global batch: a token-weighted mean and unbiased variance, summed over ranks.
-        x = rewards.double()
-        if estimator == "reinforce_plus_plus_baseline" and n > 1:
-            x = x - x.mean(dim=1, keepdim=True)
-        w = torch.ones_like(x) if lengths is None else torch.as_tensor(lengths, dtype=torch.float64).view(G, n)
-        cnt, s = actor.all_reduce_cpu([w.sum(), (w * x).sum()]).tolist()
-        if cnt <= 1:  # one token or none: nothing to whiten (veRL raises)
-            return torch.zeros_like(rewards)
-        mean = s / cnt  # veRL adds 1e-8 to this denominator; left out so that equal rewards give exactly 0
-        var = float(actor.all_reduce_cpu((w * (x - mean).square()).sum())) / (cnt - 1)  # Bessel over tokens
-        return ((x - mean) / math.sqrt(var + 1e-8)).to(rewards.dtype)
-    raise ValueError(f"adv_estimator={estimator!r}: choose grpo, dr_grpo, rloo, reinforce_plus_plus or "
-                     "reinforce_plus_plus_baseline")
-
-
-def kl_penalty(logp, ref_logp, kind="low_var_kl"):
-    """Per-token estimate of KL(policy || reference) from samples of the policy. [B, R] -> [B, R]."""
-    log_ratio = logp - ref_logp
-    if kind == "k1":
-        return log_ratio
-    if kind == "abs":
-        return log_ratio.abs()
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    if kind in ("k3", "low_var_kl"):  # Schulman's unbiased, low-variance, always >= 0 estimator
-        kl = ref_logp - logp
-        return (kl.clamp(-20, 20).exp() - kl - 1).clamp(-10, 10)
-    raise ValueError(f"kl_penalty={kind!r}: choose k1, k2, k3 (= low_var_kl) or abs")
-
-
-def policy_loss(logp, old_logp, adv, mask, loss_type="ppo_clip", clip_low=0.2, clip_high=0.3, clip_dual=3.0,
-                gspo_dual_clip=False, cispo_clip_low=False):
-    """Per-token policy loss [B, R] for logp/old_logp [B, R], adv [B], mask [B, R]; plus clip metrics.
-    gspo_dual_clip / cispo_clip_low: EasyR1's versions of GSPO (dual-clipped) and CISPO (weight bounded below)."""
-    adv = adv[:, None]  # [B, 1]
-    log_ratio = (logp - old_logp).clamp(-20, 20)
-    if loss_type == "gspo":  # GSPO: one length-normalised ratio per sequence, gradient still flows per token
-        seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
-        log_ratio = seq_log_ratio.detach()[:, None] + logp - logp.detach()
-    ratio = log_ratio.exp()
-    if loss_type == "cispo":  # CISPO: clip (and detach) the importance weight, keep every token's gradient
-        lo = 1 - clip_low if cispo_clip_low else None  # the paper leaves small weights unbounded
-        weight = ratio.clamp(min=lo, max=1 + clip_high).detach()
-        loss = -adv * weight * logp
-        clipped = (weight != ratio).float()
-        return loss, {"clipfrac": clipped, "dual_clipfrac": torch.zeros_like(ratio)}
-    loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
-    loss = torch.maximum(loss1, loss2)
-    clipfrac = (loss2 > loss1).float()
-    if (loss_type == "ppo_clip" or gspo_dual_clip) and clip_dual > 1:  # dual clip (negative advantages only)
-        loss3 = -adv * clip_dual
-        dual = ((adv < 0) & (loss > loss3)).float()
-        loss = torch.where(adv < 0, torch.minimum(loss, loss3), loss)
-    else:
-        dual = torch.zeros_like(ratio)
-    return loss, {"clipfrac": clipfrac, "dual_clipfrac": dual}
-
-
-def agg_loss(loss, mask, mode="token", num_tokens=None, num_seqs=None, max_len=None):
-    """Reduce a per-token loss [B, R] to a scalar. The normalisers are passed in so that a mini-batch spread over
-    micro-batches and ranks gets exactly the loss it would get in one piece (defaults: this batch alone)."""
-    mask = mask.to(loss.dtype)
-    num_seqs = num_seqs if num_seqs is not None else loss.shape[0]
-    if mode == "token":  # every token of the mini-batch weighs the same (DAPO)
-        return (loss * mask).sum() / (num_tokens if num_tokens is not None else mask.sum().clamp(min=1))
-    if mode == "seq":  # every sequence weighs the same: mean over its tokens, then over sequences (GRPO paper)
-        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs
-    if mode == "seq-mean-token-sum-norm":  # Dr. GRPO: token sums over a constant, no length bias
-        return (loss * mask).sum() / (num_seqs * (max_len or loss.shape[1]))
-    raise ValueError(f"loss_avg_mode={mode!r}: choose token, seq or seq-mean-token-sum-norm")
 
 
 # ================================================================================================ setup
@@ -156,6 +67,7 @@ class State:
     skipped_run: int = 0  # optimizer steps skipped in a row (non-finite gradient norm)
     skipped_total: int = 0
     best: tuple | None = None  # (step, val/mean) of the best checkpoint, never deleted
+    kl_coef: float = 0.0  # the KL penalty's coefficient now (an adaptive one moves; a checkpoint saves it)
 
     def say(self, *a):  # rank 0 prints
         rundir.log0(self, *a)
@@ -170,7 +82,7 @@ def setup(cfg: Config):
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     ctx = State(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn, ckpt=ckpt,
-                model_path=cfg.model_path)
+                model_path=cfg.model_path, kl_coef=cfg.kl_coef)
     if not ctx.model_path:  # the demo: rank 0 builds the tiny model (cached), the others wait and read it
         ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model, rank=rank)
     ctx.processor, ctx.train, ctx.val = data.load_datasets(cfg, ctx.model_path, say=ctx.say)
@@ -200,9 +112,13 @@ def setup(cfg: Config):
                                     attn_implementation=cfg.attn_implementation, trainable=False,
                                     padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
                                     torch_compile=cfg.torch_compile, offload=cfg.offload_params)
-    ctx.opt, ctx.sched = actor.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), cfg.lr_warmup_steps,
+    # the schedule counts optimizer steps: rollout_batch_size / global_batch_size x ppo_epochs per training step
+    total = cfg.max_steps * cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs
+    warmup = cfg.lr_warmup_steps or int(cfg.lr_warmup_ratio * total)  # EasyR1's rounding of the ratio
+    ctx.opt, ctx.sched = actor.build_optimizer(ctx.model, cfg.lr, cfg.weight_decay, (0.9, 0.999), warmup,
                                                device, bf16_rounding=cfg.bf16_rounding if pure_bf16 else None,
-                                               seed=cfg.seed)
+                                               seed=cfg.seed, schedule=lr_factor(cfg.lr_scheduler_type, warmup, total,
+                                                                                 cfg.min_lr_ratio))
     videos = max(video.most_videos(d) for d in (ctx.train, ctx.val) if d is not None)
     allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, ctx.model_path, device, ctx.compute_dtype,
@@ -213,6 +129,7 @@ def setup(cfg: Config):
     if ckpt:
         state = rundir.load_checkpoint(ckpt, ctx.model, ctx.opt, ctx.sched)
         ctx.start_step, ctx.cursor = state["step"], state["cursor"]  # the engine is synced before step 1 anyway
+        ctx.kl_coef = state.get("kl_coef", cfg.kl_coef)  # an adaptive KL coefficient goes on where it was
         ctx.say(f"resumed from {ckpt} at step {ctx.start_step}")
     return ctx
 
@@ -254,11 +171,72 @@ def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None):
     return samples
 
 
-def collect_rollouts(ctx, step, metrics):
-    """GRPO's batch: rollout_batch_size prompts x n samples. (dapo.py replaces this with dynamic sampling.)"""
-    drawn = data.draw_prompts(ctx.train, ctx.cursor, ctx.cfg.rollout_batch_size, ctx.rank, ctx.world, ctx.cfg.seed)
-    ctx.cursor += ctx.cfg.rollout_batch_size
-    return generate_and_score(ctx, drawn, ctx.cfg.n, ctx.cfg.temperature)
+def sample(ctx, drawn, shape=None):
+    """The training rollouts of the drawn prompts, scored (and shaped: dapo.py's overlong penalty). ReMax also
+    generates one greedy response per prompt: its reward is the baseline of the prompt's samples."""
+    cfg = ctx.cfg
+    samples = generate_and_score(ctx, drawn, cfg.n, cfg.temperature)
+    samples = shape(samples, cfg) if shape else samples
+    if cfg.adv_estimator == "remax":
+        greedy = generate_and_score(ctx, drawn, 1, 0.0, top_p=1.0)
+        greedy = shape(greedy, cfg) if shape else greedy  # the baseline's reward is shaped as the samples' are
+        for i, s in enumerate(samples):
+            s["reward_baseline"] = greedy[i // cfg.n]["reward"]
+    return samples
+
+
+def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
+    """The step's batch: rollout_batch_size prompts x n samples; with filter_groups, DAPO's dynamic sampling (EasyR1's
+    online_filtering): generate gen_batch_size (or gen_factor x rollout_batch_size) prompts per try until every rank
+    holds its share of groups with mixed `filter_key`. All ranks make the same number of generate calls (the
+    engines of a tensor-parallel group generate together), so the loop ends on an all-reduced MIN of "I have
+    enough"."""
+    cfg = ctx.cfg
+    if not cfg.filter_groups:
+        drawn = data.draw_prompts(ctx.train, ctx.cursor, cfg.rollout_batch_size, ctx.rank, ctx.world, cfg.seed)
+        ctx.cursor += cfg.rollout_batch_size
+        return sample(ctx, drawn, shape)
+    gen = cfg.gen_batch_size or gen_factor * cfg.rollout_batch_size
+    share = cfg.rollout_batch_size // ctx.world  # groups this rank must return
+    if gen % ctx.world:
+        raise UserError(f"--gen-batch-size {gen}: must be a multiple of the number of ranks ({ctx.world})")
+    low, high = (-math.inf if cfg.filter_low is None else cfg.filter_low,
+                 math.inf if cfg.filter_high is None else cfg.filter_high)
+    bounds = None if cfg.filter_low is None and cfg.filter_high is None else (low, high)  # None: not all equal
+    kept, tries = [], 0
+    counts = [0.0] * 5  # groups generated, failed the filter, passed, samples truncated, sum of filter_key
+    while True:
+        drawn = data.draw_prompts(ctx.train, ctx.cursor, gen, ctx.rank, ctx.world, cfg.seed)
+        ctx.cursor += gen  # every rank advances the same stream, so resume stays exact
+        samples = sample(ctx, drawn, shape)
+        tries += 1
+        if cfg.filter_key not in samples[0]["scores"]:
+            raise UserError(f"--filter-key {cfg.filter_key}: not a score of reward {cfg.reward_function!r}; "
+                            f"choose one of {sorted(samples[0]['scores'])}")
+        new, failed = select_groups(samples, cfg.n, cfg.filter_key, share - len(kept) // cfg.n, bounds)
+        passed = len(samples) // cfg.n - failed
+        kept += new
+        for i, v in enumerate([len(samples) // cfg.n, failed, passed, sum(not s["finished"] for s in samples),
+                               sum(float(s["scores"][cfg.filter_key]) for s in samples)]):
+            counts[i] += v
+        if actor.all_reduce_cpu(float(len(kept) >= share * cfg.n), op=dist.ReduceOp.MIN).item() == 1:
+            break
+        if cfg.max_try_make_batch and tries >= cfg.max_try_make_batch:
+            tot = actor.all_reduce_cpu(counts).tolist()
+            raise UserError(
+                f"dynamic sampling: after {tries} tries (max_try_make_batch={cfg.max_try_make_batch}) of "
+                f"{gen} prompts, {int(tot[2])} of {int(tot[0])} groups had mixed {cfg.filter_key!r} "
+                f"({int(tot[1])} were all-equal) but a step needs {cfg.rollout_batch_size} on every rank. Raise "
+                f"--max-try-make-batch (0 = unlimited) or --gen-batch-size, or check the reward/task: nearly every "
+                f"group is all-correct or all-wrong (mean {cfg.filter_key}={tot[4] / max(tot[0] * cfg.n, 1):.3f}).")
+    tot = actor.all_reduce_cpu(counts).tolist()
+    metrics.update({"dapo/tries": tries, "dapo/groups_generated": tot[0], "dapo/groups_filtered": tot[1],
+                    "dapo/groups_kept": float(cfg.rollout_batch_size),
+                    "dapo/groups_surplus": tot[2] - cfg.rollout_batch_size,  # passed, but the batch was full
+                    "dapo/truncated_ratio": tot[3] / max(tot[0] * cfg.n, 1),
+                    # the filtered batch's reward/* is biased towards 0.5: this is the policy's real accuracy
+                    f"dapo/generated_{cfg.filter_key}": tot[4] / max(tot[0] * cfg.n, 1)})
+    return kept
 
 
 def update_policy(ctx, samples, step):
@@ -324,9 +302,13 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
         old = actor.stack_padded([s["old_logp"] for s in mb], R, dev)  # [b, R]
     else:  # on-policy: the first forward *is* the old policy
         old = logp.detach()
-    adv = actor.to_device(torch.tensor([s["adv"] for s in mb], dtype=logp.dtype), dev)  # [b]
+    if isinstance(mb[0]["adv"], list):  # per token (REINFORCE++ with the KL penalty in the reward)
+        adv = actor.stack_padded([s["adv"] for s in mb], R, dev).to(logp.dtype)  # [b, R]
+    else:
+        adv = actor.to_device(torch.tensor([s["adv"] for s in mb], dtype=logp.dtype), dev)  # [b]
     tok_loss, clip = policy_loss(logp, old, adv, mask, cfg.loss_type, cfg.clip_ratio_low, cfg.clip_ratio_high,
-                                 cfg.clip_ratio_dual, cfg.gspo_dual_clip, cfg.cispo_clip_low)  # [b, R]
+                                 cfg.clip_ratio_dual, cfg.gspo_dual_clip, cfg.cispo_clip_low, cfg.tau_positive,
+                                 cfg.tau_negative)  # [b, R]
     roll = None
     if all(s.get("rollout_logp") is not None for s in mb):
         roll = actor.stack_padded([s["rollout_logp"] for s in mb], R, dev)  # [b, R] the engine's
@@ -338,7 +320,7 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
         log.add_max("rollout_corr/weight_max", st["max"])
     pg_loss = agg_loss(tok_loss, mask, cfg.loss_avg_mode, **norm)
     loss = pg_loss
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 and not cfg.kl_in_reward:
         ref = actor.stack_padded([s["ref_logp"] for s in mb], R, dev)  # [b, R]
         kl = kl_penalty(logp, ref, cfg.kl_penalty)  # [b, R]
         loss = loss + cfg.kl_coef * agg_loss(kl, mask, cfg.loss_avg_mode, **norm)
@@ -368,17 +350,11 @@ def train_step(ctx, step, collect=collect_rollouts):
     metrics.update(memory.sleep(ctx.rollout))  # (and the GPU memory free with the engine awake and asleep)
     T["gen"] = time.time() - t
     peaks["gen"] = memory.phase_peak_gb(ctx.rollout)
-    # ---- 3. advantages: normalise within each group of n ----
-    groups = by_prompt(samples, cfg.n)
-    rewards = torch.tensor([[s["reward"] for s in g] for g in groups])  # [G, n]
-    lengths = torch.tensor([[len(s["response_ids"]) for s in g] for g in groups])  # [G, n]
-    adv = compute_advantages(rewards, cfg.adv_estimator, lengths)  # [G, n]
-    for s, a in zip(samples, adv.flatten().tolist()):
-        s["adv"] = a
-    # ---- 4. log-probs of the old policy (only when it differs from the first forward) and of the reference ----
+    # ---- 3. log-probs of the old policy (when it differs from the first forward, or the reward needs it) and of
+    #         the reference ----
     mb_kw = dict(pad_id=ctx.pad_id, device=ctx.device, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
                  max_tokens=cfg.max_token_len_per_device, max_samples=cfg.micro_batch_size_per_device)
-    if cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs > 1:
+    if cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs > 1 or kl_in_reward(cfg):
         t = time.time()
         old, _ = actor.compute_logprobs(ctx.model, samples, **mb_kw)
         for s, o in zip(samples, old):
@@ -396,6 +372,15 @@ def train_step(ctx, step, collect=collect_rollouts):
         T["ref_logprob"] = time.time() - t
     if "old_logprob" in T or "ref_logprob" in T:
         peaks["ref"] = memory.phase_peak_gb(ctx.rollout)  # old and reference log-probs
+    # ---- 4. advantages: rewards (less the KL penalty, when it is in the reward) normalised within each group ----
+    groups = by_prompt(samples, cfg.n)
+    rewards = torch.tensor([[s["reward"] for s in g] for g in groups])  # [G, n]
+    lengths = torch.tensor([[len(s["response_ids"]) for s in g] for g in groups])  # [G, n]
+    token_kl = reward_kl(ctx, samples, metrics) if kl_in_reward(cfg) else None  # [G, n, T]
+    baselines = [g[0]["reward_baseline"] for g in groups] if cfg.adv_estimator == "remax" else None  # [G]
+    adv = compute_advantages(rewards, cfg.adv_estimator, lengths, token_kl=token_kl, baselines=baselines)
+    for s, a in zip(samples, adv.flatten(0, 1)):  # [n] or [n, T]
+        s["adv"] = a.item() if a.dim() == 0 else a[:len(s["response_ids"])].tolist()
     # ---- 5. update the policy (the engine is now one update behind: synced before its next generation) ----
     t = time.time()
     metrics.update(update_policy(ctx, samples, step))
@@ -407,6 +392,30 @@ def train_step(ctx, step, collect=collect_rollouts):
     metrics.update(rundir.step_metrics(ctx, samples, T, peaks, metrics))
     metrics["step"] = step + 1
     return metrics, samples
+
+
+def kl_in_reward(cfg):
+    """The KL penalty goes into the reward (EasyR1's use_kl_loss: false) rather than into the loss."""
+    return cfg.kl_in_reward and cfg.kl_coef > 0
+
+
+def reward_kl(ctx, samples, metrics):
+    """The KL penalty in the reward, as EasyR1's apply_kl_penalty: kl_coef x the per-token KL of the policy before
+    this update against the reference -> [G, n, T] (0 past each response's end). Logs the batch's KL (mean over
+    samples of each one's per-token mean, over all ranks) and the coefficient, then moves an adaptive one."""
+    cfg = ctx.cfg
+    kls = [kl_penalty(s["old_logp"].double(), s["ref_logp"].double(), cfg.kl_penalty) for s in samples]  # [L_i]
+    T = max(1, max(len(k) for k in kls))
+    tok = torch.zeros(len(samples), T, dtype=torch.float64)  # [B, T]
+    for i, k in enumerate(kls):
+        tok[i, :len(k)] = k
+    per_sample = sum(float(k.sum()) / max(len(k), 1) for k in kls)
+    total, count = actor.all_reduce_cpu([per_sample, len(samples)]).tolist()
+    metrics["actor/kl_penalty"], metrics["actor/kl_coef"] = total / count, ctx.kl_coef
+    out = (ctx.kl_coef * tok).view(-1, cfg.n, T)  # [G, n, T]
+    if cfg.kl_type == "adaptive":  # the next step's coefficient (saved with the checkpoint)
+        ctx.kl_coef = adaptive_kl_coef(ctx.kl_coef, total / count, cfg.kl_target, cfg.kl_horizon, count)
+    return out
 
 
 def sync_engine(ctx):
@@ -422,18 +431,26 @@ def sync_engine(ctx):
 
 
 def validate(ctx):
-    """Greedy (val_temperature) answers to the validation prompts, split over ranks; mean scores."""
+    """val_n answers (greedy at val_temperature 0) to each validation prompt, split over ranks: the mean scores over
+    all answers and, with several, pass@val_n: the share of prompts with a right answer among their val_n (the best
+    accuracy of each prompt's answers, or the best overall score where the reward has no accuracy)."""
     cfg = ctx.cfg
     rows = len(ctx.val) if not cfg.val_max_rows else min(cfg.val_max_rows, len(ctx.val))
     mine = list(range(ctx.rank, rows, ctx.world))
     sync_engine(ctx)
     ctx.rollout.wake()
-    samples = []
-    for i in range(0, len(mine), 64):  # bounded batches keep the HF engine's memory flat
-        drawn = [(-1 - j, ctx.val[j]) for j in mine[i:i + 64]]
-        samples += generate_and_score(ctx, drawn, 1, cfg.val_temperature, cfg.val_top_p)
+    samples, per = [], max(1, 64 // cfg.val_n)
+    for i in range(0, len(mine), per):  # bounded batches keep the HF engine's memory flat
+        drawn = [(-1 - j, ctx.val[j]) for j in mine[i:i + per]]
+        samples += generate_and_score(ctx, drawn, cfg.val_n, cfg.val_temperature, cfg.val_top_p)
     ctx.rollout.sleep()
-    return rundir.sample_metrics(ctx, samples, "val")
+    out = rundir.sample_metrics(ctx, samples, "val")
+    if cfg.val_n > 1:
+        key = "accuracy" if "accuracy" in samples[0]["scores"] else "overall"
+        best = sum(max(float(s["scores"][key]) for s in g) for g in by_prompt(samples, cfg.val_n))
+        total, prompts = actor.all_reduce_cpu([best, len(samples) // cfg.val_n]).tolist()
+        out[f"val/pass@{cfg.val_n}"] = total / prompts
+    return out
 
 
 # ================================================================================================ main loop

@@ -133,7 +133,7 @@ def save(ctx, step, metrics, say=print):
         ctx.best = (step, val)
     save_checkpoint(os.path.join(cfg.output_dir, "checkpoints", f"step_{step}"), ctx.model, ctx.opt, ctx.sched,
                       {"step": step, "cursor": ctx.cursor, "config": asdict(cfg), "val/mean": val,
-                       "compute_dtype": str(ctx.compute_dtype).removeprefix("torch.")},
+                       "kl_coef": ctx.kl_coef, "compute_dtype": str(ctx.compute_dtype).removeprefix("torch.")},
                       keep=cfg.save_limit, protect=ctx.best and ctx.best[0])
     if ctx.rank == 0 and ctx.best != best:
         write_best(cfg.output_dir, ctx.best)

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import grpo
-from dapo import DAPOConfig, collect_dynamic, select_groups, shape_overlong
+from algos import select_groups
+from dapo import DAPOConfig, collect_dynamic, shape_overlong
 
 
 def fake(accs, n, length=3, finished=True):

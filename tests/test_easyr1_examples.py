@@ -22,31 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENDORED = os.path.join(ROOT, "tests", "easyr1_examples")
 SCRIPTS = sorted(os.path.relpath(p, VENDORED) for p in glob.glob(os.path.join(VENDORED, "examples", "**", "*.sh"),
                                                                    recursive=True))
-PHASE2 = "not built yet (issue 21, phase 2): must parse once it is"
 NEVER = "not built: Ulysses sequence parallelism"
 # script -> [(the part of the error line, why)], in the order the error line lists them (the key table's)
 STOPS = {
-    "examples/qwen2_5_vl_3b_android_gui_grpo.sh": [
-        ("worker.actor.optim.lr_warmup_ratio=0.05: give worker.actor.optim.lr_warmup_steps instead (the step count "
-         "is only known once the data are loaded)", PHASE2)],
-    "examples/qwen2_5_vl_7b_geo3k_dapo.sh": [
-        ("algorithm.online_filtering=True: that is DAPO's dynamic sampling: run dapo.py with the same arguments "
-         "(grpo.py does not have it yet)", PHASE2)],
-    "examples/qwen2_5_vl_7b_geo3k_gspo.sh": [
-        ("worker.actor.loss_type='gspo_token': EasyR1's gspo_token loss is not implemented here yet; choose default, "
-         "gspo or cispo", PHASE2)],
-    "examples/qwen2_5_vl_7b_geo3k_reinforce.sh": [
-        ("algorithm.use_kl_loss=False: a KL penalty in the reward is not implemented: set use_kl_loss: true (the KL "
-         "as a loss term, EasyR1's example) or disable_kl: true", PHASE2)],
-    "examples/qwen2_5_vl_7b_geo3k_sapo.sh": [
-        ("worker.actor.loss_type='sapo': EasyR1's sapo loss is not implemented here yet; choose default, gspo or "
-         "cispo", PHASE2)],
     "examples/qwen3_14b_dapo17k_dapo.sh": [
-        ("algorithm.online_filtering=True: that is DAPO's dynamic sampling: run dapo.py with the same arguments "
-         "(grpo.py does not have it yet)", PHASE2),
         ("worker.actor.ulysses_size=8: Ulysses sequence parallelism is not implemented here: set it to 1 (each rank "
-         "then holds whole sequences)", NEVER),
-        ("worker.rollout.val_override_config.n=16: validation scores one answer per prompt", PHASE2)],
+         "then holds whole sequences)", NEVER)],
 }
 
 
@@ -118,12 +99,20 @@ def test_what_the_scripts_ask_for_arrives(tmp_path, monkeypatch):
     words = expand("examples/qwen2_5_vl_7b_geo3k_swanlab.sh", tmp_path)
     assert "trainer.logger=[console,swanlab]" in words  # bash removed the quotes inside the brackets
     words = expand("examples/qwen3_14b_dapo17k_dapo.sh", tmp_path)
-    cfg = parse_and_check([w for w in words if not w.startswith(("worker.actor.ulysses", "worker.rollout.val_over"))],
-                          dapo.DAPOConfig, monkeypatch)
+    # without Ulysses (the one key that stops it) grpo.py runs it: dynamic sampling, 16 validation answers
+    cfg = parse_and_check([w for w in words if not w.startswith("worker.actor.ulysses")], grpo.Config, monkeypatch)
     assert json.loads(cfg.reward_function_kwargs) == {"max_response_length": 20480, "overlong_buffer_length": 4096,
                                                       "overlong_penalty_factor": 1.0}
     assert (cfg.filter_groups, cfg.filter_key, cfg.gen_batch_size, cfg.max_try_make_batch, cfg.precision) == (
         True, "accuracy_normalized", 256, 10, "bf16")
+    assert (cfg.filter_low, cfg.filter_high, cfg.val_n, cfg.val_temperature, cfg.val_top_p) == (0.01, 0.99, 16, 1.0,
+                                                                                                 0.7)
+    words = expand("examples/qwen2_5_vl_7b_geo3k_reinforce.sh", tmp_path)
+    cfg = parse_and_check(words, grpo.Config, monkeypatch)  # REINFORCE++ with the KL in the reward, as EasyR1
+    assert (cfg.adv_estimator, cfg.kl_in_reward, cfg.kl_penalty, cfg.kl_coef, cfg.kl_type) == (
+        "reinforce_plus_plus", True, "k1", 1e-3, "fixed")
+    words = expand("examples/qwen2_5_vl_3b_android_gui_grpo.sh", tmp_path)
+    assert parse_and_check(words, grpo.Config, monkeypatch).lr_warmup_ratio == 0.05  # steps once the data load
 
 
 def test_the_dapo_script_passes_under_dapo_py_today(tmp_path, monkeypatch):
