@@ -128,7 +128,7 @@ class LogProbModel(nn.Module):
         grids = {k: mm_inputs[k] for k in ("image_grid_thw", "video_grid_thw") if k in mm_inputs}
         row_grids = {k: torch.cat([g.split(c)[i] for i in owner]) for (k, g), c in  # [items as the rows show them, 3]
                      zip(grids.items(), [counts if k == "image_grid_thw" else vcounts for k in grids])}
-        if self.hf.config.model_type == "qwen3_vl":
+        if self.hf.config.model_type in ("qwen3_vl", "qwen3_vl_moe"):
             types = mm_token_types(self.hf, input_ids, mm_inputs).get("mm_token_type_ids")
             return self._deepstack_hidden(input_ids, mm_inputs, owner, counts, vcounts, row_grids, types)
         if position_ids is None:  # the model derives the 3-D positions from the vision tokens and grids
