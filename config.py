@@ -79,6 +79,10 @@ class Config:
     clip_ratio_dual: float = 3.0  # dual clip: bounds the loss of negative-advantage tokens with huge ratios
     gspo_dual_clip: bool = False  # also dual-clip GSPO's sequence ratio, as EasyR1 does (the paper and veRL do not)
     cispo_clip_low: bool = False  # bound CISPO's weight below by 1 - clip_ratio_low, as EasyR1/veRL (the paper: none)
+    # MoE: weight of the router's load-balancing loss (the name and formula of the model config's own
+    # router_aux_loss_coef); 0 = off, the default for RL: a balancing pull on the router moves the policy for a reason
+    # other than the reward (the checkpoint's 0.001 was for pretraining)
+    router_aux_loss_coef: float = 0.0
     kl_coef: float = 1e-2  # weight of the KL-to-reference loss term; 0 drops the reference model entirely
     kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"  # KL estimator (k3 = low_var_kl)
     # truncated importance sampling from the engine's own log-probs (veRL's rollout_is, TRL's vllm_importance_sampling)

@@ -309,8 +309,16 @@ def _hub_expert_layout(out):
     """Qwen3-VL-MoE's expert tensors on disk as the hub checkpoints hold them, gate_up_proj [E, H, 2I] and
     down_proj [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory, transposes them on load where
     the dimensions say so, and saves its own layout back): a file written here loads like the real one in
-    transformers and in vLLM (whose loader also transposes by the dimensions). One shard in memory at a time."""
+    transformers and in vLLM (whose loader also transposes by the dimensions). One shard in memory at a time. The
+    config names the expert count num_experts as the hub's does (transformers 5.24 writes its alias
+    num_local_experts, which older versions may not read)."""
     from safetensors.torch import load_file, save_file
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config", cfg)
+    if "num_local_experts" in text:
+        text["num_experts"] = text.pop("num_local_experts")
+        _write_json(os.path.join(out, "config.json"), cfg)
     for f in sorted(os.listdir(out)):
         if not f.endswith(".safetensors"):
             continue
