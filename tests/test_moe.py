@@ -201,3 +201,38 @@ def test_engine_gets_the_fused_expert_tensors_vllm_loads(moe):
         mine = torch.nn.functional.silu(x @ w1[e].T) * (x @ w3[e].T) @ down[e].T
         theirs = experts(x, torch.full((5, 1), e), torch.ones(5, 1))
         assert torch.allclose(mine, theirs, atol=1e-5), e
+
+
+def test_lora_on_the_moe_trains_a_step_and_merges_to_base_plus_delta(moe):
+    """LoRA (all-linear, the default) on the tiny MoE adapts the attention projections q/k/v/o of every decoder layer
+    and nothing else: the experts are 3-D parameters and the router a plain parameter (no nn.Linear for peft's
+    all-linear; peft's target_parameters for them is not wired here), the vision tower is excluded. One optimizer
+    step moves the adapters only; the engine's merged weights are base + scale x B @ A, everything else the base."""
+    import memory
+    path, proc, samples = moe
+    lora = dict(r=4, alpha=8, target_modules="all-linear", exclude_modules=r".*visual.*", modules_to_save="")
+    torch.manual_seed(0)
+    model = actor.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False, lora=lora)
+    opt, sched = actor.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, CPU)
+    trained = [n for n, p in model.named_parameters() if any(p is q for g in opt.param_groups for q in g["params"])]
+    layers = {n.split(".lora_")[0].removeprefix("hf.") for n in trained}
+    n_layers = model.hf.config.text_config.num_hidden_layers
+    assert layers == {f"model.language_model.layers.{i}.self_attn.{m}_proj" for i in range(n_layers)
+                      for m in "qkvo"}
+    batch, _ = actor.collate(samples, proc.tokenizer.pad_token_id, CPU, model)
+    lp, _ = model(**batch)
+    (-lp.mean()).backward()  # peft's B starts at 0: after one step the adapters are nonzero
+    actor.optimizer_step(model, opt, sched, 1.0)
+    merged = dict(actor.iter_full_params(model))
+    base = actor.load_hf_model(path).state_dict()
+    assert merged.keys() == base.keys()
+    scales = memory.lora_layers(model)
+    sd = {n.removeprefix("hf."): p.full_tensor() for n, p in model.named_parameters()}
+    for name, w in base.items():
+        layer = name.removesuffix(".weight")
+        if layer in scales:
+            delta = scales[layer] * sd[f"{layer}.lora_B.default.weight"] @ sd[f"{layer}.lora_A.default.weight"]
+            assert float(delta.abs().max()) > 0, name
+            assert torch.allclose(merged[name], w + delta, atol=1e-6), name
+        else:
+            assert torch.equal(merged[name], w), name  # experts, routers, norms, ViT, embeddings: the base
