@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
 
+import tiny_moe
 from common import UserError
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
@@ -176,7 +177,7 @@ def tiny_config(arch, ids, vocab_size):
         vision = dict(depth=2, embed_dim=64, mlp_ratio=2, hidden_size=128, num_heads=2,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     if arch == "qwen3_vl_moe":
-        text.update(TINY_MOE)
+        text.update(tiny_moe.TINY)
     return _vl_config(Cfg, Model, text, vision, ids, tie=False)
 
 
@@ -223,16 +224,8 @@ PRESETS = {
                            vocab_size=152064, tie=False),
     "qwen2_5_vl_72b": dict(hidden=8192, intermediate=29568, layers=80, heads=64, kv_heads=8,
                            vocab_size=152064, tie=False),
-    # Qwen/Qwen3-VL-30B-A3B-Instruct: the 8B's ViT (out 2048), 48 sparse layers of 128 experts, 8 routed per token
-    "qwen3_vl_30b_a3b": dict(arch="qwen3_vl_moe", hidden=2048, intermediate=6144, layers=48, heads=32, kv_heads=4,
-                             vocab_size=151936, tie=False,
-                             moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)),
+    **tiny_moe.PRESETS,  # Qwen3-VL-30B-A3B
 }
-# The tiny MoE: 4 experts of width 96 (2 x 96 != 128, so no gate/up matrix is square: a transposed copy would not
-# load), 2 routed per token; the load-balancing coefficient is the checkpoints' (grpo's own defaults to 0).
-TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, decoder_sparse_step=1,
-                mlp_only_layers=[], router_aux_loss_coef=0.001)
 
 
 def preset_config(preset, ids):
@@ -305,30 +298,6 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
             f.write(CHAT_TEMPLATE)
 
 
-def _hub_expert_layout(out):
-    """Qwen3-VL-MoE's expert tensors on disk as the hub checkpoints hold them, gate_up_proj [E, H, 2I] and
-    down_proj [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory, transposes them on load where
-    the dimensions say so, and saves its own layout back): a file written here loads like the real one in
-    transformers and in vLLM (whose loader also transposes by the dimensions). One shard in memory at a time. The
-    config names the expert count num_experts as the hub's does (transformers 5.24 writes its alias
-    num_local_experts, which older versions may not read)."""
-    from safetensors.torch import load_file, save_file
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
-    text = cfg.get("text_config", cfg)
-    if "num_local_experts" in text:
-        text["num_experts"] = text.pop("num_local_experts")
-        _write_json(os.path.join(out, "config.json"), cfg)
-    for f in sorted(os.listdir(out)):
-        if not f.endswith(".safetensors"):
-            continue
-        sd = load_file(os.path.join(out, f))
-        fused = [k for k in sd if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
-        if fused:
-            save_file({k: v.transpose(1, 2).contiguous() if k in fused else v for k, v in sd.items()},
-                      os.path.join(out, f), metadata={"format": "pt"})
-
-
 def _write_json(path, obj):
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
@@ -395,7 +364,7 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
             model = _vl_classes(arch)[1](cfg)
         model = model.to(torch.float32).eval()  # fp32: the CPU demo trains in fp32
         model.save_pretrained(tmp)
-        _hub_expert_layout(tmp)
+        tiny_moe.hub_layout(tmp)
         _save_generation_config(ids, tmp)
         tok.save_pretrained(tmp)
         if arch not in TEXT_ARCHS:  # 4..16 image tokens per image keeps CPU steps fast
@@ -424,7 +393,7 @@ def build_random_model(out_dir, preset, seed=0, device=None) -> str:
         finally:
             torch.set_default_dtype(old)
         model.save_pretrained(tmp)
-        _hub_expert_layout(tmp)
+        tiny_moe.hub_layout(tmp)
         _save_generation_config(ids, tmp)
         tok.save_pretrained(tmp)
         _save_processor(arch, tok, tmp, min_pixels=3136, max_pixels=512 * 512)
