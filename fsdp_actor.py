@@ -53,9 +53,9 @@ def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
     try:
         model = AutoModelForImageTextToText.from_pretrained(path, **kw)
     except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText": a text LLM
-        return AutoModelForCausalLM.from_pretrained(path, **kw)
-    if dtype == torch.float64 and routers(model):  # MoE experts: transformers' default grouped_mm kernel has no
-        model.set_experts_implementation("eager")  # float64 (the tests' reference precision); its loop has
+        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    if dtype == torch.float64 and routers(model):  # MoE: transformers' default experts kernel (grouped_mm) takes
+        model.set_experts_implementation("eager")  # no float64, the tests' reference precision; the loop does
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):  # positions after a video as vLLM has them
         model.model.get_rope_index = types.MethodType(video.qwen2_vl_rope_index, model.model)
     return model

@@ -236,3 +236,39 @@ def test_lora_on_the_moe_trains_a_step_and_merges_to_base_plus_delta(moe):
             assert torch.allclose(merged[name], w + delta, atol=1e-6), name
         else:
             assert torch.equal(merged[name], w), name  # experts, routers, norms, ViT, embeddings: the base
+
+
+def test_packed_moe_logprobs_and_gradients_equal_padded_and_hf(tmp_path):
+    """Padding-free packing with experts (float64): one packed row of several samples gives the padded batch's and
+    the plain HF forward's log-probs, and the padded batch's gradients, routers and experts included. Qwen3-VL (and
+    so Qwen3-VL-MoE) does not pack here yet (its rows stay padded: varlen.use_varlen_attention), so this runs on the
+    text Qwen3-MoE, whose sparse block is the same code (top-k router, fused experts): each token is routed on its
+    own, so packing must not change what any token gets."""
+    from test_varlen import _grads, _text_reference
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import tiny_moe
+    actor.init_distributed()
+    tok = tiny_model.build_tokenizer(split_digits=True)
+    ids = tiny_model._token_ids(tok)
+    text = tiny_model.tiny_config("qwen3", ids, (len(tok) + 63) // 64 * 64).to_dict()
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rope_parameters", "rms_norm_eps", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+    cfg = Qwen3MoeConfig(**{k: text[k] for k in keep}, **tiny_moe.TINY)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(0)
+    path = str(tmp_path / "qwen3_moe")
+    Qwen3MoeForCausalLM(cfg).float().save_pretrained(path)
+    tok.save_pretrained(path)
+    p = data.encode_prompt({"problem": "Name a colour.", "answer": "red", "images": []}, tok)
+    q = data.encode_prompt({"problem": "What is the answer? Think.", "answer": "blue", "images": []}, tok)
+    samples = [dict(prompt=(p, q)[i % 2], response_ids=[5 + i] * (1 + i)) for i in range(5)]
+    lp_pad, g_pad = _grads(path, samples, tok.pad_token_id, False, torch.float64)
+    lp_pack, g_pack = _grads(path, samples, tok.pad_token_id, True, torch.float64)
+    ref = _text_reference(path, samples)
+    for a, b, c in zip(lp_pack, lp_pad, ref, strict=True):
+        assert torch.allclose(a, b, atol=1e-10), (a, b)
+        assert torch.allclose(a, c.to(a.dtype), atol=2e-5), (a, c)
+    assert g_pad.keys() == g_pack.keys() and any("experts.gate_up_proj" in n for n in g_pad)
+    assert any(".mlp.gate." in n for n in g_pad)
+    for n in g_pad:
+        assert torch.allclose(g_pad[n], g_pack[n], atol=1e-9, rtol=1e-7), n
