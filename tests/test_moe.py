@@ -97,13 +97,18 @@ def _weighted_grads(model_or_hf, samples, pad, is_actor, w_seed=1):
     return [x.detach() for x in lps], {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
 
 
-def test_moe_logprobs_and_gradients_match_plain_hf_forward(moe):
+def test_moe_logprobs_and_gradients_match_plain_hf_forward(moe, monkeypatch):
     """float64: the trainer's log-probs and the gradients of a weighted sum of them equal the plain HF model's
-    (images, two images, text, 2 samples per prompt; routers, experts and the ViT all get their gradient)."""
+    (images, two images, text, 2 samples per prompt; routers, experts and the ViT all get their gradient), with
+    the vision tower run once over the distinct images (Qwen3-VL's deepstack path, not one copy per row)."""
     path, proc, samples = moe
     pad = proc.tokenizer.pad_token_id
     model = actor.build_actor(path, CPU, torch.float64, torch.float64, gradient_checkpointing=True)
+    seen, vis = [], model.hf.model.visual
+    monkeypatch.setattr(vis, "forward", lambda pixel_values, grid_thw, **kw: (
+        seen.append(len(grid_thw)), type(vis).forward(vis, pixel_values, grid_thw=grid_thw, **kw))[1])
     lp_t, g_t = _weighted_grads(model, samples, pad, True)
+    assert seen[0] == 4  # the distinct prompts' 4 images, not the 8 its 6 image rows show
     hf = actor.load_hf_model(path, dtype=torch.float64)
     lp_h, g_h = _weighted_grads(hf, samples, pad, False)
     for a, b in zip(lp_t, lp_h, strict=True):
@@ -272,3 +277,19 @@ def test_packed_moe_logprobs_and_gradients_equal_padded_and_hf(tmp_path):
     assert any(".mlp.gate." in n for n in g_pad)
     for n in g_pad:
         assert torch.allclose(g_pad[n], g_pack[n], atol=1e-9, rtol=1e-7), n
+
+
+def test_grpo_adds_the_router_aux_loss_only_when_asked(tmp_path, launch):
+    """grpo.py on the tiny MoE: by default no balancing term (no actor/router_aux_loss); with
+    --router-aux-loss-coef c the first step's loss (same samples, same weights) is the default run's + c x the
+    logged load-balancing loss, and the gradient differs."""
+    from test_train import DENSE_REWARD, run
+    (tmp_path / "r.py").write_text(DENSE_REWARD)
+    kw = ["--demo-model", "qwen3_vl_moe", "--max-steps", "1", "--global-batch-size", "4",
+          "--reward-function", f"{tmp_path / 'r.py'}:dense"]
+    off = run(launch, kw, tmp_path / "off")[-1]
+    on = run(launch, kw + ["--router-aux-loss-coef", "0.5"], tmp_path / "on")[-1]
+    assert "actor/router_aux_loss" not in off and on["actor/router_aux_loss"] > 0
+    assert on["actor/pg_loss"] == pytest.approx(off["actor/pg_loss"], abs=1e-6)
+    assert on["actor/loss"] == pytest.approx(off["actor/loss"] + 0.5 * on["actor/router_aux_loss"], abs=1e-6)
+    assert on["actor/grad_norm"] != pytest.approx(off["actor/grad_norm"], rel=1e-4)
