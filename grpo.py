@@ -296,7 +296,8 @@ def update_policy(ctx, samples, step):
                 if ctx.model.aux_loss is not None:  # MoE balancing, this micro-batch's share by its samples
                     aux = ctx.model.aux_loss * len(mb) / num_seqs
                     loss = loss + cfg.router_aux_loss_coef * aux
-                    log.add("actor/router_aux_loss", aux.detach(), 0.0)
+                    log.add("actor/router_aux_loss", aux.detach(), 0.0)  # (a share: summed like the loss)
+                    log.add("actor/loss", cfg.router_aux_loss_coef * aux.detach(), 0.0)
                 # FSDP averages gradients over ranks; the normalisers are already global, so undo the average
                 (loss * ctx.world).backward()
                 ent_p, _ = actor.pad_responses(ent, resp_len)
