@@ -330,8 +330,10 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
         if not routers(hf):
             raise UserError(f"--router-aux-loss-coef {router_aux_loss_coef}: {type(hf).__name__} has no MoE router")
         model.router_logits = []
-        for r in routers(hf):  # output 0: the logits [tokens, experts] (its OutputRecorder's index)
-            r.register_forward_hook(lambda m, args, out: model.router_logits.append(out[0]))
+        for r in routers(hf):  # output 0: the logits [tokens, experts] (its OutputRecorder's index); log-prob
+            # passes (no gradient) keep none
+            r.register_forward_hook(lambda m, args, out: model.router_logits.append(out[0])
+                                    if torch.is_grad_enabled() else None)
     model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
     # auto: on a GPU in bf16/fp16, for a model wide enough that fused kernels pay for the compilation (~100 s at
     # 3B); a tiny model's steps are launch-bound and would only wait for the compiler

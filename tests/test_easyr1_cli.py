@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import common
 import dapo
 import easyr1_config as E
 import grpo
@@ -71,7 +72,7 @@ def test_split_keeps_flag_values_that_hold_an_equals_sign():
     ([MODEL, "worker.reward.reward_function_kwargs=[1, 2]"], "reward_function_kwargs=[1, 2]: give a mapping"),
 ])
 def test_bad_words_are_one_clear_error(args, says, capsys, tmp_path):
-    with pytest.raises(SystemExit) as e, E.one_line_errors():
+    with pytest.raises(SystemExit) as e, common.one_line_errors():
         E.cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and says in err, err
