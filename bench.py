@@ -239,10 +239,22 @@ def model_dims(preset):
     t = cfg.text_config
     params = tiny_model.count_params(cfg)
     H, kv = t.hidden_size, t.num_key_value_heads / t.num_attention_heads
-    layer = 2 * H * H + 2 * H * H * kv + 3 * H * t.intermediate_size  # q, o: H x H; k, v: H x kv H; MLP: 3 x H x I
-    return dict(params=params, hidden=t.hidden_size, inter=t.intermediate_size, layers=t.num_hidden_layers,
+    E = getattr(t, "num_experts", 0) or 0
+    # MoE: a layer (one FSDP unit, gathered whole) holds all E experts (3 x H x I' each) and the router (E x H);
+    # a token's MLP intermediates are those of its k routed experts, k x I' wide
+    inter = t.num_experts_per_tok * t.moe_intermediate_size if E else t.intermediate_size
+    mlp = 3 * H * t.moe_intermediate_size * E + H * E if E else 3 * H * t.intermediate_size
+    layer = 2 * H * H * hd_frac(t) + 2 * H * H * kv * hd_frac(t) + mlp  # q, o: H x H; k, v: H x kv H; the MLP
+    return dict(params=params, hidden=t.hidden_size, inter=inter, layers=t.num_hidden_layers, moe=bool(E),
                 vocab=t.vocab_size, kv_frac=t.num_key_value_heads / t.num_attention_heads, layer_params=layer,
                 root_params=t.vocab_size * t.hidden_size * (1 if cfg.tie_word_embeddings else 2))
+
+
+def hd_frac(t):
+    """heads x head_dim over the hidden size: 1 for Qwen2.5-VL and the 8B, 2 for the 30B-A3B (32 x 128 = 4096 of
+    a 2048 residual stream)."""
+    return t.num_attention_heads * (getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads) \
+        / t.hidden_size
 
 
 def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offload_params=False,
@@ -262,8 +274,9 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     if precision == "bf16" and kahan:
         b["optim"] += memory.KAHAN_BYTES
     if lora_rank:  # all-linear adapters on the language model: r x (in + out) per projection
-        # q, o: H + H; k, v: H + kv H; gate, up, down: H + I
-        adapters = lora_rank * L * (4 * H + 2 * H * (1 + dims["kv_frac"]) + 3 * (H + dims["inter"]))
+        # q, o: H + H; k, v: H + kv H; gate, up, down: H + I (MoE: attention only, its experts are not nn.Linear)
+        adapters = lora_rank * L * (4 * H + 2 * H * (1 + dims["kv_frac"])
+                                    + (0 if dims.get("moe") else 3 * (H + dims["inter"])))
         train = adapters
         base = P * b["weights"]
     else:
@@ -338,7 +351,8 @@ def table(paths):
            f"over the cell's GPUs, {ENGINE_LEAST_GIB} GiB beside its weights: a 1.5 GiB KV cache via "
            "--kv-cache-memory-gb), '-' if none; offload takes host memory instead: 16 bytes per parameter):", "",
            "| model | mode | 1 GPU | 2 GPUs | 4 GPUs | 8 GPUs |", "|---|---|---|---|---|---|"]
-    for preset in ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b", "qwen2_5_vl_32b", "qwen2_5_vl_72b"):
+    for preset in ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b", "qwen2_5_vl_32b", "qwen2_5_vl_72b",
+                   "qwen3_vl_30b_a3b"):
         dims = model_dims(preset)
         for name, kw in modes:
             cells = [memory_model(dims, world=w, mb_tokens=11 * TOKENS_PER_SAMPLE, **kw) for w in (1, 2, 4, 8)]

@@ -17,7 +17,7 @@ class Config:
     # --- model and data (empty model_path / train_files = the built-in demo) ---
     model_path: str = ""  # HF hub name or local folder; "" builds the tiny demo VLM in code
     # the demo's tiny model (no model_path): qwen2_5_vl / qwen3_vl (colour or video task), qwen3 / llama (largest digit)
-    demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3", "llama"] = "qwen2_5_vl"
+    demo_model: Literal["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3", "llama"] = "qwen2_5_vl"
     demo_task: Literal["color", "video"] = "color"  # the VL demos' task: a picture's colour, or a clip's last colour
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)
@@ -88,6 +88,10 @@ class Config:
     cispo_clip_low: bool = False  # bound CISPO's weight below by 1 - clip_ratio_low, as EasyR1/veRL (the paper: none)
     tau_positive: float = 1.0  # SAPO's gate temperature for positive advantages (EasyR1's default)
     tau_negative: float = 1.05  # SAPO's for negative advantages: a steeper fade
+    # MoE: weight of the router's load-balancing loss (the name and formula of the model config's own
+    # router_aux_loss_coef); 0 = off, the default for RL: a balancing pull on the router moves the policy for a reason
+    # other than the reward (the checkpoint's 0.001 was for pretraining)
+    router_aux_loss_coef: float = 0.0
     kl_coef: float = 1e-2  # weight of the KL-to-reference loss term; 0 drops the reference model entirely
     kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"  # KL estimator (k3 = low_var_kl)
     kl_in_reward: bool = False  # the KL penalty goes into the reward (EasyR1's use_kl_loss: false), not into the loss

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 import memory
 import varlen
 import video
-from common import _cpu_group, all_reduce_cpu  # noqa: F401 (all_reduce_cpu: the loop's actor.all_reduce_cpu)
+from common import UserError, _cpu_group, all_reduce_cpu  # noqa: F401 (all_reduce_cpu: the loop's actor.all_reduce_cpu)
 
 
 # ----------------------------------------------------------------------------------------------- distributed
@@ -53,7 +53,9 @@ def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
     try:
         model = AutoModelForImageTextToText.from_pretrained(path, **kw)
     except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText": a text LLM
-        return AutoModelForCausalLM.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    if dtype == torch.float64 and routers(model):  # MoE: transformers' default experts kernel (grouped_mm) takes
+        model.set_experts_implementation("eager")  # no float64, the tests' reference precision; the loop does
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):  # positions after a video as vLLM has them
         model.model.get_rope_index = types.MethodType(video.qwen2_vl_rope_index, model.model)
     return model
@@ -79,6 +81,9 @@ class LogProbModel(nn.Module):
         self.rope = ("mrope" if cfg.model_type in ("qwen2_vl", "qwen2_5_vl") else
                      "1d" if getattr(cfg, "vision_config", None) is None else None)
         self.packed = False  # build_actor: True when this model trains padding-free (one packed row per micro-batch)
+        # MoE (build_actor with router_aux_loss_coef > 0): each forward's router logits, per layer [tokens, experts],
+        # and the load-balancing loss made of them (aux_loss); None = off, the default for RL
+        self.router_logits, self.aux_loss = None, None
         self.chunk_logprobs = _chunk_logprobs  # build_actor: its compiled twin with --torch-compile
 
     def forward(self, input_ids, resp_idx, targets, mm_inputs, owner=None, position_ids=None, varlen=None,
@@ -87,7 +92,11 @@ class LogProbModel(nn.Module):
         predict response tokens, targets [n] those tokens, mm_inputs the processor outputs of the *distinct*
         prompts of the batch, owner (for each row the distinct prompt it shows, for each distinct prompt its number
         of images), position_ids the rotary positions, varlen the packed row's sequence boundaries."""
+        if self.router_logits is not None:
+            self.router_logits.clear()
         hidden = self.hidden_states(input_ids, mm_inputs, owner, position_ids, varlen)  # [B, T, H]
+        if self.router_logits and torch.is_grad_enabled():
+            self.aux_loss = router_aux_loss(self.hf, self.router_logits, input_ids)
         h = hidden.flatten(0, 1).index_select(0, resp_idx)  # [n, H] (an index, not a boolean mask: no host sync)
         head = self.hf.get_output_embeddings()
         logps, ents = [], []
@@ -128,7 +137,7 @@ class LogProbModel(nn.Module):
         grids = {k: mm_inputs[k] for k in ("image_grid_thw", "video_grid_thw") if k in mm_inputs}
         row_grids = {k: torch.cat([g.split(c)[i] for i in owner]) for (k, g), c in  # [items as the rows show them, 3]
                      zip(grids.items(), [counts if k == "image_grid_thw" else vcounts for k in grids])}
-        if self.hf.config.model_type == "qwen3_vl":
+        if self.hf.config.model_type in ("qwen3_vl", "qwen3_vl_moe"):
             types = mm_token_types(self.hf, input_ids, mm_inputs).get("mm_token_type_ids")
             return self._deepstack_hidden(input_ids, mm_inputs, owner, counts, vcounts, row_grids, types)
         if position_ids is None:  # the model derives the 3-D positions from the vision tokens and grids
@@ -218,6 +227,21 @@ class LogProbModel(nn.Module):
         return sum(t.float().sum() for t in _tensors(out)).to(like.dtype) * 0.0
 
 
+def routers(hf):
+    """The MoE routers of a model (transformers' top-k routers: Qwen3-MoE, Qwen3-VL-MoE, ...); [] for a dense one."""
+    return [m for m in hf.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def router_aux_loss(hf, logits, input_ids):
+    """The model's own load-balancing loss (Switch Transformer's, as transformers computes it for
+    output_router_logits) over a micro-batch's real tokens: logits per layer [B*T, experts], pads (right-padded
+    rows) left out."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func  # (slow import)
+    cfg = hf.config.get_text_config()
+    real = (input_ids != cfg.pad_token_id).long() if cfg.pad_token_id is not None else None  # [B, T]
+    return load_balancing_loss_func(tuple(logits), cfg.num_experts, cfg.num_experts_per_tok, real)
+
+
 def _tensors(x):
     """The floating-point tensors inside a (nested) model output."""
     if isinstance(x, torch.Tensor):
@@ -260,7 +284,7 @@ def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
 
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
                 trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto",
-                torch_compile="off", offload=False):
+                torch_compile="off", offload=False, router_aux_loss_coef=0.0):
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
@@ -270,7 +294,11 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     (varlen.compile_elementwise), "auto" = on for CUDA in bf16/fp16 and a hidden size of at least 1024. offload:
     FSDP2's CPUOffloadPolicy, which keeps the sharded weights, their gradients and hence the optimizer state and
     step on the host (FSDP2 offers the three only together), each unit's shard copied in just before its
-    all-gather; a frozen model is kept on the host whole instead."""
+    all-gather; a frozen model is kept on the host whole instead. router_aux_loss_coef > 0 (MoE): every forward
+    keeps its router logits and sets model.aux_loss (the caller adds coef x it); 0 = off.
+    MoE decoder layers are units like the dense ones (their _no_split_modules), so each layer's experts (the fused
+    [experts, 2 x width, hidden] tensors) shard and all-gather with their layer; routers run in the model's own
+    precision: logits in the compute dtype, their softmax and top-k in fp32, as transformers and vLLM have it."""
     from torch.distributed.device_mesh import init_device_mesh  # (FSDP2's modules: ~1 s to import)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # (likewise)
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
@@ -298,6 +326,14 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
             for prm in hf.parameters():
                 prm.data = prm.data.to(dtype)
     model = LogProbModel(hf)
+    if router_aux_loss_coef > 0 and trainable:
+        if not routers(hf):
+            raise UserError(f"--router-aux-loss-coef {router_aux_loss_coef}: {type(hf).__name__} has no MoE router")
+        model.router_logits = []
+        for r in routers(hf):  # output 0: the logits [tokens, experts] (its OutputRecorder's index); log-prob
+            # passes (no gradient) keep none
+            r.register_forward_hook(lambda m, args, out: model.router_logits.append(out[0])
+                                    if torch.is_grad_enabled() else None)
     model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
     # auto: on a GPU in bf16/fp16, for a model wide enough that fused kernels pay for the compilation (~100 s at
     # 3B); a tiny model's steps are launch-bound and would only wait for the compiler

@@ -105,7 +105,8 @@ def setup(cfg: Config):
                                   ctx.compute_dtype, cfg.gradient_checkpointing, cfg.attn_implementation,
                                   freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora,
                                   padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
-                                  torch_compile=cfg.torch_compile, offload=cfg.offload_params)
+                                  torch_compile=cfg.torch_compile, offload=cfg.offload_params,
+                                  router_aux_loss_coef=cfg.router_aux_loss_coef)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = actor.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
@@ -270,6 +271,11 @@ def update_policy(ctx, samples, step):
                 lp, ent = ctx.model(**batch, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)  # [N]
                 logp, mask = actor.pad_responses(lp, resp_len)  # [b, R]
                 loss, mask = micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass=epoch == 0 and m == 0)
+                if ctx.model.aux_loss is not None:  # MoE balancing, this micro-batch's share by its samples
+                    aux = ctx.model.aux_loss * len(mb) / num_seqs
+                    loss = loss + cfg.router_aux_loss_coef * aux
+                    log.add("actor/router_aux_loss", aux.detach(), 0.0)  # (a share: summed like the loss)
+                    log.add("actor/loss", cfg.router_aux_loss_coef * aux.detach(), 0.0)
                 # FSDP averages gradients over ranks; the normalisers are already global, so undo the average
                 (loss * ctx.world).backward()
                 ent_p, _ = actor.pad_responses(ent, resp_len)

@@ -326,7 +326,7 @@ class VLLMRollout:
             mm["image"] = list(p["images"])
         if p.get("videos"):
             meta = [{"total_num_frames": len(v), "fps": f} for v, f in zip(p["videos"], p["video_fps"])]
-            if self.model_type == "qwen3_vl":
+            if self.model_type in ("qwen3_vl", "qwen3_vl_moe"):
                 mm["video"] = [(v, {**m, "frames_indices": list(range(len(v))), "duration": len(v) / m["fps"],
                                     "do_sample_frames": False}) for v, m in zip(p["videos"], meta)]
             else:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
 
+import tiny_moe
 from common import UserError
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
@@ -54,7 +55,7 @@ FILLER_WORDS = ("the a of is what which this image picture shows one word with i
                 "think so because therefore number count left right").split()
 MARKER = "BUILD_COMPLETE.json"
 CACHE_ROOT = os.path.expanduser("~/.cache/vlm_rl")
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen2", "qwen3_vl", "qwen3", "llama")
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen2", "qwen3_vl", "qwen3_vl_moe", "qwen3", "llama")
 TEXT_ARCHS = ("qwen2", "qwen3", "llama")  # causal LMs without a vision tower
 
 
@@ -121,6 +122,9 @@ def _vl_classes(arch):
     if arch == "qwen3_vl":
         from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor  # slow to import
         return Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    if arch == "qwen3_vl_moe":  # Qwen3-VL's vision tower and processor; sparse-MoE decoder layers
+        from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, Qwen3VLProcessor  # (slow)
+        return Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, Qwen3VLProcessor
     raise ValueError(f"unknown VL arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -145,12 +149,13 @@ def tiny_config(arch, ids, vocab_size):
         return _llama_config(ids, vocab_size)
     # Qwen3-VL interleaves the (time, height, width) frequencies (t h w t h w ...) instead of giving each a block;
     # [6, 5, 5] is its [24, 20, 20] scaled to 16 frequencies
-    mrope = None if arch in TEXT_ARCHS else [6, 5, 5] if arch == "qwen3_vl" else [4, 6, 6]
+    q3vl = arch in ("qwen3_vl", "qwen3_vl_moe")  # the MoE: Qwen3-VL with experts in place of each dense MLP
+    mrope = None if arch in TEXT_ARCHS else [6, 5, 5] if q3vl else [4, 6, 6]
     text = _text_config(ids, vocab_size, hidden=128, intermediate=256, layers=2, heads=4,
                         kv_heads=2, mrope_section=mrope, tie=False)
-    if arch in ("qwen3", "qwen3_vl"):
+    if arch == "qwen3" or q3vl:
         text["head_dim"] = 32  # Qwen3 configs name it (and its attention norms q and k per head)
-    if arch == "qwen3_vl":
+    if q3vl:
         text["rope_parameters"]["mrope_interleaved"] = True  # what vLLM reads; transformers always interleaves
     if arch in TEXT_ARCHS:
         from transformers import Qwen2Config, Qwen3Config  # slow to import (~2 s)
@@ -163,7 +168,7 @@ def tiny_config(arch, ids, vocab_size):
                       out_hidden_size=128, patch_size=14, spatial_merge_size=2,
                       temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
                       hidden_act="silu", tokens_per_second=2)
-    elif arch == "qwen3_vl":  # patch 16; blocks 0 and 1 also feed the LLM's layers 0 and 1 (deepstack)
+    elif q3vl:  # patch 16; blocks 0 and 1 also feed the LLM's layers 0 and 1 (deepstack)
         vision = dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2,
                       out_hidden_size=128, patch_size=16, spatial_merge_size=2,
                       temporal_patch_size=2, num_position_embeddings=2304,
@@ -171,6 +176,8 @@ def tiny_config(arch, ids, vocab_size):
     else:  # Qwen2-VL names: embed_dim = ViT width, hidden_size = output (LLM) width
         vision = dict(depth=2, embed_dim=64, mlp_ratio=2, hidden_size=128, num_heads=2,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    if arch == "qwen3_vl_moe":
+        text.update(tiny_moe.TINY)
     return _vl_config(Cfg, Model, text, vision, ids, tie=False)
 
 
@@ -217,6 +224,7 @@ PRESETS = {
                            vocab_size=152064, tie=False),
     "qwen2_5_vl_72b": dict(hidden=8192, intermediate=29568, layers=80, heads=64, kv_heads=8,
                            vocab_size=152064, tie=False),
+    **tiny_moe.PRESETS,  # Qwen3-VL-30B-A3B
 }
 
 
@@ -226,11 +234,11 @@ def preset_config(preset, ids):
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     p = PRESETS[preset]
     arch = p.get("arch", "qwen2_5_vl")
-    if arch == "qwen3_vl":
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):
         text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"],
                             p["heads"], p["kv_heads"], mrope_section=[24, 20, 20], tie=p["tie"],
                             max_pos=262144)
-        text.update(head_dim=128)
+        text.update(head_dim=128, **p.get("moe", {}))
         text["rope_parameters"].update(rope_theta=5000000.0, mrope_interleaved=True)
         vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
                       out_hidden_size=p["hidden"], patch_size=16, spatial_merge_size=2,
@@ -265,7 +273,7 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
     if ImgProc is None:
         ImgProc = transformers.Qwen2VLImageProcessor
     kw = {}
-    if arch == "qwen3_vl":  # the Qwen3-VL repos: 16-pixel patches, inputs scaled to [-1, 1]
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):  # the Qwen3-VL repos: 16-pixel patches, inputs scaled to [-1, 1]
         kw = dict(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     ImgProc(min_pixels=min_pixels, max_pixels=max_pixels, **kw).save_pretrained(out)
     proc_class = _vl_classes(arch)[2].__name__
@@ -281,7 +289,7 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
                                  "patch_size", "temporal_patch_size", "merge_size")}
     video.update(video_processor_type="Qwen2VLVideoProcessor", processor_class=proc_class,
                  min_pixels=min_pixels, max_pixels=max_pixels, size=size)
-    if arch == "qwen3_vl":  # its own video processor, which knows only `size` (as in the Qwen3-VL repos)
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):  # its own video processor, which knows only `size` (as in the Qwen3-VL repos)
         del video["min_pixels"], video["max_pixels"]
         video["video_processor_type"] = "Qwen3VLVideoProcessor"
     _write_json(os.path.join(out, "video_preprocessor_config.json"), video)
@@ -344,7 +352,7 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
     out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v2")
 
     def build(tmp):
-        tok = build_tokenizer(split_digits=arch in ("qwen3", "qwen3_vl"))
+        tok = build_tokenizer(split_digits=arch in ("qwen3", "qwen3_vl", "qwen3_vl_moe"))
         ids = _token_ids(tok)
         vocab_size = (len(tok) + 63) // 64 * 64  # aligned rows, like Qwen's padded embeddings
         cfg = tiny_config(arch, ids, vocab_size)
@@ -356,6 +364,7 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
             model = _vl_classes(arch)[1](cfg)
         model = model.to(torch.float32).eval()  # fp32: the CPU demo trains in fp32
         model.save_pretrained(tmp)
+        tiny_moe.hub_layout(tmp)
         _save_generation_config(ids, tmp)
         tok.save_pretrained(tmp)
         if arch not in TEXT_ARCHS:  # 4..16 image tokens per image keeps CPU steps fast
@@ -370,7 +379,7 @@ def build_random_model(out_dir, preset, seed=0, device=None) -> str:
     arch = PRESETS.get(preset, {}).get("arch", "qwen2_5_vl")
 
     def build(tmp):
-        tok = build_tokenizer(split_digits=arch == "qwen3_vl")
+        tok = build_tokenizer(split_digits=arch in ("qwen3_vl", "qwen3_vl_moe"))
         ids = _token_ids(tok)
         cfg = preset_config(preset, ids)
         Model = _vl_classes(arch)[1]
@@ -384,6 +393,7 @@ def build_random_model(out_dir, preset, seed=0, device=None) -> str:
         finally:
             torch.set_default_dtype(old)
         model.save_pretrained(tmp)
+        tiny_moe.hub_layout(tmp)
         _save_generation_config(ids, tmp)
         tok.save_pretrained(tmp)
         _save_processor(arch, tok, tmp, min_pixels=3136, max_pixels=512 * 512)

@@ -165,3 +165,26 @@ def test_smallest_card_holds_the_measured_cells(preset, kw, card):
     assert got is not None and got <= card
     if preset == "qwen3_vl_8b":
         assert got == 140
+
+
+def test_readme_holds_every_computed_row_of_the_table():
+    """README's hardware table is `python bench.py table`'s computed rows (the 30B-A3B's among them): a change to
+    the memory model or a preset shows here until README is regenerated."""
+    rows = [r for r in bench.table([]).splitlines() if r.startswith("| qwen")]
+    readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")).read()
+    assert any("qwen3_vl_30b_a3b" in r for r in rows)
+    assert [r for r in rows if r not in readme] == []
+
+
+def test_qwen3_vl_30b_a3b_preset_and_its_easyr1_script():
+    """Qwen3-VL-30B-A3B-Instruct: 31.07B parameters (the hub's 31.1B), each layer an FSDP unit of 128 experts
+    (0.62B parameters gathered at once), a token's MLP 8 x 768 wide; LoRA adapts attention only. EasyR1's example
+    (bf16 weights, bf16 AdamW, 8 GPUs) is the computed "bf16 (Kahan)" cell on 8 GPUs: it fits an 80 GB card."""
+    dims = bench.model_dims("qwen3_vl_30b_a3b")
+    assert dims["params"] / 1e9 == pytest.approx(31.07, rel=0.002) and dims["moe"]
+    assert dims["layer_params"] == pytest.approx(2 * 2048 * 4096 + 2 * 2048 * 512 + 128 * (3 * 2048 * 768 + 2048))
+    assert dims["inter"] == 8 * 768
+    m = bench.memory_model(dims, precision="bf16", world=8, mb_tokens=11 * bench.TOKENS_PER_SAMPLE)
+    assert bench.smallest_card(m, dims, 8) == 80
+    dense_like = bench.memory_model({**dims, "moe": False}, lora_rank=64)  # MLP adapters would add to the state
+    assert bench.memory_model(dims, lora_rank=64)["parts"]["optim"] < dense_like["parts"]["optim"]

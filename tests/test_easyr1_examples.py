@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import bench
 import dapo
 import easyr1_config as E
 import grpo
@@ -138,3 +139,19 @@ def test_readme_one_word_change_runs_a_script(tmp_path, monkeypatch):
     assert cfg.model_path == "Qwen/Qwen2.5-VL-7B-Instruct" and cfg.experiment_name == "qwen2_5_vl_7b_geo_grpo"
     assert f"{len(SCRIPTS)} example scripts" in readme
     assert f"{len(SCRIPTS) - len(STOPS)} run this way; {len(STOPS)} stop" in " ".join(readme.split())
+
+
+def test_the_qwen3_vl_30b_script_fits_the_computed_table(tmp_path, monkeypatch):
+    """EasyR1's Qwen3-VL-30B-A3B example parses to pure bf16 (bf16 weights, bf16 AdamW) on 8 ranks, and bench.py's
+    memory model for exactly that (the 30B-A3B preset, its rank count, its LoRA rank, KL coefficient and
+    micro-batch tokens) holds it on an 80 GB card beside the engine; the README table shows that cell."""
+    words = expand("examples/qwen3_vl_30b_geo3k_grpo.sh", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_and_check(words, grpo.Config, monkeypatch)
+    assert cfg.model_path == "Qwen/Qwen3-VL-30B-A3B-Instruct" and cfg.precision == "bf16"
+    dims = bench.model_dims("qwen3_vl_30b_a3b")
+    m = bench.memory_model(dims, precision=cfg.precision, lora_rank=cfg.lora_rank, world=8, kl_coef=cfg.kl_coef,
+                           mb_tokens=cfg.max_token_len_per_device)
+    assert bench.smallest_card(m, dims, 8) == 80, m
+    assert bench.smallest_card(bench.memory_model(dims, precision="amp", world=8), dims, 8) == 80  # AMP: just
+    assert bench.smallest_card(bench.memory_model(dims, precision=cfg.precision, world=2), dims, 2) is None

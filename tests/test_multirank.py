@@ -103,3 +103,24 @@ def test_run_sh_multinode_learns_what_one_node_learns(tmp_path, task, launch):
             # (MFU is per second; the engine/trainer log-prob gap is fp32 rounding noise, ~1e-7)
             if not k.startswith(("timing/", "throughput/", "memory/", "perf/mfu", "rollout/logprob_diff")):
                 assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), (a["step"], k)
+
+
+def test_moe_two_ranks_take_the_same_steps_as_one_process(tmp_path, task, launch):
+    """The tiny Qwen3-VL-MoE on 2 gloo ranks (each decoder layer's 4 experts sharded 2 and 2, all-gathered with their
+    layer) takes the same two steps as one process: the same losses, KL and gradient norm (the second epoch
+    off-policy, the second step after the updated weights went into the engines)."""
+    args = ["--demo-model", "qwen3_vl_moe", "--format-prompt", tiny_model.DEMO_FORMAT_PROMPT, "--val-freq", "0",
+            "--rollout-batch-size", "4", "--rollout-n", "4", "--global-batch-size", "4", "--ppo-epochs", "2",
+            "--max-response-length", "4", "--max-steps", "2", "--save-freq", "-1"] + task
+    launch.run([sys.executable, "grpo.py", "--output-dir", tmp_path / "one"] + args, tmp_path / "one.log")
+    launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", free_port(),
+                "grpo.py", "--output-dir", tmp_path / "two"] + args, tmp_path / "two.log", timeout=540)
+    assert "[batch] 2 rank(s)" in (tmp_path / "two.log").read_text()
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [m["step"] for m in two] == [1, 2]
+    for a, b in zip(one, two, strict=True):
+        assert a["reward/mean"] == pytest.approx(b["reward/mean"], abs=1e-9)
+        for k in ("actor/pg_loss", "actor/loss", "actor/kl"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5), k
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-4)
+    assert abs(one[0]["actor/pg_loss"]) > 1e-3 and 0 < one[0]["reward/mean"] < 1

@@ -1,0 +1,47 @@
+"""The mixture-of-experts pieces of the demo models (tiny_model.py builds them): the tiny Qwen3-VL-MoE's expert
+settings, the real Qwen3-VL-30B-A3B's dimensions (a bench.py preset), and the checkpoint layout of the experts as
+the hub's Qwen3-VL-MoE checkpoints hold them on disk."""
+import json
+import os
+
+# The tiny MoE (tiny_model.build_tiny_model(arch="qwen3_vl_moe")): Qwen3-VL's tiny model with every dense MLP replaced
+# by 4 experts of width 96 (2 x 96 != 128 = hidden, so no expert matrix is square and a transposed copy could not
+# load unnoticed), 2 routed per token. The load-balancing coefficient is the checkpoints' own (pretraining's);
+# grpo's --router-aux-loss-coef defaults to 0, i.e. the loss is off in RL.
+TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[],
+            router_aux_loss_coef=0.001)
+
+# Qwen/Qwen3-VL-30B-A3B-Instruct (config.json): a 48-layer LLM of width 2048 (32 query heads, 4 key/value heads,
+# head_dim 128), every layer sparse with 128 experts of width 768, 8 routed per token; the 8B's 27-block ViT
+# (deepstack 8, 16, 24) with its output at 2048. tiny_model.preset_config builds it like the 8B.
+PRESETS = {
+    "qwen3_vl_30b_a3b": dict(arch="qwen3_vl_moe", hidden=2048, intermediate=6144, layers=48, heads=32, kv_heads=4,
+                             vocab_size=151936, tie=False,
+                             moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)),
+}
+
+
+def hub_layout(out):
+    """Qwen3-VL-MoE's expert tensors on disk as the hub checkpoints hold them, gate_up_proj [E, H, 2I] and
+    down_proj [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory, transposes them on load where
+    the dimensions say so, and saves its own layout back): a file written here loads like the real one in
+    transformers and in vLLM (whose loader also transposes by the dimensions). One shard in memory at a time. The
+    config names the expert count num_experts as the hub's does (transformers 5.24 writes its alias
+    num_local_experts, which older versions may not read)."""
+    from safetensors.torch import load_file, save_file
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config", cfg)
+    if "num_local_experts" in text:
+        text["num_experts"] = text.pop("num_local_experts")
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
+    for f in sorted(os.listdir(out)):
+        if not f.endswith(".safetensors"):
+            continue
+        sd = load_file(os.path.join(out, f))
+        fused = [k for k in sd if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
+        if fused:
+            save_file({k: v.transpose(1, 2).contiguous() if k in fused else v for k, v in sd.items()},
+                      os.path.join(out, f), metadata={"format": "pt"})
