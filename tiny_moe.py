@@ -4,6 +4,8 @@ the hub's Qwen3-VL-MoE checkpoints hold them on disk."""
 import json
 import os
 
+from safetensors.torch import load_file, save_file
+
 # The tiny MoE (tiny_model.build_tiny_model(arch="qwen3_vl_moe")): Qwen3-VL's tiny model with every dense MLP replaced
 # by 4 experts of width 96 (2 x 96 != 128 = hidden, so no expert matrix is square and a transposed copy could not
 # load unnoticed), 2 routed per token. The load-balancing coefficient is the checkpoints' own (pretraining's);
@@ -29,7 +31,6 @@ def hub_layout(out):
     transformers and in vLLM (whose loader also transposes by the dimensions). One shard in memory at a time. The
     config names the expert count num_experts as the hub's does (transformers 5.24 writes its alias
     num_local_experts, which older versions may not read)."""
-    from safetensors.torch import load_file, save_file
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     text = cfg.get("text_config", cfg)
