@@ -9,7 +9,7 @@
     python bench.py --prepare-only                                   # just build the random model and the data
     python bench.py --preset qwen2_5_vl_7b --lora-rank 64 --gpu-memory-cap-gb 40   # as if on a 40 GB card
 
-Random weights with the real dimensions (tiny_model.build_random_model: no download) and geo3k-like prompts: one
+Random weights with the real dimensions (presets.build_random_model: no download) and geo3k-like prompts: one
 512x512 figure and about 100 text tokens. Two workloads, each the same work on every run:
 - forced (default): a random policy almost never emits EOS, so every response runs to max_response_length (the
   worst case; the issue's bar);
@@ -36,6 +36,7 @@ from PIL import Image, ImageDraw
 import data
 import grpo
 import memory
+import presets
 import tiny_model
 
 WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
@@ -235,9 +236,9 @@ GIB = 2**30
 
 def model_dims(preset):
     """Parameter counts and the dimensions the activations scale with, of a bench preset (meta device: no memory)."""
-    cfg = tiny_model.preset_config(preset, tiny_model._token_ids(tiny_model.build_tokenizer()))
+    cfg = presets.preset_config(preset, tiny_model._token_ids(tiny_model.build_tokenizer()))
     t = cfg.text_config
-    params = tiny_model.count_params(cfg)
+    params = presets.count_params(cfg)
     H, kv = t.hidden_size, t.num_key_value_heads / t.num_attention_heads
     E = getattr(t, "num_experts", 0) or 0
     # MoE: a layer (one FSDP unit, gathered whole) holds all E experts (3 x H x I' each) and the router (E x H);
@@ -418,7 +419,7 @@ def main():
     model_path, data_path = os.path.join(workdir, "model"), os.path.join(workdir, "geo-v2.parquet")
     if rank == 0:  # rank 0 builds (once, cached); the others wait for its marker file
         os.makedirs(workdir, exist_ok=True)
-        tiny_model.build_random_model(model_path, preset)
+        presets.build_random_model(model_path, preset)
         if not os.path.exists(data_path):
             from transformers import AutoTokenizer  # slow to import (~2 s)
             make_geo_dataset(data_path, 256, AutoTokenizer.from_pretrained(model_path))

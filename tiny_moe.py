@@ -15,7 +15,7 @@ TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, deco
 
 # Qwen/Qwen3-VL-30B-A3B-Instruct (config.json): a 48-layer LLM of width 2048 (32 query heads, 4 key/value heads,
 # head_dim 128), every layer sparse with 128 experts of width 768, 8 routed per token; the 8B's 27-block ViT
-# (deepstack 8, 16, 24) with its output at 2048. tiny_model.preset_config builds it like the 8B.
+# (deepstack 8, 16, 24) with its output at 2048. presets.preset_config builds it like the 8B.
 PRESETS = {
     "qwen3_vl_30b_a3b": dict(arch="qwen3_vl_moe", hidden=2048, intermediate=6144, layers=48, heads=32, kv_heads=4,
                              vocab_size=151936, tie=False,

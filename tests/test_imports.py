@@ -13,8 +13,8 @@ FILES = {f[:-3]: os.path.join(ROOT, f) for f in sorted(os.listdir(ROOT)) if f.en
 # the floors, bottom first; a file imports files of its own floor or lower ones, never a higher one
 FLOORS = [
     ["common", "conftest"],  # the floor: the user-error type, its one-line report, shared constants, CPU collectives
-    ["config", "tiny_model", "tiny_moe", "flops", "varlen", "algos"],  # the options; the demos (models, tasks,
-    # settings, the MoE's experts); FLOPs; kernels; the formulas
+    ["config", "tiny_model", "tiny_moe", "presets", "flops", "varlen", "algos"],  # the options; the demos (models,
+    # tasks, settings, the MoE's experts); the real-size random models; FLOPs; kernels; the formulas
     ["video", "data", "easyr1_config"],  # the data (data.py reaches the demos through data_files); the command line
     ["memory", "fsdp_actor", "rollout", "rewards", "rundir"],  # the stages
     ["grpo"],  # the loop

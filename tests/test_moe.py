@@ -11,6 +11,7 @@ import torch
 
 import data
 import fsdp_actor as actor
+import presets
 import tiny_model
 from test_actor import reference_logprobs
 
@@ -60,7 +61,7 @@ def test_tiny_moe_has_the_checkpoints_names_and_layout(moe):
     hf = actor.load_hf_model(path)
     assert hf.model.language_model.layers[0].mlp.experts.gate_up_proj.shape == (4, 192, 128)
     # the real model's names (meta device: nothing allocated)
-    real = tiny_model.preset_config("qwen3_vl_30b_a3b", tiny_model._token_ids(tiny_model.build_tokenizer()))
+    real = presets.preset_config("qwen3_vl_30b_a3b", tiny_model._token_ids(tiny_model.build_tokenizer()))
     with torch.device("meta"):
         big = Qwen3VLMoeForConditionalGeneration(real)
     big_sd = {k: v.shape for k, v in big.state_dict().items()}

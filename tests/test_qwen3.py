@@ -10,6 +10,7 @@ import data
 import fsdp_actor as actor
 import rundir
 import rollout
+import presets
 import tiny_model
 from test_actor import reference_logprobs
 
@@ -166,10 +167,10 @@ def test_qwen3_text_model_end_to_end_pieces(tmp_path):
 def test_qwen3_vl_8b_preset_has_the_real_dimensions():
     """bench.py --preset qwen3_vl_8b: Qwen3-VL-8B-Instruct's config (8.77B parameters, 0.58B of them the ViT)."""
     ids = tiny_model._token_ids(tiny_model.build_tokenizer())
-    cfg = tiny_model.preset_config("qwen3_vl_8b", ids)
+    cfg = presets.preset_config("qwen3_vl_8b", ids)
     assert cfg.model_type == "qwen3_vl" and cfg.vision_config.deepstack_visual_indexes == [8, 16, 24]
     assert cfg.text_config.rope_parameters["mrope_section"] == [24, 20, 20]
-    n = tiny_model.count_params(cfg)  # meta device: nothing allocated
+    n = presets.count_params(cfg)  # meta device: nothing allocated
     assert 8.7e9 < n < 8.85e9, n
 
 

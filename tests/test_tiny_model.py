@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import data
+import presets
 import tiny_model
 
 
@@ -100,11 +101,11 @@ def test_qwen2_vl_arch(tmp_path):
 def test_preset_config_parameter_counts():
     tok = tiny_model.build_tokenizer()
     ids = tiny_model._token_ids(tok)
-    cfg3 = tiny_model.preset_config("qwen2_5_vl_3b", ids)
+    cfg3 = presets.preset_config("qwen2_5_vl_3b", ids)
     assert cfg3.text_config.vocab_size == 151936 and cfg3.text_config.tie_word_embeddings
-    n3 = tiny_model.count_params(cfg3)  # meta device: nothing allocated
+    n3 = presets.count_params(cfg3)  # meta device: nothing allocated
     assert 3.6e9 < n3 < 3.9e9, n3  # Qwen2.5-VL-3B: ~3.75B incl. the 0.67B ViT
-    n7 = tiny_model.count_params(tiny_model.preset_config("qwen2_5_vl_7b", ids))
+    n7 = presets.count_params(presets.preset_config("qwen2_5_vl_7b", ids))
     assert 8.1e9 < n7 < 8.5e9, n7  # Qwen2.5-VL-7B: ~8.29B
     with pytest.raises(ValueError, match="unknown preset"):
-        tiny_model.preset_config("qwen2_5_vl_13b", ids)  # no such model
+        presets.preset_config("qwen2_5_vl_13b", ids)  # no such model
