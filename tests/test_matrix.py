@@ -82,7 +82,10 @@ def test_parity_of_a_trained_run_on_the_cpu(tmp_path):
     answers and sampled log-probs per prompt class) with the HF engine on both sides: equal answers, tiny gaps."""
     import subprocess
     run = str(tmp_path / "run")
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    # no torch.distributed variables of this process (a test before may have set up a 1-rank group) in the children
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env["PYTHONPATH"] = ROOT
     subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), "--max-steps", "1", "--save-freq", "0",
                     "--val-freq", "0", "--val-max-rows", "6", "--rollout-batch-size", "4", "--global-batch-size", "4",
                     "--n", "4", "--output-dir", run], check=True, env=env, capture_output=True)
