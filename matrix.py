@@ -96,8 +96,8 @@ def failures(s):
 def run(names, out, timeout, runs_dir, with_parity=False):
     os.makedirs(out, exist_ok=True)
     subprocess.run([sys.executable, "-c", "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in "
-                    "tiny_model.ARCHS]; tiny_model.demo_data(); tiny_model.demo_max_data(); tiny_model.demo_video_data()"],
-                   check=True)  # the models and data once, before the rows race to build them
+                    "tiny_model.ARCHS]; tiny_model.demo_data(); tiny_model.demo_max_data(); "
+                    "tiny_model.demo_video_data()"], check=True)  # the models and data once, before the rows race to build them
     procs, t0 = {}, time.time()
     for name in names:
         script, extra, _, _ = ROWS[name]
