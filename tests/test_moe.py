@@ -3,7 +3,6 @@ a plain HF forward (float64), the experts shard with their decoder layer, the lo
 for and then is transformers' own, and the engine gets the names and the fused expert layout vLLM's loader takes."""
 import json
 import os
-import random
 import re
 
 import pytest
@@ -14,28 +13,16 @@ import fsdp_actor as actor
 import presets
 import tiny_model
 from test_actor import reference_logprobs
+from test_qwen3 import mixed_samples
 
 CPU = torch.device("cpu")
-PX = dict(min_pixels=56 * 56, max_pixels=112 * 112)
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     actor.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp("q3moe") / "m"), arch="qwen3_vl_moe")
-    proc = data.load_processor(path)
-    rng = random.Random(0)
-    imgs = [tiny_model.draw_color_image(rng)[0] for _ in range(3)]
-    one = [data.encode_prompt({"problem": "<image>What is the main color?", "answer": "red", "images": [im]}, proc,
-                              **PX) for im in imgs[:2]]
-    two = data.encode_prompt({"problem": "<image> and <image>: same colour?", "answer": "no", "images": imgs[1:]},
-                             proc, **PX)
-    text = data.encode_prompt({"problem": "Name a colour.", "answer": "red", "images": []}, proc, **PX)
-    prompts = [one[0], two, text, one[1]]
-    g = torch.Generator().manual_seed(0)
-    samples = [dict(prompt=prompts[i % len(prompts)],
-                    response_ids=torch.randint(3, 300, (1 + (i * 5) % 9,), generator=g).tolist()) for i in range(8)]
-    return path, proc, samples
+    return (path, *mixed_samples(path, 2, 8))
 
 
 def _layer_names(sd_shapes, prefix="model.language_model.layers.0."):

@@ -18,23 +18,28 @@ CPU = torch.device("cpu")
 PX = dict(min_pixels=56 * 56, max_pixels=112 * 112)
 
 
+def mixed_samples(path, singles, n_samples):
+    """(processor, samples) of a tiny VLM folder: `singles` one-image prompts, a two-image prompt sharing the last
+    single's picture, a text-only prompt (in the order one..., two, text, last one), and random responses."""
+    proc = data.load_processor(path)
+    rng = random.Random(0)
+    imgs = [tiny_model.draw_color_image(rng)[0] for _ in range(singles + 1)]
+    one = [data.encode_prompt({"problem": "<image>What is the main color?", "answer": "red", "images": [im]}, proc,
+                              **PX) for im in imgs[:singles]]
+    two = data.encode_prompt({"problem": "<image> and <image>: same colour?", "answer": "no",
+                              "images": imgs[singles - 1:]}, proc, **PX)
+    text = data.encode_prompt({"problem": "Name a colour.", "answer": "red", "images": []}, proc, **PX)
+    prompts = one[:-1] + [two, text, one[-1]]
+    g = torch.Generator().manual_seed(0)
+    return proc, [dict(prompt=prompts[i % len(prompts)], response_ids=torch.randint(
+        3, 300, (1 + (i * 5) % 9,), generator=g).tolist()) for i in range(n_samples)]
+
+
 @pytest.fixture(scope="module")
 def qwen3_vl(tmp_path_factory):
     actor.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp("q3vl") / "m"), arch="qwen3_vl")
-    proc = data.load_processor(path)
-    rng = random.Random(0)
-    imgs = [tiny_model.draw_color_image(rng)[0] for _ in range(4)]
-    one = [data.encode_prompt({"problem": "<image>What is the main color?", "answer": "red", "images": [im]}, proc,
-                              **PX) for im in imgs[:3]]
-    two = data.encode_prompt({"problem": "<image> and <image>: same colour?", "answer": "no", "images": imgs[2:]},
-                             proc, **PX)
-    text = data.encode_prompt({"problem": "Name a colour.", "answer": "red", "images": []}, proc, **PX)
-    prompts = [one[0], one[1], two, text, one[2]]
-    g = torch.Generator().manual_seed(0)
-    samples = [dict(prompt=prompts[i % len(prompts)],
-                    response_ids=torch.randint(3, 300, (1 + (i * 5) % 9,), generator=g).tolist()) for i in range(10)]
-    return path, proc, samples
+    return (path, *mixed_samples(path, 3, 10))
 
 
 def test_qwen3_vl_folder(qwen3_vl):
