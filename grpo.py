@@ -451,6 +451,7 @@ def validate(ctx):
         samples += generate_and_score(ctx, drawn, cfg.val_n, cfg.val_temperature, cfg.val_top_p)
     ctx.rollout.sleep()
     out = rundir.sample_metrics(ctx, samples, "val")
+    ctx.val_rows = rundir.gather_val_rows(samples)  # rank 0: every answer, for val_samples.jsonl (a mean hides a class)
     if cfg.val_n > 1:
         key = "accuracy" if "accuracy" in samples[0]["scores"] else "overall"
         best = sum(max(float(s["scores"][key]) for s in g) for g in by_prompt(samples, cfg.val_n))
@@ -476,7 +477,7 @@ def train(cfg: Config, collect=collect_rollouts):
     if cfg.val_freq and cfg.val_before_train and ctx.val is not None and ctx.start_step == 0:
         val = validate(ctx)
         ctx.say("[val] step 0 " + " ".join(f"{k}={v:.3f}" for k, v in val.items()))
-        log.write({"step": 0, **val})
+        log.write({"step": 0, **val}, val_rows=ctx.val_rows)
     for step in range(ctx.start_step, cfg.max_steps):
         with memory.oom_explained(ctx, step):  # one line with the memory's shares, not a traceback per rank
             metrics, samples = train_step(ctx, step, collect)
@@ -489,7 +490,7 @@ def train(cfg: Config, collect=collect_rollouts):
             t = time.time()
             rundir.save(ctx, step + 1, metrics, say=log.say)  # keeps the best by val/mean
             metrics["timing/save"] = time.time() - t
-        log.write(metrics, samples, last)
+        log.write(metrics, samples, last, val_rows=ctx.val_rows if "val/mean" in metrics else None)
     log.close()
     dist.barrier()
     return ctx

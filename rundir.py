@@ -3,13 +3,15 @@ logs cut back to the resumed step, the best checkpoint, the metrics of a step, m
 experiment trackers, the console line, reward.png.
 
     output_dir/config.json          the config of the run (written when it starts fresh)
-    output_dir/metrics.jsonl        one row per step (and a step-0 validation row); samples.jsonl: a few generations
+    output_dir/metrics.jsonl        one row per step (and a step-0 validation row); samples.jsonl: a few generations;
+                                    val_samples.jsonl: every validation answer (the accuracy per class of prompt)
     output_dir/checkpoints/step_N   model + optimizer + trainer_state.json; best.json names the best by val/mean
     output_dir/reward.png           train and validation reward against steps (when matplotlib is installed)
 
 A folder holds one run. `--resume auto` continues it from its newest checkpoint, `--resume PATH` from a chosen one,
 `--resume never` refuses a folder that already holds a run; every way refuses a changed config, so two runs never mix.
 """
+import collections
 import json
 import os
 import shutil
@@ -100,7 +102,7 @@ def prepare(cfg, start_step, ckpt, say=print):
     """Rank 0, before the first step: logs cut back to the start step, checkpoints newer than it set aside (a run
     resumed from an older checkpoint must never later resume from the abandoned branch), config.json for a new run."""
     os.makedirs(cfg.output_dir, exist_ok=True)
-    for name in ("metrics.jsonl", "samples.jsonl"):
+    for name in ("metrics.jsonl", "samples.jsonl", "val_samples.jsonl"):
         if dropped := truncate_jsonl(os.path.join(cfg.output_dir, name), start_step):
             say(f"[resume] {name}: dropped {dropped} row(s) after step {start_step} (those steps run again)")
     root = os.path.join(cfg.output_dir, "checkpoints")
@@ -429,6 +431,25 @@ class MetricSums:
         return out
 
 
+def gather_val_rows(samples):
+    """Every rank's validation answers on rank 0 (others get None): answer, response, reward, accuracy."""
+    mine = [{"answer": s["prompt"]["answer"], "response": s["text"], "reward": s["reward"],
+             "accuracy": float(s["scores"].get("accuracy", s["reward"]))} for s in samples]
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    return [r for part in everyone for r in part] if everyone else None
+
+
+def accuracy_by_answer(rows):
+    """answer -> mean accuracy over its rows (val_samples.jsonl of one validation): the worst class is min()."""
+    out = collections.defaultdict(list)
+    for r in rows:
+        out[str(r["answer"])].append(r["accuracy"])
+    return {a: sum(v) / len(v) for a, v in sorted(out.items())}
+
+
 class RunLog:
     """Rank 0's record of a run: metrics.jsonl (one row per step), samples.jsonl (a few generations per step), the
     trackers, the progress bar with a console line per step, and reward.png. Other ranks keep none of it."""
@@ -438,6 +459,7 @@ class RunLog:
         if self.on:
             self.metrics_f = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a")
             self.samples_f = open(os.path.join(cfg.output_dir, "samples.jsonl"), "a")
+            self.val_f = open(os.path.join(cfg.output_dir, "val_samples.jsonl"), "a")
             self.track, self.close_trackers = open_trackers(cfg, start_step)
             self.bar = tqdm(total=cfg.max_steps, initial=start_step, dynamic_ncols=True,
                             desc=os.path.basename(sys.argv[0]).removesuffix(".py") or "train")
@@ -446,13 +468,17 @@ class RunLog:
         if self.on:
             self.bar.write(" ".join(map(str, a)))
 
-    def write(self, metrics, samples=None, last=False):
-        """One row (a step's metrics, or the step-0 validation when samples is None)."""
+    def write(self, metrics, samples=None, last=False, val_rows=None):
+        """One row (a step's metrics, or the step-0 validation when samples is None); val_rows: the validation's
+        answers (gather_val_rows), one line each in val_samples.jsonl."""
         if not self.on:
             return
         step, cfg = metrics["step"], self.cfg
         self.metrics_f.write(json.dumps(metrics) + "\n")
         self.metrics_f.flush()
+        for r in val_rows or ():
+            self.val_f.write(json.dumps({"step": step, **r}) + "\n")
+        self.val_f.flush()
         self.track(metrics, step)
         if samples is None:
             return
@@ -472,6 +498,7 @@ class RunLog:
             self.close_trackers()
             self.metrics_f.close()
             self.samples_f.close()
+            self.val_f.close()
 
 
 if __name__ == "__main__":  # python rundir.py a/metrics.jsonl b/metrics.jsonl --labels cpu gpu --out compare.png

@@ -13,7 +13,11 @@
 #   test_qwen3_gpu.py   ~6  Qwen3-VL and Qwen3: the engine, deepstack-only sync, the demos' agreement
 #   test_engine_growth_gpu.py  (never run yet; guess ~2)  50 steps of fresh pictures: no encoder cache left, no growth
 #   test_llama_gpu.py   (never run yet; guess ~2)  the tiny Llama with vLLM
-# All of them take ~21 min, more than one call's 10: give each call files that add up to less, as above.
+# All of them take ~21 min one after another, more than one call's 10. `shared` runs files side by side instead, each
+# engine with a fixed KV cache (GPU_TESTS_SHARED=1, tests/test_grpo_gpu.py engine_memory); two calls hold them all:
+#   bash benchmarks/gpu_tests.sh shared     # every file but the two below, at once
+#   bash benchmarks/gpu_tests.sh test_grpo_gpu.py test_memory_gpu.py   # alone: they read the device's free memory
+#                                                                      # around sleep and wake (the memory/* keys)
 # On two H200s (`nvidia-h200-x2`), `spmd` (~3 min): tests/test_vllm_gpu.py under torchrun, one engine per rank at
 # tensor parallel 1, then one engine over both at tensor parallel 2.
 # Results in $OUT: one log per file, and summary.txt with each one's last line.
@@ -23,7 +27,7 @@ source benchmarks/gpu_env.sh
 declare -A LIMITS=([test_varlen_gpu.py]=150 [test_vllm_gpu.py]=200 [test_grpo_gpu.py]=200 [test_video_gpu.py]=300
                    [test_memory_gpu.py]=420 [test_qwen3_gpu.py]=540 [test_engine_growth_gpu.py]=240
                    [test_llama_gpu.py]=200)
-python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in ('qwen2_5_vl', 'qwen3_vl', 'qwen3')]" \
+python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in tiny_model.ARCHS]" \
   > "$OUT/build_tiny_models.log" 2>&1  # once, before the tests' subprocesses would each wait for it
 if [ "${1:-}" = spmd ]; then
   for tp in 1 2; do
@@ -34,12 +38,32 @@ if [ "${1:-}" = spmd ]; then
   done
   exit
 fi
+if [ "${1:-}" = shared ]; then
+  shift
+  files=("$@")
+  [ ${#files[@]} -gt 0 ] || files=(test_varlen_gpu.py test_vllm_gpu.py test_video_gpu.py test_qwen3_gpu.py
+                                   test_engine_growth_gpu.py test_llama_gpu.py test_moe_gpu.py)
+  t0=$(date +%s)
+  for f in "${files[@]}"; do
+    f=$(basename "$f")
+    ( s=$(date +%s); GPU_TESTS_SHARED=1 CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-540}" python -m pytest -m gpu -q -rs \
+        "tests/$f" > "$OUT/${f%.py}.log" 2>&1
+      echo "$f: exit $? after $(( $(date +%s) - s )) s (side by side): $(tail -1 "$OUT/${f%.py}.log")" \
+        >> "$OUT/summary.txt" ) &
+    sleep 5  # engine start-ups a little apart
+  done
+  wait
+  echo "all side by side: $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
+  cat "$OUT/summary.txt"
+  exit
+fi
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(test_varlen_gpu.py test_vllm_gpu.py test_grpo_gpu.py test_video_gpu.py
                                  test_memory_gpu.py test_qwen3_gpu.py test_engine_growth_gpu.py test_llama_gpu.py)
 for f in "${files[@]}"; do
   f=$(basename "$f")
+  s=$(date +%s)
   CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-${LIMITS[$f]:-300}}" python -m pytest -m gpu -q -rs "tests/$f" \
     > "$OUT/${f%.py}.log" 2>&1
-  echo "$f: exit $?: $(tail -1 "$OUT/${f%.py}.log")" | tee -a "$OUT/summary.txt"
+  echo "$f: exit $? after $(( $(date +%s) - s )) s: $(tail -1 "$OUT/${f%.py}.log")" | tee -a "$OUT/summary.txt"
 done

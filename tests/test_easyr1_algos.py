@@ -19,6 +19,7 @@ import torch
 
 import easyr1_config as E
 import grpo
+import rundir
 import tiny_model
 from algos import adaptive_kl_coef, agg_loss, compute_advantages, lr_factor, policy_loss, select_groups
 from config import Config
@@ -413,7 +414,8 @@ def test_validation_with_n_answers_reports_mean_and_pass_at_n(monkeypatch):
     def fake_generate(ctx, drawn, n, temperature, top_p=None):
         calls.append((len(drawn), n, temperature, top_p))
         return [dict(scores={"overall": a + 0.1, "accuracy": float(a)}, response_ids=[1, 2], finished=True,
-                     prompt=dict(prompt_ids=[0] * 5)) for pos, row in drawn for a in acc[row]]
+                     prompt=dict(prompt_ids=[0] * 5, answer=f"p{row}"), text="x", reward=a + 0.1)
+                for pos, row in drawn for a in acc[row]]
     monkeypatch.setattr(grpo, "generate_and_score", fake_generate)
     rollout = SimpleNamespace(wake=lambda: None, sleep=lambda: None)
     cfg = Config(val_n=4, val_temperature=1.0, val_top_p=0.7)
@@ -422,6 +424,8 @@ def test_validation_with_n_answers_reports_mean_and_pass_at_n(monkeypatch):
     assert calls == [(3, 4, 1.0, 0.7)]
     assert out["val/accuracy"] == pytest.approx(4 / 12) and out["val/mean"] == pytest.approx(4 / 12 + 0.1)
     assert out["val/pass@4"] == pytest.approx(2 / 3)
+    # every answer kept for val_samples.jsonl: the accuracy per class of prompt (here: per prompt)
+    assert len(ctx.val_rows) == 12 and rundir.accuracy_by_answer(ctx.val_rows) == {"p0": 0.25, "p1": 0.0, "p2": 0.75}
     ctx.cfg = Config(val_n=1)
     acc.update({0: [1], 1: [0], 2: [1]})
     assert "val/pass@1" not in grpo.validate(ctx)  # one answer: the mean is all there is

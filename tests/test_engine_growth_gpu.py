@@ -13,6 +13,7 @@ import torch
 import data
 import rollout
 import tiny_model
+from test_grpo_gpu import engine_memory
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +31,7 @@ def test_fifty_steps_of_fresh_images_leave_no_encoder_cache_and_no_memory_growth
     rollout._set_vllm_env()
     pytest.importorskip("vllm")
     path = tiny_model.build_tiny_model()
-    eng = rollout.VLLMRollout(path, gpu_memory_utilization=0.2, max_model_len=1024, enforce_eager=True,
+    eng = rollout.VLLMRollout(path, **engine_memory(0.2), max_model_len=1024, enforce_eager=True,
                               limit_mm_per_prompt={"image": 1, "video": 0},
                               mm_processor_kwargs={"min_pixels": 56 * 56, "max_pixels": 112 * 112})
     proc = data.load_processor(path, 56 * 56, 112 * 112)
@@ -48,14 +49,16 @@ def test_fifty_steps_of_fresh_images_leave_no_encoder_cache_and_no_memory_growth
         eng.wake()
         eng.generate(recs, n=4, temperature=1.0, top_p=1.0, max_tokens=4, seeds=list(range(8 * i, 8 * i + 8)))
         torch.cuda.synchronize()
-        awake_free, during = torch.cuda.mem_get_info()[0], encoder_entries(eng)
+        # this process's own allocations (the runner's cached encoder outputs are torch tensors; the device's free
+        # memory would also move with other processes when the test files run side by side)
+        awake_bytes, during = torch.cuda.memory_allocated(), encoder_entries(eng)
         eng.sleep()
-        return awake_free, during, encoder_entries(eng)
+        return awake_bytes, during, encoder_entries(eng)
 
     first = step(0)
     for i in range(1, 50):
         last = step(i)
-    print(f"[growth] free GPU bytes awake, step 1 vs 50: {first[0]} / {last[0]}; encoder entries while generating "
+    print(f"[growth] GPU bytes allocated awake, step 1 vs 50: {first[0]} / {last[0]}; encoder entries while generating "
           f"{first[1]} / {last[1]}, asleep {first[2]} / {last[2]}")
     assert first[1] != (0, 0), "the encoder cache was never used: the test measures nothing"
     assert first[2] == last[2] == (0, 0)

@@ -1,18 +1,36 @@
 """The trainer with the colocated vLLM engine (GPU only): after every sync the engine and the trainer agree on the
 log-probs of the engine's samples, and a skipped sync is caught.  python3 -m pytest -q -m gpu tests"""
 import json
+import os
 import sys
 
 import pytest
 
 pytestmark = pytest.mark.gpu
+# GPU_TESTS_SHARED=1 (benchmarks/gpu_tests.sh shared): several test files at once on one GPU. vLLM's start-up memory
+# profile assumes no other process allocates meanwhile, so each engine then takes a fixed KV cache (8 GiB: a sleep
+# still frees far more than the other engines' wake-ups move the device's free memory) and a small share.
+SHARED = os.environ.get("GPU_TESTS_SHARED") == "1"
+SHARED_KV_GIB = 8
+
+
+def engine_memory(share):
+    """vLLM's memory options for a test engine that alone would take `share` of the GPU."""
+    return dict(gpu_memory_utilization=0.05, kv_cache_memory_bytes=SHARED_KV_GIB * 2**30) if SHARED else dict(
+        gpu_memory_utilization=share)
+
+
+def engine_flags(share):
+    """engine_memory as grpo.py's flags."""
+    return ["--gpu-memory-utilization", "0.05", "--kv-cache-memory-gb", str(SHARED_KV_GIB)] if SHARED else [
+        "--gpu-memory-utilization", str(share)]
 
 
 def run(launch, tmp_path, *extra):
     pytest.importorskip("vllm")
     out = tmp_path / "run"
-    launch.run([sys.executable, "grpo.py", "--rollout-engine", "vllm", "--enforce-eager", "--gpu-memory-utilization",
-                "0.2", "--max-steps", "4", "--val-freq", "0", "--output-dir", out, *extra], tmp_path / "run.log", 900)
+    launch.run([sys.executable, "grpo.py", "--rollout-engine", "vllm", "--enforce-eager", *engine_flags(0.2),
+                "--max-steps", "4", "--val-freq", "0", "--output-dir", out, *extra], tmp_path / "run.log", 900)
     return [json.loads(x) for x in open(out / "metrics.jsonl")]
 
 

@@ -8,14 +8,12 @@ down; vLLM 0.26's RoutedExperts.load_weights takes a 3-D tensor whole and splits
 changed in one expert only must reach exactly that expert of the engine, and the engine must then compute what the
 HF model with that weight computes.
 """
-import sys
-
 import pytest
 import torch
 
 import rollout
 import tiny_model
-from test_grpo_gpu import run
+from test_grpo_gpu import engine_memory, run
 from test_qwen3_gpu import PX, mean_logprob_diff, vl_prompts
 from test_vllm_gpu import greedy, sharpen
 
@@ -35,7 +33,7 @@ def engine_experts(eng, layer=0):
 def check():
     rollout._set_vllm_env()
     path = tiny_model.build_tiny_model(arch="qwen3_vl_moe")
-    eng = rollout.VLLMRollout(path, gpu_memory_utilization=0.25, max_model_len=1024, enforce_eager=True,
+    eng = rollout.VLLMRollout(path, **engine_memory(0.25), max_model_len=1024, enforce_eager=True,
                               dtype="bfloat16", limit_mm_per_prompt={"image": 2, "video": 0}, mm_processor_kwargs=PX)
     recs = vl_prompts(path)
     ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()

@@ -10,7 +10,7 @@ import torch
 
 import rollout
 import tiny_model
-from test_grpo_gpu import run
+from test_grpo_gpu import engine_memory, run
 from test_vllm_gpu import greedy, perturb, ref_logprobs, sharpen
 
 pytestmark = pytest.mark.gpu
@@ -57,7 +57,7 @@ def check(arch):
     rollout._set_vllm_env()
     path = tiny_model.build_tiny_model(arch=arch)
     kw = dict(limit_mm_per_prompt={"image": 2, "video": 0}, mm_processor_kwargs=PX) if arch == "qwen3_vl" else {}
-    eng = rollout.VLLMRollout(path, gpu_memory_utilization=0.25, max_model_len=1024, enforce_eager=True,
+    eng = rollout.VLLMRollout(path, **engine_memory(0.25), max_model_len=1024, enforce_eager=True,
                               dtype="bfloat16", **kw)
     recs = vl_prompts(path) if arch == "qwen3_vl" else text_prompts(path)
     from vllm import SamplingParams

@@ -11,7 +11,7 @@ import torch
 import fsdp_actor as actor
 import rollout
 import tiny_model
-from test_grpo_gpu import run
+from test_grpo_gpu import engine_memory, run
 from test_vllm_gpu import ref_logprobs, sharpen
 
 pytestmark = pytest.mark.gpu
@@ -106,7 +106,7 @@ def check(arch):
     rollout._set_vllm_env()
     path = tiny_model.build_tiny_model(arch=arch)
     proc, recs = video_prompts(path)
-    eng = rollout.VLLMRollout(path, gpu_memory_utilization=0.25, max_model_len=1024, enforce_eager=True,
+    eng = rollout.VLLMRollout(path, **engine_memory(0.25), max_model_len=1024, enforce_eager=True,
                               dtype="bfloat16", limit_mm_per_prompt={"image": 1, "video": 2}, mm_processor_kwargs=PX)
     from vllm import SamplingParams
     outs = eng.llm.generate([eng._vllm_prompt(r) for r in recs], SamplingParams(max_tokens=1), use_tqdm=False)

@@ -11,6 +11,7 @@ import torch
 
 import rollout
 import tiny_model
+from test_grpo_gpu import engine_memory
 
 pytestmark = pytest.mark.gpu
 T_SAMPLE = 0.7
@@ -49,7 +50,7 @@ def setup():
     pytest.importorskip("vllm")
     import tiny_model
     path = tiny_model.build_tiny_model()
-    eng = rollout.VLLMRollout(path, gpu_memory_utilization=0.3, max_model_len=1024, enforce_eager=True,
+    eng = rollout.VLLMRollout(path, **engine_memory(0.3), max_model_len=1024, enforce_eager=True,
                               enable_sleep_mode=True, dtype="bfloat16", limit_mm_per_prompt={"image": 1, "video": 0})
     # the reference: bf16-rounded weights (what vLLM holds) computed in fp32
     ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()
@@ -198,8 +199,8 @@ def preempt_main(mode):
     # 2 layers x 2 KV heads x 32 dims x (K, V) x 2 bytes = 512 bytes per token: 1,536 tokens of cache for 16
     # samples of ~700 tokens each
     extra = {} if mode != "sync" else {"async_scheduling": False}
-    eng = rollout.VLLMRollout(path, gpu_memory_utilization=0.3, max_model_len=1024, enforce_eager=True,
-                              dtype="bfloat16", kv_cache_memory_bytes=1536 * 512, **extra)
+    eng = rollout.VLLMRollout(path, **{**engine_memory(0.3), "kv_cache_memory_bytes": 1536 * 512}, max_model_len=1024,
+                              enforce_eager=True, dtype="bfloat16", **extra)
     ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()
     sd = {k: v.to(torch.bfloat16) for k, v in sharpen(ref.state_dict()).items()}
     eng.sync_weights(sd.items())
