@@ -299,7 +299,7 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
         dist.barrier()
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v2")
+    out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v3")  # v3: the MoE config names norm_topk_prob
 
     def build(tmp):
         tok = build_tokenizer(split_digits=arch in ("qwen3", "qwen3_vl", "qwen3_vl_moe"))

@@ -10,8 +10,10 @@ from safetensors.torch import load_file, save_file
 # by 4 experts of width 96 (2 x 96 != 128 = hidden, so no expert matrix is square and a transposed copy could not
 # load unnoticed), 2 routed per token. The load-balancing coefficient is the checkpoints' own (pretraining's);
 # grpo's --router-aux-loss-coef defaults to 0, i.e. the loss is off in RL.
+# norm_topk_prob: transformers' Qwen3-VL-MoE always renormalises the top-k router weights and its config has no such
+# field, but vLLM builds the layers with Qwen3-MoE's code, which reads it (the hub checkpoints' config.json carry it).
 TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[],
-            router_aux_loss_coef=0.001)
+            router_aux_loss_coef=0.001, norm_topk_prob=True)
 
 # Qwen/Qwen3-VL-30B-A3B-Instruct (config.json): a 48-layer LLM of width 2048 (32 query heads, 4 key/value heads,
 # head_dim 128), every layer sparse with 128 experts of width 768, 8 routed per token; the 8B's 27-block ViT
@@ -20,7 +22,8 @@ PRESETS = {
     "qwen3_vl_30b_a3b": dict(arch="qwen3_vl_moe", hidden=2048, intermediate=6144, layers=48, heads=32, kv_heads=4,
                              vocab_size=151936, tie=False,
                              moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)),
+                                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                                      norm_topk_prob=True)),
 }
 
 

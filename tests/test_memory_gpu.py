@@ -33,4 +33,6 @@ def test_offload_runs_and_agrees(tmp_path, flags, launch):
     rows = run(launch, tmp_path, "--max-steps", "3", *flags)
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     assert max(diffs) < 0.01, diffs
-    assert all(r["actor/grad_norm"] > 0 for r in rows)
+    # the offloaded state takes real steps (a step whose groups all scored alike has no gradient: 0 is right then)
+    norms = [r["actor/grad_norm"] for r in rows]
+    assert all(n >= 0 for n in norms) and sum(n > 0 for n in norms) >= 2, norms
