@@ -44,6 +44,7 @@ ROWS = {
     "qwen3vl_video": ("grpo.py", ["--demo-task", "video", "--demo-model", "qwen3_vl"], 0.95, "Qwen3-VL video"),
     "dapo": ("dapo.py", [], 0.95, "dapo.py, Qwen2.5-VL colour"),
     "rloo": ("grpo.py", ["--adv-estimator", "rloo"], 0.95, "RLOO, Qwen2.5-VL colour"),
+    "qwen3vl_moe": ("grpo.py", ["--demo-model", "qwen3_vl_moe"], 0.95, "Qwen3-VL-MoE colour (4 experts, top 2)"),
 }
 MAX_DIFF_MEAN = 5e-3
 MIN_GREEDY_EQUAL = 0.99  # parity: the share of validation prompts on which vLLM's greedy answer is the HF engine's
@@ -78,8 +79,20 @@ def summarize(name, metrics_path, target):
              sec_per_step=statistics.median(r["timing/step"] for r in steps[1:]) if len(steps) > 1 else None,
              peak_gb=max((r.get("memory/gpu_peak_allocated_gb", 0) for r in steps), default=None),
              skipped=max((r.get("actor/skipped_steps_total", 0) for r in steps), default=0))
+    s["worst_class"] = worst_class(os.path.join(os.path.dirname(metrics_path), "val_samples.jsonl"))
     s["failures"] = failures(s)
     return s
+
+
+def worst_class(val_samples_path):
+    """(answer, accuracy) of the class of prompts answered worst at the last validation (val_samples.jsonl), or None:
+    a final 0.84 of four colours is one colour half lost, not noise spread evenly."""
+    if not os.path.isfile(val_samples_path):
+        return None
+    rows = [json.loads(line) for line in open(val_samples_path)]
+    last = [r for r in rows if r["step"] == rows[-1]["step"]] if rows else []
+    by = rundir.accuracy_by_answer(last)
+    return min(by.items(), key=lambda kv: kv[1]) if by else None
 
 
 def failures(s):
@@ -216,7 +229,7 @@ def table(docs):
         what = ROWS.get(name, ("", [], 0, name))[3]
         lines.append(
             f"| {name} | {what} | {_fmt(s['steps_to_target'], 'd')} ({s['target']}) of {s['steps']} | "
-            f"{_fmt(s['final_val'], '.3f')} | {_fmt(s['diff_mean'], '.1e')} / {_fmt(s['diff_max'], '.2f')} | "
+            f"{_fmt(s['final_val'], '.3f')}{_worst_note(s)} | {_fmt(s['diff_mean'], '.1e')} / {_fmt(s['diff_max'], '.2f')} | "
             f"{_fmt(s['sec_per_step'], '.2f')} | {_fmt(s['peak_gb'], '.1f')} | "
             f"{'pass' if not s['failures'] else 'FAIL: ' + '; '.join(s['failures'])}{_parity_note(s)} | "
             f"{s['doc']['date']} |")
@@ -225,8 +238,14 @@ def table(docs):
     for s in earlier:
         err = [ln for ln in s.get("log_tail", "").splitlines() if "Error" in ln]
         lines.append(f"\nEarlier attempt at {s['row']} ({s['doc']['date']}): {'; '.join(s['failures']) or 'passed'} "
-                     f"at step {s['steps']}" + (f" ({err[-1].strip()[-120:]})" if err else "") + ".")
+                     f"at step {s['steps']}" + (f", final val {s['final_val']:.3f}" if s["final_val"] is not None else "")
+                     + (f" ({err[-1].strip()[-120:]})" if err else "") + ".")
     return "\n".join(lines)
+
+
+def _worst_note(s):
+    w = s.get("worst_class")
+    return f" (worst class {w[0]}: {w[1]:.2f})" if w and w[1] < 1 else ""
 
 
 def _parity_note(s):

@@ -3,18 +3,20 @@
 # a time so that each vLLM engine has the GPU to itself (they profile its memory); default: every tests/*_gpu.py. On
 # the one-H200 device, after vLLM is installed (the top of benchmarks/gpu_env.sh, from ../shared/gpu/README.md):
 #   bash benchmarks/gpu_tests.sh test_varlen_gpu.py test_vllm_gpu.py test_grpo_gpu.py
-# Minutes per file there, each under its own limit:
-#   test_varlen_gpu.py  ~2  the variable-length attention kernels at the 3B's shapes
-#   test_vllm_gpu.py    ~2  the engine: prompts, log-probs, seeds, greedy, weight sync, sleep, preempted requests
-#   test_grpo_gpu.py    ~2  grpo.py with vLLM: engine and trainer agree after every sync (and with LoRA); a skipped
-#                           sync is caught
-#   test_video_gpu.py   ~4  vLLM's video prompts and M-RoPE positions against the trainer's
-#   test_memory_gpu.py  ~5  the memory keys; pure bf16 and both offloads with the engine
-#   test_qwen3_gpu.py   ~6  Qwen3-VL and Qwen3: the engine, deepstack-only sync, the demos' agreement
-#   test_engine_growth_gpu.py  (never run yet; guess ~2)  50 steps of fresh pictures: no encoder cache left, no growth
-#   test_llama_gpu.py   (never run yet; guess ~2)  the tiny Llama with vLLM
-# All of them take ~21 min one after another, more than one call's 10. `shared` runs files side by side instead, each
-# engine with a fixed KV cache (GPU_TESTS_SHARED=1, tests/test_grpo_gpu.py engine_memory); two calls hold them all:
+# Seconds per file there (2026-12-01, benchmarks/h200/gpu_tests_2026-12-01_session2.log), alone / side by side:
+#   test_varlen_gpu.py        - / 32   the variable-length attention kernels at the 3B's shapes
+#   test_vllm_gpu.py           - / 122  the engine: prompts, log-probs, seeds, greedy, weight sync, sleep, preemption
+#   test_grpo_gpu.py         152 / -    grpo.py with vLLM: engine and trainer agree after every sync (and with LoRA); a
+#                                       skipped sync is caught
+#   test_video_gpu.py          - / 146  vLLM's video prompts and M-RoPE positions against the trainer's
+#   test_memory_gpu.py       172 / -    the memory keys; pure bf16 and both offloads with the engine
+#   test_qwen3_gpu.py          - / 201  Qwen3-VL and Qwen3: the engine, deepstack-only sync, the demos' agreement
+#   test_engine_growth_gpu.py  - / 77   50 steps of fresh pictures: no encoder cache left, no growth
+#   test_llama_gpu.py          - / 110  the tiny Llama with vLLM (tied embeddings)
+#   test_moe_gpu.py            - / 118  the tiny Qwen3-VL-MoE with vLLM: one expert's sync, the demo's agreement
+# Up to ~19 min one after another (the sum above), more than one call's 10. `shared` runs files side by side instead,
+# each engine with a fixed KV cache (GPU_TESTS_SHARED=1, tests/test_grpo_gpu.py engine_memory): the seven files took
+# 216 s together. Two calls hold them all:
 #   bash benchmarks/gpu_tests.sh shared     # every file but the two below, at once
 #   bash benchmarks/gpu_tests.sh test_grpo_gpu.py test_memory_gpu.py   # alone: they read the device's free memory
 #                                                                      # around sleep and wake (the memory/* keys)
@@ -26,7 +28,7 @@ cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
 declare -A LIMITS=([test_varlen_gpu.py]=150 [test_vllm_gpu.py]=200 [test_grpo_gpu.py]=200 [test_video_gpu.py]=300
                    [test_memory_gpu.py]=420 [test_qwen3_gpu.py]=540 [test_engine_growth_gpu.py]=240
-                   [test_llama_gpu.py]=200)
+                   [test_llama_gpu.py]=200 [test_moe_gpu.py]=240)
 python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in tiny_model.ARCHS]" \
   > "$OUT/build_tiny_models.log" 2>&1  # once, before the tests' subprocesses would each wait for it
 if [ "${1:-}" = spmd ]; then
@@ -48,7 +50,7 @@ if [ "${1:-}" = shared ]; then
     f=$(basename "$f")
     ( s=$(date +%s); GPU_TESTS_SHARED=1 CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-540}" python -m pytest -m gpu -q -rs \
         "tests/$f" > "$OUT/${f%.py}.log" 2>&1
-      echo "$f: exit $? after $(( $(date +%s) - s )) s (side by side): $(tail -1 "$OUT/${f%.py}.log")" \
+      echo "$f: exit $? after $(( $(date +%s) - s )) s (side by side): $(grep -E '[0-9]+ (passed|failed|error)' "$OUT/${f%.py}.log" | tail -1)" \
         >> "$OUT/summary.txt" ) &
     sleep 5  # engine start-ups a little apart
   done
@@ -59,11 +61,12 @@ if [ "${1:-}" = shared ]; then
 fi
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(test_varlen_gpu.py test_vllm_gpu.py test_grpo_gpu.py test_video_gpu.py
-                                 test_memory_gpu.py test_qwen3_gpu.py test_engine_growth_gpu.py test_llama_gpu.py)
+                                 test_memory_gpu.py test_qwen3_gpu.py test_engine_growth_gpu.py test_llama_gpu.py
+                                 test_moe_gpu.py)
 for f in "${files[@]}"; do
   f=$(basename "$f")
   s=$(date +%s)
   CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-${LIMITS[$f]:-300}}" python -m pytest -m gpu -q -rs "tests/$f" \
     > "$OUT/${f%.py}.log" 2>&1
-  echo "$f: exit $? after $(( $(date +%s) - s )) s: $(tail -1 "$OUT/${f%.py}.log")" | tee -a "$OUT/summary.txt"
+  echo "$f: exit $? after $(( $(date +%s) - s )) s: $(grep -E '[0-9]+ (passed|failed|error)' "$OUT/${f%.py}.log" | tail -1)" | tee -a "$OUT/summary.txt"
 done

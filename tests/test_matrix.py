@@ -41,6 +41,22 @@ def test_each_bar_fails_a_row(tmp_path):
     assert "never reached" in matrix.summarize("r", str(tmp_path / "missing.jsonl"), 0.95)["failures"][0]
 
 
+def test_the_worst_class_of_the_last_validation(tmp_path):
+    """val_samples.jsonl beside the metrics: the class answered worst at the last validation is named in the table
+    (a final 0.84 of four colours is one colour half lost)."""
+    p = str(tmp_path / "m.jsonl")
+    write_metrics(p, [0.5, 0.9])
+    with open(tmp_path / "val_samples.jsonl", "w") as f:
+        for step, wrong in ((10, "red"), (20, "white")):
+            for answer in ("red", "white", "blue"):
+                for k in range(4):
+                    acc = 0.0 if answer == wrong and k < 3 else 1.0
+                    f.write(json.dumps({"step": step, "answer": answer, "accuracy": acc}) + "\n")
+    s = matrix.summarize("r", p, 0.95)
+    assert s["worst_class"] == ("white", 0.25)
+    assert "(worst class white: 0.25)" in matrix.table([dict(date="d", versions={}, rows=[s])])
+
+
 def test_run_fails_when_a_row_fails(tmp_path, monkeypatch):
     """Two stand-in rows (a script that writes a metrics file like a demo's): the run passes only if both do."""
     script = tmp_path / "fake_demo.py"
