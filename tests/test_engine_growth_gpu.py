@@ -1,7 +1,7 @@
 """The engine does not grow across steps (GPU, vLLM; skipped elsewhere): EasyR1 found that vLLM's multimodal encoder
 cache survives a level-1 sleep and gains about one entry per image per step until the update runs out of memory.
-Here every sleep drains it (VLLMRollout._reset_caches; not yet run on a GPU): after 1 and after 50 steps of fresh
-pictures the engine holds no cached encoder output once asleep, and its GPU memory while awake is the same.
+Here every sleep drains it (VLLMRollout._reset_caches; passed on one H200, 2026-12-01): after 1 and after 50 steps of
+fresh pictures the engine holds no cached encoder output once asleep, and its GPU memory while awake is the same.
 
     python3 -m pytest -q -m gpu tests/test_engine_growth_gpu.py -s
 """

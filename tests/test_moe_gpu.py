@@ -1,4 +1,4 @@
-"""vLLM with the tiny Qwen3-VL-MoE (GPU only; skipped elsewhere; NOT RUN YET: written without GPU time).
+"""vLLM with the tiny Qwen3-VL-MoE (GPU only; skipped elsewhere; passed on one H200, 2026-12-01).
 
     pytest -m gpu tests/test_moe_gpu.py -s        # the engine check runs in its own process (one vLLM per process)
     PYTHONPATH=. python tests/test_moe_gpu.py     # the same check by hand
