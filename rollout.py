@@ -88,9 +88,8 @@ def _forced(ids, logprobs, max_tokens):
 
 
 def _sampled_logprobs(c, ids):
-    """The sampled tokens' log-probs of one vLLM completion (requested with logprobs=0, so each position holds the
-    sampled token alone): from FlatLogprobs' flat list (the sampled token opens each position), or from the
-    {token: Logprob} dict of each position."""
+    """The sampled tokens' log-probs of one vLLM completion (logprobs=0: each position holds the sampled token's
+    alone), from FlatLogprobs' flat list or from the {token: Logprob} dict of each position."""
     lp = c.logprobs
     if hasattr(lp, "start_indices"):
         return [lp.logprobs[i] for i in lp.start_indices]
@@ -375,9 +374,8 @@ class VLLMRollout:
         return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
 
     def _items(self, prompts, seeds, lengths=None):
-        """(items, mine): (vLLM prompt, seed, lengths) of every prompt this engine generates for, and the slice of
-        them that are this rank's. Every TP rank must feed its engine the same requests in the same order, so a TP
-        group gathers its ranks' prompts."""
+        """(items, mine): (vLLM prompt, seed, lengths) of every prompt this engine generates for (a TP group's, in the
+        same order on every rank of it), and the slice of them that is this rank's."""
         mine = [(self._vllm_prompt(p), s, L) for p, s, L in zip(prompts, seeds, lengths or [None] * len(prompts))]
         everyone, offset = [mine], 0
         if self.tp_group is not None:
@@ -389,9 +387,7 @@ class VLLMRollout:
     def _requests(self, items, n, temperature, top_p, max_tokens, *, seeded=None, logprobs=True, ban=True,
                   flat=None):
         """(vLLM prompts, SamplingParams, requests per item) that generate sends. The switches are what it adds to a
-        bare request, on in generate; bench.py engine-ablation (engine_bench.py) times each alone from this code.
-        seeded: None = per_prompt_seeds (off: vLLM draws a seed per request, the samples then differ between runs
-        and layouts)."""
+        bare request, all on in generate (seeded: None = per_prompt_seeds); bench.py engine-ablation times each."""
         seeded = self.per_prompt_seeds if seeded is None else seeded
         rows = 1 if temperature == 0 else n  # vLLM rejects n > 1 with greedy sampling; greedy copies are identical
         kw = dict(logprobs=logprobs, ban=ban, flat=flat)
