@@ -8,6 +8,8 @@
     python bench.py --workload realistic --padding-free off         # real response lengths, padded training
     python bench.py --prepare-only                                   # just build the random model and the data
     python bench.py --preset qwen2_5_vl_7b --lora-rank 64 --gpu-memory-cap-gb 40   # as if on a 40 GB card
+    python bench.py engine-ablation --preset qwen2_5_vl_3b            # a step's generation: the engine alone, then
+                                                                     # each of our additions (engine_bench.py)
 
 Random weights with the real dimensions (presets.build_random_model: no download) and geo3k-like prompts: one
 512x512 figure and about 100 text tokens. Two workloads, each the same work on every run:
@@ -34,6 +36,7 @@ import tyro
 from PIL import Image, ImageDraw
 
 import data
+import engine_bench
 import grpo
 import memory
 import presets
@@ -404,9 +407,12 @@ def main():
     if argv[:1] == ["table"]:
         print(table(argv[1:]))
         return
+    ablation = argv[:1] == ["engine-ablation"]
+    argv = argv[1:] if ablation else argv
     flags = {f: f in argv for f in ("--trainer-only", "--profile", "--prepare-only")}
     argv = [a for a in argv if a not in flags]
-    opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced", "--gpu-memory-cap-gb": ""}  # bench.py's own
+    opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced", "--gpu-memory-cap-gb": "",  # bench.py's own
+            "--rows": "", "--repeats": "1", "--warmup-tokens": "32", "--bare-memory-share": "0.6"}  # engine-ablation's
     for flag in opts:
         if flag in argv:
             i = argv.index(flag)
@@ -431,6 +437,11 @@ def main():
     cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
     if opts["--gpu-memory-cap-gb"]:
         cfg = cap_gpu_memory(cfg, float(opts["--gpu-memory-cap-gb"]))
+    if ablation:
+        engine_bench.run(cfg, [r for r in opts["--rows"].split(",") if r], int(opts["--repeats"]),
+                         int(opts["--warmup-tokens"]), float(opts["--bare-memory-share"]), sys.argv[1:])
+        dist.destroy_process_group()
+        return
     summary = run(replace(cfg, resume="never"), flags["--trainer-only"], flags["--profile"], workload)
     if rank == 0:
 

@@ -54,6 +54,10 @@ class Config:
     max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step
     enforce_eager: bool = False  # vLLM without CUDA graphs (slower, starts faster)
     sleep_level: int = 1  # 1: engine weights wait in CPU memory while training; 2: dropped, re-sent before generating
+    # each prompt's samples seeded from its place in the data: a run is the same on any layout and on resume; off:
+    # vLLM seeds each request itself (seeds cost a loop per request and decode step on vLLM's V1 runner, which MoE
+    # models get, nothing on its V2 runner; README Speed)
+    per_prompt_seeds: bool = True
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
     limit_videos: int = 0  # videos per prompt the engine accepts; 0 = the most any training or validation row has
     # --- batch arithmetic (EasyR1's names: batch sizes count prompts, micro-batches count samples) ---

@@ -87,6 +87,15 @@ def _forced(ids, logprobs, max_tokens):
     return {"response_ids": list(ids), "finished": len(ids) < max_tokens, "logprobs": logprobs}
 
 
+def _sampled_logprobs(c, ids):
+    """The sampled tokens' log-probs of one vLLM completion (logprobs=0: each position holds the sampled token's
+    alone), from FlatLogprobs' flat list or from the {token: Logprob} dict of each position."""
+    lp = c.logprobs
+    if hasattr(lp, "start_indices"):
+        return [lp.logprobs[i] for i in lp.start_indices]
+    return [lp[i][t].logprob for i, t in enumerate(ids)]
+
+
 # ------------------------------------------------------------------------------------------------ HF engine
 class _SampledLogprobs:
     """Last logits processor: sees exactly the scores HF samples from (after suppression, temperature, top-p).
@@ -301,17 +310,32 @@ class VLLMRollout:
                 [list(range(r, r + self.tp)) for r in range(0, world, self.tp)], backend="gloo")
 
     # ---- generation
-    def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False):
-        """seed: the request's own; vLLM gives its j-th of `rows` samples the seed `seed + j` (parallel_sampling.py),
-        so requests must be given seeds at least `rows` apart (request_seed)."""
+    per_prompt_seeds = True  # (class attributes: make_rollout sets them) --per-prompt-seeds, see _requests
+    flat_logprobs = True  # vLLM's FlatLogprobs container where it has one (see _sampling_params)
+
+    def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True,
+                         flat=None):
+        """seed: the request's own (None: vLLM draws one); vLLM gives its j-th of `rows` samples the seed `seed + j`
+        (parallel_sampling.py), so requests must be given seeds at least `rows` apart (request_seed). logprobs: the
+        sampled token's (logprobs=0; the engine's mode is processed_logprobs), flat: in vLLM's FlatLogprobs (a few
+        lists per sample) instead of a dict and a Logprob object per token, which the output processor builds one
+        by one (half a million of each per 3B bench step) and Python's garbage collector then walks. ban: the
+        image/video pad tokens forbidden through logit_bias."""
         from vllm import SamplingParams  # optional: the GPU engine
         greedy = temperature == 0
         # logit_bias is clamped to [-100, 100] by vLLM: -100 is probability ~e-44, i.e. forbidden
-        bias = {i: -100.0 for i in self.forbidden_ids} or None
+        bias = {i: -100.0 for i in self.forbidden_ids} if ban and self.forbidden_ids else None
         # forced (benchmarks): exactly max_tokens tokens, EOS sampled like any token but never a stop
         stop = dict(ignore_eos=True) if forced else dict(stop_token_ids=list(self.eos_ids))
+        lp = {}
+        if logprobs:
+            lp["logprobs"] = 0
+            # vLLM < 0.11 has no flat_logprobs field (SamplingParams is a msgspec Struct: unknown keywords raise)
+            if (self.flat_logprobs if flat is None else flat) and "flat_logprobs" in getattr(
+                    SamplingParams, "__struct_fields__", ()):
+                lp["flat_logprobs"] = True
         return SamplingParams(n=rows, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                              max_tokens=max_tokens, seed=seed, logprobs=0, logit_bias=bias, detokenize=False, **stop)
+                              max_tokens=max_tokens, seed=seed, logit_bias=bias, detokenize=False, **lp, **stop)
 
     def _vllm_prompt(self, p):
         """One <|image_pad|> per image and <|video_pad|> per video: vLLM's own multimodal processor expands them.
@@ -344,35 +368,54 @@ class VLLMRollout:
         if self.weights_lost:
             raise RuntimeError("sleep(level=2) discarded the weights: call sync_weights() before generate()")
         self.wake()
+        items, mine = self._items(prompts, seeds, lengths)
+        reqs, params, per_item = self._requests(items, n, temperature, top_p, max_tokens)
+        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
+
+    def _items(self, prompts, seeds, lengths=None):
+        """(items, mine): (vLLM prompt, seed, lengths) of every prompt this engine generates for (a TP group's, in the
+        same order on every rank of it), and the slice of them that is this rank's."""
         mine = [(self._vllm_prompt(p), s, L) for p, s, L in zip(prompts, seeds, lengths or [None] * len(prompts))]
         everyone, offset = [mine], 0
-        if self.tp_group is not None:  # every TP rank must feed its engine the same requests in the same order
+        if self.tp_group is not None:
             everyone = [None] * self.tp
             dist.all_gather_object(everyone, mine, group=self.tp_group)
             offset = sum(len(x) for x in everyone[:dist.get_rank(self.tp_group)])
-        items = [it for part in everyone for it in part]
-        greedy = temperature == 0
-        rows = 1 if greedy else n  # vLLM rejects n > 1 with greedy sampling; greedy copies are identical anyway
+        return [it for part in everyone for it in part], slice(offset, offset + len(mine))
+
+    def _requests(self, items, n, temperature, top_p, max_tokens, *, seeded=None, logprobs=True, ban=True,
+                  flat=None):
+        """(vLLM prompts, SamplingParams, requests per item) that generate sends. The switches are what it adds to a
+        bare request, all on in generate (seeded: None = per_prompt_seeds); bench.py engine-ablation times each."""
+        seeded = self.per_prompt_seeds if seeded is None else seeded
+        rows = 1 if temperature == 0 else n  # vLLM rejects n > 1 with greedy sampling; greedy copies are identical
+        kw = dict(logprobs=logprobs, ban=ban, flat=flat)
         reqs, params, per_item = [], [], []
         for pr, s, L in items:
             if L is None:  # the training path: one request, n samples
                 reqs.append(pr)
-                params.append(self._sampling_params(rows, temperature, top_p, max_tokens, request_seed(s)))
+                params.append(self._sampling_params(rows, temperature, top_p, max_tokens,
+                                                    request_seed(s) if seeded else None, **kw))
             else:  # one request per sample, seeded as vLLM would seed the j-th sample of one request
                 reqs += [pr] * len(L)
-                params += [self._sampling_params(1, temperature, top_p, l, request_seed(s) + j, forced=True)
-                           for j, l in enumerate(L)]
+                params += [self._sampling_params(1, temperature, top_p, l, request_seed(s) + j if seeded else None,
+                                                 forced=True, **kw) for j, l in enumerate(L)]
             per_item.append(1 if L is None else len(L))
-        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        return reqs, params, per_item
+
+    def _results(self, outs, items, per_item, mine, n, temperature, top_p, max_tokens):
+        """generate's answer for this rank's items (`mine`) from vLLM's outputs of all items."""
         # raw logprobs (vLLM < 0.10.1) are only the sampling distribution's when nothing processes the logits
         want_lp = self.processed_logprobs or (temperature == 1.0 and top_p >= 1.0)
-        results, at = [], sum(per_item[:offset])
-        for (_, _, L), k in zip(items[offset:offset + len(mine)], per_item[offset:offset + len(mine)]):
+        greedy = temperature == 0
+        results, at = [], sum(per_item[:mine.start])
+        for (_, _, L), k in zip(items[mine], per_item[mine]):
             group = []
             for o in outs[at:at + k]:
                 for c in o.outputs:
                     ids = list(c.token_ids)
-                    lp = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if want_lp and c.logprobs else None
+                    lp = _sampled_logprobs(c, ids) if want_lp and c.logprobs else None
                     group.append(_to_result(ids, lp, self.eos_ids) if L is None else _forced(ids, lp, max_tokens))
             at += k
             results.append([dict(group[0]) for _ in range(n)] if greedy and L is None else group)
@@ -478,9 +521,11 @@ def _vllm_usable():
 def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tensor_parallel_size=1,
                  gpu_memory_utilization=0.6, max_model_len=None, max_num_batched_tokens=None, limit_images=1,
                  limit_videos=0, seed=0, enforce_eager=False, sleep_level=1, min_pixels=None, max_pixels=None,
-                 video_min_pixels=None, video_max_pixels=None, kv_cache_memory_gb=0, **overrides):
+                 video_min_pixels=None, video_max_pixels=None, kv_cache_memory_gb=0, per_prompt_seeds=True,
+                 **overrides):
     """engine: "auto" (vLLM when it imports and CUDA is there) | "vllm" | "hf". The rest are vLLM's settings
-    (engine_options(cfg) gives grpo.Config's); overrides go to VLLMRollout as they are."""
+    (engine_options(cfg) gives grpo.Config's); overrides go to VLLMRollout as they are. per_prompt_seeds: vLLM only
+    (the HF engine's one generator per prompt costs nothing)."""
     if engine == "auto":
         engine = "vllm" if _vllm_usable() else "hf"
     if engine == "hf":
@@ -505,7 +550,9 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
         # that the processor keeps, as long as those lie within these: checked above.)
         kw["mm_processor_kwargs"] = {"min_pixels": lo, "max_pixels": hi}
     kw.update(overrides)
-    return VLLMRollout(model_path, **kw)
+    eng = VLLMRollout(model_path, **kw)
+    eng.per_prompt_seeds = per_prompt_seeds
+    return eng
 
 
 def engine_options(cfg, limit_videos=0):
@@ -517,7 +564,7 @@ def engine_options(cfg, limit_videos=0):
                 limit_videos=cfg.limit_videos or limit_videos, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
                 sleep_level=cfg.sleep_level, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
                 video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels,
-                kv_cache_memory_gb=cfg.kv_cache_memory_gb)
+                kv_cache_memory_gb=cfg.kv_cache_memory_gb, per_prompt_seeds=cfg.per_prompt_seeds)
 
 
 # ------------------------------------------------------------------------------------------------ rollout correction

@@ -8,6 +8,13 @@
 #   realistic  (~7 min) the same prompts with seeded log-normal response lengths, padding-free training on, then off
 #   profile    (~4 min, no engine) the trainer alone on the 3B, 16 prompts x 8, 3 steps; the last step's kernel table
 #   8b         (~7 min) the Qwen3-VL-8B shape in pure bf16, 16 prompts x 8 x 1024, 2 steps (README: 37.5 s per step)
+#   ablation   (~8 min, estimated: not yet run) bench.py engine-ablation on the 3B shape: the bar's generation (64
+#              prompts x 8 x 1024 tokens, the same prompts and engine settings) with the engine alone, then with each
+#              of our additions (log-probs, seeds, banned tokens, sleep/wake, all of them, decoding and reward), and
+#              bare in a second engine at the bare engine's memory share (0.6): one table (README Speed). Estimate:
+#              model build ~1.5 min, engine start ~1 min, warm-up ~20 s, 7 timed generations x ~20-25 s, the second
+#              engine ~1.5 min. REPEATS=2 times each row twice (~3 min more: on a machine where the model is built
+#              already, with LIMIT=570; or with half the prompts, ARGS="--rollout-batch-size 32")
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
@@ -31,8 +38,21 @@ realistic() {  # realistic GPU
   done
 }
 
+ablation() {  # ablation GPU
+  prepare qwen2_5_vl_3b
+  local name=engine3b_ablation
+  CUDA_VISIBLE_DEVICES=$1 timeout "${LIMIT:-500}" python bench.py engine-ablation --preset qwen2_5_vl_3b \
+    --repeats "${REPEATS:-1}" --output-dir "/tmp/$name" ${ARGS:-} > "$OUT/$name.log" 2>&1
+  echo "$name: exit $?"
+  cp "/tmp/$name/engine_ablation.json" "$OUT/$name.json" 2> /dev/null
+  cp "/tmp/$name/memory_share/child.log" "$OUT/${name}_memory_share.log" 2> /dev/null
+  python -c "import json, sys, engine_bench; print(engine_bench.table(json.load(open(sys.argv[1]))))" \
+    "$OUT/$name.json" 2> /dev/null || tail -20 "$OUT/$name.log"
+}
+
 case "$MODE" in
   bar) bar 0 ;;
+  ablation) ablation 0; exit ;;  # (no metrics.jsonl: no report.md)
   realistic) realistic 0 ;;
   profile)  # the trainer alone (random responses instead of generation): where the 3B step's time goes
     prepare qwen2_5_vl_3b
@@ -50,6 +70,6 @@ case "$MODE" in
     prepare qwen2_5_vl_3b
     bar 0 & realistic 1
     wait ;;
-  *) echo "usage: bash benchmarks/gpu_speed.sh [bar | realistic | profile | 8b | 8b_x2 | two]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_speed.sh [bar | realistic | profile | 8b | ablation | 8b_x2 | two]"; exit 2 ;;
 esac
 python bench.py report "$OUT"/*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"

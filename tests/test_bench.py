@@ -188,3 +188,119 @@ def test_qwen3_vl_30b_a3b_preset_and_its_easyr1_script():
     assert bench.smallest_card(m, dims, 8) == 80
     dense_like = bench.memory_model({**dims, "moe": False}, lora_rank=64)  # MLP adapters would add to the state
     assert bench.memory_model(dims, lora_rank=64)["parts"]["optim"] < dense_like["parts"]["optim"]
+
+
+# ------------------------------------------------------------------------------------------- engine-ablation
+ADDS = {"bare": set(), "logprobs": {"logprobs", "flat_logprobs"}, "logprobs_dicts": {"logprobs"}, "seeds": {"seed"},
+        "banned": {"logit_bias"}, "sleep_wake": set()}  # what each engine-level row's requests add to bare's
+
+
+def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path, monkeypatch):
+    """bench.py engine-ablation against a stand-in vLLM (tests/test_rollout.py) that records every request: the rows
+    are the step's requests (grpo's prompts and seeds) with VLLMRollout's switches; each engine-level row's
+    SamplingParams differ from bare's in exactly its own fields, bare plus all the additions is what
+    VLLMRollout.generate sends (all_ours), every timed row starts cold, the sleep rows wake before generating and
+    sleep after, and the table and JSON hold every row."""
+    import json
+    from dataclasses import replace
+
+    import engine_bench
+    from test_rollout import standin_vllm
+    seen, built = standin_vllm(monkeypatch)
+    path = tiny_model.build_tiny_model()
+    proc = data.load_processor(path)
+    parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 4, proc.tokenizer, size=112, text_tokens=20)
+    cfg = replace(bench.defaults(str(tmp_path), path, parquet), rollout_batch_size=3, n=4, max_response_length=6,
+                  min_pixels=56 * 56, max_pixels=112 * 112, rollout_engine="vllm", output_dir=str(tmp_path / "run"))
+    result = engine_bench.run(cfg, warmup_tokens=2, bare_memory_share=0)
+    assert seen["gpu_memory_utilization"] == cfg.gpu_memory_utilization  # the engine has bench's settings
+    rows = list(engine_bench.ROWS)[:-1]  # all but memory_share (no second engine asked for)
+    assert list(result["rows"]) == rows and result["model_runner"] == "V2"
+    (eng,) = built
+    calls, ev = eng.llm.calls, eng.llm.events
+    names = list(ADDS) + ["all_ours"]
+    assert len(calls) == 2 * len(names)  # the warm-up (all_ours first), then one timed round in ROWS' order
+    assert all(p.max_tokens == 2 for c in calls[:len(names)] for p in c["params"])
+    by_row = dict(zip(names, calls[len(names):]))
+    assert all(p.max_tokens == 6 and p.n == 4 and p.temperature == 1.0 for c in by_row.values() for p in c["params"])
+    ours, bare = by_row["all_ours"]["params"], by_row["bare"]["params"]
+    assert [engine_bench.params_summary(p) for p in ours] == result["ours_sent"]
+    assert all(p.seed is None and p.logprobs is None and p.logit_bias is None and p.detokenize is False
+               and p.stop_token_ids == eng.eos_ids for p in bare)
+
+    def diff(a, b):
+        return {f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)}  # every field vLLM gets
+    for name, c in by_row.items():
+        assert c["reqs"] == by_row["all_ours"]["reqs"] and len(c["reqs"]) == 3  # the same prompts, same order
+        if name != "all_ours":
+            assert [diff(p, b) for p, b in zip(c["params"], bare)] == [ADDS[name]] * 3, name
+    union = set().union(*ADDS.values())
+    for i, o in enumerate(ours):
+        assert diff(o, bare[i]) == union  # generate adds these and nothing else: no addition lacks its row
+        for name, added in ADDS.items():  # ... and each with the value its row has
+            assert all(getattr(o, f) == getattr(by_row[name]["params"][i], f) for f in added), name
+    # cold: every generate finds the caches emptied since the one before; the sleep rows wake, then sleep
+    gens = [i for i, e in enumerate(ev) if e == "generate"]
+    for a, b in zip(gens, gens[1:]):
+        assert {"reset_prefix", "reset_mm", "reset_encoder"} <= set(ev[a + 1:b]), ev[a + 1:b]
+    for k, name in enumerate(names):
+        at = gens[len(names) + k]
+        span = ev[ev.index("reset_mm", gens[len(names) + k - 1]):at]  # from the reset to the timed generate
+        if name in ("sleep_wake", "all_ours"):
+            assert "sleep" in span and span[-1] == "wake" and "sleep" in ev[at + 1:at + 5], (name, span)
+        else:
+            assert "sleep" not in span, (name, span)
+    saved = json.load(open(tmp_path / "run" / "engine_ablation.json"))
+    assert list(saved["rows"]) == rows and saved["rows"]["bare"]["tokens"] == 3 * 4 * 6
+    assert saved["rows"]["all_ours_scored"]["seconds"] >= saved["rows"]["all_ours"]["seconds"]
+    table = engine_bench.table(saved)
+    assert table.count("\n") == len(rows) + 1 and "| bare | nothing" in table and "| 1.000 |" in table
+    # memory_share: the engine sleeps (room for the second one), whose bare row joins the table
+    children = []
+
+    def child(cmd, out_dir):
+        children.append((cmd, list(ev)))
+        bare = json.load(open(tmp_path / "run" / "engine_ablation.json"))["rows"]["bare"]  # this run's, written
+        return dict(bare, seconds=2 * bare["seconds"])
+    monkeypatch.setattr(engine_bench, "run_child", child)
+    got = engine_bench.run(cfg, ["bare", "memory_share"], warmup_tokens=2, bare_memory_share=0.6, argv=["x"])
+    ((cmd, events),) = children
+    assert events[-1] == "sleep" and cmd[-4:] == ["--gpu-memory-utilization", "0.6", "--output-dir",
+                                                 str(tmp_path / "run" / "memory_share")]
+    assert list(got["rows"]) == ["bare", "memory_share"]
+    assert got["rows"]["memory_share"]["gpu_memory_utilization"] == 0.6
+    assert "| memory_share | bare, at the bare engine's share of GPU memory (0.6 instead of 0.5) |" in \
+        engine_bench.table(got) and "| 2.000 |" in engine_bench.table(got)
+
+
+def test_bench_main_passes_the_engine_ablation_options(tmp_path, monkeypatch):
+    """`python bench.py engine-ablation ...`: bench.py's preset and grpo's flags make the config, the ablation's own
+    options reach engine_bench.run, and the whole command line goes to the memory_share child."""
+    import engine_bench
+    got = {}
+    monkeypatch.setenv("BENCH_DIR", str(tmp_path))
+    monkeypatch.setattr(bench.presets, "build_random_model", lambda path, preset: None)
+    (tmp_path / "geo-v2.parquet").write_text("")
+    monkeypatch.setattr(engine_bench, "run", lambda cfg, *a: got.update(cfg=cfg, args=a))
+    monkeypatch.setattr(bench.dist, "destroy_process_group", lambda: None)
+    argv = ["engine-ablation", "--preset", "qwen2_5_vl_3b", "--rows", "bare,seeds", "--repeats", "2",
+            "--bare-memory-share", "0.7", "--n", "4", "--output-dir", str(tmp_path / "o")]
+    monkeypatch.setattr(sys, "argv", ["bench.py"] + argv)
+    bench.main()
+    assert got["args"] == (["bare", "seeds"], 2, 32, 0.7, argv)
+    cfg = got["cfg"]
+    assert (cfg.n, cfg.output_dir, cfg.rollout_batch_size, cfg.max_response_length) == (4, str(tmp_path / "o"), 64,
+                                                                                         1024)
+
+
+def test_engine_ablation_memory_share_row_runs_bare_alone_in_a_second_engine():
+    """The memory_share row's child: this run's arguments, with the bare engine's share, the bare row alone and its
+    own output folder in place of what this run was given (bench.py reads an option's first spelling)."""
+    import engine_bench
+    argv = ["engine-ablation", "--preset", "qwen2_5_vl_3b", "--gpu-memory-utilization", "0.5", "--rows=bare,seeds",
+            "--repeats", "2", "--output-dir", "/o", "--max-steps", "3", "--bare-memory-share", "0.6"]
+    cmd = engine_bench.child_command(argv, 0.6, "/o/memory_share")
+    assert cmd[0] == sys.executable and cmd[1].endswith("bench.py")
+    assert cmd[2:] == ["engine-ablation", "--preset", "qwen2_5_vl_3b", "--max-steps", "3", "--rows", "bare",
+                       "--repeats", "1", "--bare-memory-share", "0", "--gpu-memory-utilization", "0.6",
+                       "--output-dir", "/o/memory_share"]

@@ -18,7 +18,8 @@ FLOORS = [
     ["video", "data", "easyr1_config"],  # the data (data.py reaches the demos through data_files); the command line
     ["memory", "fsdp_actor", "rollout", "rewards", "rundir"],  # the stages
     ["grpo"],  # the loop
-    ["dapo", "bench", "merge", "matrix"],  # entry points on top of it
+    ["dapo", "bench", "engine_bench", "merge", "matrix"],  # entry points on top of it (engine_bench: bench.py's
+    # engine-ablation)
 ]
 FLOOR = {m: i for i, names in enumerate(FLOORS) for m in names}
 

@@ -1,4 +1,7 @@
 """HF rollout engine on CPU with the tiny Qwen2.5-VL: seeding, EOS handling, forbidden tokens, log-probs, weight sync."""
+import sys
+import types
+
 import pytest
 import torch
 
@@ -52,7 +55,7 @@ def test_engine_options_reach_vllm(path, monkeypatch):
     """Every option engine_options names arrives in the vLLM engine's keywords; --kv-cache-memory-gb as vLLM's bytes."""
     import grpo
     seen = {}
-    monkeypatch.setattr(rollout, "VLLMRollout", lambda model_path, **kw: seen.update(kw))
+    monkeypatch.setattr(rollout, "VLLMRollout", lambda model_path, **kw: seen.update(kw) or types.SimpleNamespace())
     cfg = grpo.Config(gpu_memory_utilization=0.07, kv_cache_memory_gb=1.5, min_pixels=3136, max_pixels=12544,
                       enforce_eager=True, sleep_level=2)
     rollout.make_rollout("vllm", path, **rollout.engine_options(cfg))
@@ -256,3 +259,137 @@ def test_sleep_survives_another_process_allocating(monkeypatch):
     eng.llm, eng.asleep = LLM("something else"), set()
     with pytest.raises(AssertionError):
         eng.sleep()
+
+
+# ------------------------------------------------------------------------------------------------ vLLM stand-ins
+SP_DEFAULTS = dict(n=1, temperature=1.0, top_p=1.0, max_tokens=16, seed=None, logprobs=None, flat_logprobs=False,
+                   logit_bias=None, stop_token_ids=None, ignore_eos=False, detokenize=True)
+
+
+class StandInSamplingParams:
+    """vLLM's SamplingParams as far as VLLMRollout uses it: keyword fields with vLLM's defaults; like vLLM's msgspec
+    Struct it refuses a keyword it does not know and lists its fields in __struct_fields__."""
+    __struct_fields__ = tuple(SP_DEFAULTS)
+
+    def __init__(self, **kw):
+        unknown = set(kw) - set(self.__struct_fields__)
+        if unknown:
+            raise TypeError(f"Unexpected keyword arguments {sorted(unknown)}")
+        for k, v in {**SP_DEFAULTS, **kw}.items():
+            setattr(self, k, v)
+
+
+class OldSamplingParams(StandInSamplingParams):  # a vLLM without FlatLogprobs (before 0.11)
+    __struct_fields__ = tuple(k for k in SP_DEFAULTS if k != "flat_logprobs")
+
+
+class FlatLogprobs:
+    """vLLM's FlatLogprobs as VLLMRollout reads it (logprobs=0: one entry, the sampled token's, per position)."""
+
+    def __init__(self, ids, lps):
+        self.start_indices, self.end_indices = list(range(len(ids))), list(range(1, len(ids) + 1))
+        self.token_ids, self.logprobs = list(ids), list(lps)
+
+    def __len__(self):
+        return len(self.start_indices)
+
+
+class StandInLLM:
+    """vLLM's LLM as VLLMRollout and engine_bench use it. Records each generate call's prompts and SamplingParams
+    and each cache reset, sleep and wake (in .events); answers deterministically from (prompt, seed + j) (a request
+    without a seed: from its place in the call), with the log-probs in FlatLogprobs or as a {token: Logprob} dict per
+    position, as asked. Tokens are drawn from 10..499 (the tiny model's EOS and pad ids lie above)."""
+
+    def __init__(self):
+        self.calls, self.events = [], []
+        self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.events.append("reset_encoder"),
+                                                vllm_config=types.SimpleNamespace(use_v2_model_runner=True))
+
+    def generate(self, reqs, params, use_tqdm=False):
+        self.calls.append(dict(reqs=list(reqs), params=list(params)))
+        self.events.append("generate")
+        outs = []
+        for i, (r, p) in enumerate(zip(reqs, params)):
+            comps = []
+            for j in range(p.n):
+                g = torch.Generator().manual_seed(sum(r["prompt_token_ids"]) * 7919 + (
+                    p.seed + j if p.seed is not None else 10**9 + 1000 * i + j))
+                ids = torch.randint(10, 500, (p.max_tokens,), generator=g).tolist()
+                lps = (-torch.rand(p.max_tokens, generator=g, dtype=torch.float64)).tolist()
+                lp = None if p.logprobs is None else FlatLogprobs(ids, lps) if p.flat_logprobs else [
+                    {t: types.SimpleNamespace(logprob=x)} for t, x in zip(ids, lps)]
+                comps.append(types.SimpleNamespace(token_ids=ids, logprobs=lp))
+            outs.append(types.SimpleNamespace(outputs=comps))
+        return outs
+
+    def reset_prefix_cache(self):
+        self.events.append("reset_prefix")
+
+    def reset_mm_cache(self):
+        self.events.append("reset_mm")
+
+    def sleep(self, level=1):
+        self.events.append("sleep")
+
+    def wake_up(self, tags=None):
+        self.events.append("wake")
+
+
+def standin_vllm(monkeypatch, sampling_params=StandInSamplingParams):
+    """`import vllm` gives the stand-in SamplingParams, and VLLMRollout(...) an engine around a StandInLLM (no GPU):
+    make_rollout("vllm", ...) then runs as it does on a GPU. Returns the keywords VLLMRollout got and the list of
+    engines built."""
+    seen, built = {}, []
+
+    def init(self, model_path, tensor_parallel_size=1, sleep_level=1, **kw):
+        seen.update(kw, tensor_parallel_size=tensor_parallel_size, sleep_level=sleep_level)
+        built.append(self)
+        self.llm, self.tp, self.tp_group, self.weights_lost, self.asleep = StandInLLM(), 1, None, False, set()
+        self.eos_ids, self.forbidden_ids = rollout.special_token_ids(model_path)
+        self.model_type, self.processed_logprobs, self.version = "qwen2_5_vl", True, "stand-in"
+        self.sleep_mode, self.sleep_level = True, sleep_level
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=sampling_params))
+    monkeypatch.setattr(rollout.VLLMRollout, "__init__", init)
+    monkeypatch.setattr(rollout.torch.cuda, "empty_cache", lambda: None)
+    return seen, built
+
+
+def test_vllm_logprobs_read_alike_from_flat_lists_and_dicts(path, monkeypatch):
+    """FlatLogprobs (a few lists per sample, instead of a dict and a Logprob object per token) is the cheaper
+    container generate asks for; the samples, log-probs and `finished` it gives are those of the dict container,
+    and a vLLM whose SamplingParams has no flat_logprobs field gets none (its Struct would refuse the keyword)."""
+    prompts = [{"raw_prompt_ids": [3, 4, 5]}, {"raw_prompt_ids": [6, 7]}]
+    kw = dict(n=3, temperature=1.0, top_p=1.0, max_tokens=5, seeds=[11, 12])
+    outs = {}
+    for name, sp, flat in (("flat", StandInSamplingParams, True), ("dicts", StandInSamplingParams, False),
+                           ("old", OldSamplingParams, True)):
+        standin_vllm(monkeypatch, sp)
+        eng = rollout.make_rollout("vllm", path)
+        eng.flat_logprobs = flat
+        outs[name] = eng.generate(prompts, **kw)
+        sent = eng.llm.calls[-1]["params"]
+        assert [p.flat_logprobs for p in sent] == [name == "flat"] * 2 and all(p.logprobs == 0 for p in sent)
+        forced = eng.generate(prompts, lengths=[[2, 5, 4], [5, 5, 1]], **kw)  # the benchmarks' path too
+        assert [[len(o["logprobs"]) for o in g] for g in forced] == [[2, 5, 4], [5, 5, 1]]
+        outs[name + "_forced"] = forced
+    assert outs["flat"] == outs["dicts"] == outs["old"]
+    assert outs["flat_forced"] == outs["dicts_forced"] == outs["old_forced"]
+    lps = [o["logprobs"] for g in outs["flat"] for o in g]
+    assert all(len(x) == 5 and all(-1 <= v <= 0 for v in x) for x in lps) and len({tuple(x) for x in lps}) == 6
+
+
+def test_per_prompt_seeds_option_reaches_the_requests(path, monkeypatch):
+    """--per-prompt-seeds (default on) gives each request rollout.request_seed of its prompt's seed; off, vLLM gets
+    no seed (it draws its own): through grpo.Config, engine_options and make_rollout. The HF engine ignores it."""
+    import grpo
+    seen, _ = standin_vllm(monkeypatch)
+    prompts = [{"raw_prompt_ids": [3, 4, 5]}, {"raw_prompt_ids": [6, 7]}]
+    for on in (True, False):
+        eng = rollout.make_rollout("vllm", path, **rollout.engine_options(grpo.Config(per_prompt_seeds=on)))
+        assert "per_prompt_seeds" not in seen and eng.per_prompt_seeds is on
+        eng.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=3, seeds=[7, 8])
+        want = [rollout.request_seed(7), rollout.request_seed(8)] if on else [None, None]
+        assert [p.seed for p in eng.llm.calls[-1]["params"]] == want
+    assert isinstance(rollout.make_rollout("hf", path, device="cpu", dtype=torch.float32, per_prompt_seeds=False),
+                      rollout.HFRollout)

@@ -1,0 +1,314 @@
+"""engine_bench.py -- `python bench.py engine-ablation`: a step's generation with the engine alone, then with each
+of our additions to it, in one run (one engine, the same prompts).
+
+    python bench.py engine-ablation --preset qwen2_5_vl_3b                 # the 3B bar's step: 64 prompts x 8 x 1024
+    python bench.py engine-ablation --preset qwen2_5_vl_3b --repeats 2     # each row twice (the second round reversed)
+    python bench.py engine-ablation --bare-memory-share 0                  # no second engine (no memory-share row)
+
+The requests are the step's: the prompts and seeds grpo.generate_and_score hands VLLMRollout.generate for step 1 of
+`bench.py` with the same options, turned into vLLM requests by VLLMRollout._requests, whose switches take away what
+generate adds to a bare request (so no row is a copy of generate's request building that could drift from it):
+
+  bare            n, temperature, top_p, max_tokens, stop at EOS, detokenize off: nothing else (engine awake)
+  logprobs        + the sampled tokens' processed log-probs, in vLLM's FlatLogprobs (what generate asks for)
+  logprobs_dicts  + the same log-probs as one dict and one Logprob object per token (vLLM's default container,
+                  generate's before FlatLogprobs)
+  seeds           + a seed per prompt (rollout.request_seed)
+  banned          + the image/video pad tokens banned (logit_bias)
+  sleep_wake      bare, the engine woken before and put to sleep after it, as every training step does
+  all_ours        VLLMRollout.generate itself, woken before and put to sleep after (memory.sleep): a step's engine time
+  all_ours_scored the same run with grpo.generate_and_score's decoding and reward: bench.py's timing/gen, except that
+                  its wake maps the weights too (a step's sync has mapped them, in timing/sync)
+  memory_share    bare in a second engine (a child process, after this one sleeps) at --bare-memory-share, the share
+                  of GPU memory of the bare vLLM engine the issue compared with (0.6), instead of ours
+
+Every row starts cold, as a training step does: prefix, encoder and multimodal-processor caches emptied. A warm-up
+runs each row once with --warmup-tokens tokens first (the Triton kernels of the log-prob and logit-bias paths compile
+on their first use). Each row reports seconds, its ratio to bare, the tokens generated (every row stops at EOS as
+training does: a random model emits it in ~1 % of samples) and the seconds Python's garbage collector ran meanwhile
+(a process without a trainer holds fewer objects for it to walk than bench.py's). Writes
+<output_dir>/engine_ablation.json and prints the table.
+"""
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from dataclasses import replace
+
+import torch
+
+import data
+import fsdp_actor as actor
+import grpo
+import memory
+import rewards
+import rollout
+from common import UserError
+
+# name -> (what it adds to bare, VLLMRollout._requests switches; None: not an engine-level row)
+ROWS = {
+    "bare": ("nothing: n, temperature, top_p, max_tokens, stop at EOS",
+             dict(seeded=False, logprobs=False, ban=False)),
+    "logprobs": ("+ the sampled tokens' log-probs (processed, FlatLogprobs)",
+                 dict(seeded=False, logprobs=True, ban=False)),
+    "logprobs_dicts": ("+ the same log-probs as a dict and a Logprob object per token",
+                       dict(seeded=False, logprobs=True, ban=False, flat=False)),
+    "seeds": ("+ a seed per prompt", dict(seeded=True, logprobs=False, ban=False)),
+    "banned": ("+ the image/video pad tokens banned (logit_bias)", dict(seeded=False, logprobs=False, ban=True)),
+    "sleep_wake": ("+ wake before and sleep after", dict(seeded=False, logprobs=False, ban=False)),
+    "all_ours": ("VLLMRollout.generate, woken before and asleep after", None),
+    "all_ours_scored": ("all_ours + decoding and reward (bench's timing/gen less the sync)", None),
+    "memory_share": ("bare, at the bare engine's share of GPU memory", None),
+}
+ENGINE_ROWS = ("bare", "logprobs", "logprobs_dicts", "seeds", "banned", "sleep_wake")
+
+_GC = {"seconds": 0.0, "start": 0.0}
+
+
+def _gc_timer(phase, info):
+    """gc.callbacks hook: the seconds Python's collector runs, summed (logprob containers are its objects)."""
+    if phase == "start":
+        _GC["start"] = time.perf_counter()
+    else:
+        _GC["seconds"] += time.perf_counter() - _GC["start"]
+
+
+def cold(eng):
+    """Empty what a training step never finds warm: the prefix cache (KV blocks of these prompts), the encoder cache
+    (their image embeddings) and vLLM's multimodal-processor cache (their processed images; sleep empties it too)."""
+    eng._reset_caches()
+    reset_mm = getattr(eng.llm, "reset_mm_cache", None)
+    if reset_mm is not None:  # vLLM >= 0.10-ish
+        reset_mm()
+
+
+def engine_row(eng, call, switches, sleep_wake=False):
+    """One engine-level row: the captured call's requests with `switches`, generated straight by vLLM; with
+    sleep_wake the engine sleeps first (untimed) and the timed span is wake, generate, sleep."""
+    eng.wake()
+    cold(eng)
+    items, _ = eng._items(call["prompts"], call["seeds"])
+    reqs, params, _ = eng._requests(items, call["n"], call["temperature"], call["top_p"], call["max_tokens"],
+                                    **switches)
+    if sleep_wake:
+        eng.sleep()
+    gc0, t = _GC["seconds"], time.perf_counter()
+    if sleep_wake:
+        eng.wake()
+    outs = eng.llm.generate(reqs, params, use_tqdm=False)
+    if sleep_wake:
+        eng.sleep()
+    seconds = time.perf_counter() - t
+    return dict(seconds=seconds, gc_seconds=_GC["seconds"] - gc0, params=params_summary(params[0]),
+                tokens=sum(len(c.token_ids) for o in outs for c in o.outputs))
+
+
+def ours_row(ctx, drawn):
+    """all_ours and all_ours_scored from one run of a step's generation phase as grpo.train_step has it: the engine
+    asleep before (untimed), then wake, grpo.generate_and_score (VLLMRollout.generate, decoding, reward) and
+    memory.sleep. all_ours is that span less the decoding and scoring, which run between generate's return and the
+    sleep (ctx.rollout, an engine_recorder, times them)."""
+    eng = ctx.rollout.engine
+    eng.wake()
+    cold(eng)
+    eng.sleep()
+    gc0, t = _GC["seconds"], time.perf_counter()
+    ctx.rollout.wake()
+    samples = grpo.generate_and_score(ctx, drawn, ctx.cfg.n, ctx.cfg.temperature)
+    memory.sleep(ctx.rollout)
+    total = time.perf_counter() - t
+    call = ctx.rollout.calls[-1]
+    r = dict(tokens=sum(len(s["response_ids"]) for s in samples), gc_seconds=_GC["seconds"] - gc0,
+             params=params_summary(call["sent"][0]))
+    return dict(r, seconds=total - call["after_seconds"]), dict(r, seconds=total)
+
+
+def engine_recorder(eng):
+    """What grpo.generate_and_score sees as ctx.rollout: the engine, with each generate call's arguments (the step's
+    prompts and seeds as grpo makes them), the SamplingParams it sent to vLLM and the seconds from its return to
+    the next sleep (decoding and scoring) kept in .calls."""
+    calls = []
+
+    def generate(prompts, **kw):
+        sent, llm_generate = [], eng.llm.generate
+
+        def spy(reqs, params, **k):  # what generate really sends
+            sent.append(params)
+            return llm_generate(reqs, params, **k)
+        eng.llm.generate = spy
+        try:
+            out = eng.generate(prompts, **kw)
+        finally:
+            eng.llm.generate = llm_generate
+        calls.append(dict(kw, prompts=prompts, sent=sent[-1], returned=time.perf_counter(), after_seconds=0.0))
+        return out
+
+    def sleep():
+        if calls:
+            calls[-1]["after_seconds"] = time.perf_counter() - calls[-1]["returned"]
+        eng.sleep()
+
+    return types.SimpleNamespace(engine=eng, calls=calls, generate=generate, sleep=sleep, wake=eng.wake)
+
+
+PARAM_FIELDS = ("n", "temperature", "top_p", "max_tokens", "seed", "logprobs", "flat_logprobs", "logit_bias",
+                "stop_token_ids", "ignore_eos", "detokenize")
+
+
+def params_summary(p):
+    """The fields of one SamplingParams that the rows differ in (and the workload's), as JSON-ready values."""
+    out = {}
+    for f in PARAM_FIELDS:
+        v = getattr(p, f, None)
+        out[f] = {str(k): x for k, x in v.items()} if isinstance(v, dict) else (list(v) if isinstance(v, (list, tuple))
+                                                                                   else v)
+    return out
+
+
+def model_runner(eng):
+    """vLLM's model runner behind the engine ("V2": vllm/v1/worker/gpu/, "V1": gpu_model_runner.py): where seeds,
+    logit bias and log-probs are computed differs between them (README, Speed)."""
+    try:
+        return "V2" if eng.llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
+    except AttributeError:
+        return "unknown"
+
+
+def child_command(argv, share, out_dir):
+    """The memory_share row's command: this run's bench.py arguments with the bare engine's memory share, the bare
+    row alone, once, into out_dir (earlier spellings of those options removed: bench.py reads the first)."""
+    drop = {"--gpu-memory-utilization", "--rows", "--repeats", "--output-dir", "--bare-memory-share"}
+    keep, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in drop:
+            skip = True
+        elif a.split("=")[0] not in drop:
+            keep.append(a)
+    return [sys.executable, os.path.abspath(os.path.join(os.path.dirname(__file__), "bench.py"))] + keep + [
+        "--rows", "bare", "--repeats", "1", "--bare-memory-share", "0", "--gpu-memory-utilization", str(share),
+        "--output-dir", out_dir]
+
+
+def run_child(cmd, out_dir, limit_s=300):
+    """Run the memory_share child (a fresh process: one vLLM engine per process) in its own torch.distributed
+    world; its bare row, or None if it failed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    path = os.path.join(out_dir, "engine_ablation.json")
+    if os.path.exists(path):
+        os.remove(path)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "child.log"), "w") as log:
+        try:
+            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0 or not os.path.exists(path):
+        print(f"[engine-ablation] memory_share: the second engine failed ({rc}); see {out_dir}/child.log", flush=True)
+        return None
+    return json.load(open(path))["rows"]["bare"]
+
+
+def table(result):
+    """The markdown table of a result: row, what it adds, seconds (mean; each run), x bare, tokens, GC seconds."""
+    bare = result["rows"].get("bare", {}).get("seconds")
+    out = ["| row | adds to bare | seconds | x bare | tokens | GC s |", "|---|---|---|---|---|---|"]
+    for name, r in result["rows"].items():
+        runs = r.get("runs", [])
+        each = f" ({', '.join(f'{x:.2f}' for x in runs)})" if len(runs) > 1 else ""
+        ratio = f"{r['seconds'] / bare:.3f}" if bare else "-"
+        what = ROWS[name][0] + (f" ({r['gpu_memory_utilization']} instead of {result['gpu_memory_utilization']})"
+                                if name == "memory_share" else "")
+        out.append(f"| {name} | {what} | {r['seconds']:.2f}{each} | {ratio} | {r['tokens']} | "
+                   f"{r['gc_seconds']:.2f} |")
+    return "\n".join(out)
+
+
+def setup(cfg):
+    """The engine and the step's data, as grpo.setup builds them (no policy, no reference model)."""
+    rank, world, device = actor.init_distributed()
+    if world > 1:
+        raise UserError("bench.py engine-ablation runs one process and one engine: start it with python, not torchrun")
+    processor, train, _ = data.load_datasets(replace(cfg, val_files=""), cfg.model_path)
+    # the compute dtype as grpo.setup chooses it
+    bf16 = cfg.precision == "bf16" or cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+    eng = rollout.make_rollout(cfg.rollout_engine, cfg.model_path, device, torch.bfloat16 if bf16 else torch.float32,
+                               **rollout.engine_options(cfg))
+    if not isinstance(eng, rollout.VLLMRollout):
+        raise UserError("bench.py engine-ablation times vLLM: it needs CUDA and vLLM (--rollout-engine vllm)")
+    if eng.sleep_level > 1:  # level 2 drops the weights, which only a trainer could send back
+        print("[engine-ablation] --sleep-level 2: the rows that sleep use level 1 (no trainer re-sends weights)")
+        eng.sleep_level = 1
+    ctx = types.SimpleNamespace(cfg=cfg, rollout=engine_recorder(eng), tokenizer=getattr(processor, "tokenizer",
+                                                                                          processor),
+                                reward_fn=rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs))
+    drawn = data.draw_prompts(train, 0, cfg.rollout_batch_size, rank, world, cfg.seed)  # step 1's prompts
+    return ctx, drawn
+
+
+def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv=()):
+    """The ablation (README Speed): `rows` (default all) of ROWS, each `repeats` times (every other round in reverse
+    order), after a warm-up. Returns the result dict, also written to <output_dir>/engine_ablation.json."""
+    rows = list(rows or ROWS)
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise UserError(f"--rows {','.join(unknown)}: choose among {', '.join(ROWS)}")
+    if _gc_timer not in gc.callbacks:
+        gc.callbacks.append(_gc_timer)
+    ctx, drawn = setup(cfg)
+    eng = ctx.rollout.engine
+    warm = replace(cfg, max_response_length=warmup_tokens)
+    ctx.cfg = warm  # the warm-up: every row once, short; it also records the step's call (prompts, seeds)
+    ours_row(ctx, drawn)
+    call = dict(ctx.rollout.calls[0], max_tokens=cfg.max_response_length)
+    for name in ENGINE_ROWS:
+        if name in rows:
+            engine_row(eng, dict(call, max_tokens=warmup_tokens), ROWS[name][1], sleep_wake=name == "sleep_wake")
+    ctx.cfg = cfg
+    runs = {}
+    timed = [r for r in rows if r in ENGINE_ROWS or r == "all_ours"]
+    if "all_ours_scored" in rows and "all_ours" not in timed:
+        timed.append("all_ours")
+    for k in range(repeats):
+        for name in (timed if k % 2 == 0 else timed[::-1]):
+            if name == "all_ours":
+                got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
+            else:
+                got = {name: engine_row(eng, call, ROWS[name][1], sleep_wake=name == "sleep_wake")}
+            for key, r in got.items():
+                if key in rows:
+                    runs.setdefault(key, []).append(r)
+            print(f"[engine-ablation] round {k + 1}: " + ", ".join(f"{key} {r['seconds']:.2f} s" for key, r in
+                                                                     got.items()), flush=True)
+    result = dict(rows={}, model_runner=model_runner(eng), vllm=getattr(eng, "version", None),
+                  gpu_memory_utilization=cfg.gpu_memory_utilization, repeats=repeats, warmup_tokens=warmup_tokens,
+                  prompts=len(drawn), n=cfg.n, max_tokens=cfg.max_response_length,
+                  ours_sent=[params_summary(p) for p in ctx.rollout.calls[-1]["sent"]])
+    for name in ROWS:  # in ROWS' order
+        if name in runs:
+            rs = runs[name]
+            result["rows"][name] = dict(seconds=sum(r["seconds"] for r in rs) / len(rs),
+                                        runs=[r["seconds"] for r in rs], tokens=rs[-1]["tokens"],
+                                        gc_seconds=sum(r["gc_seconds"] for r in rs) / len(rs), params=rs[-1]["params"])
+    write(cfg, result)
+    if "memory_share" in rows and bare_memory_share and bare_memory_share != cfg.gpu_memory_utilization:
+        eng.sleep()  # (level 1: the weights to the host, the KV cache released) room for the second engine
+        share = os.path.join(cfg.output_dir, "memory_share")
+        got = run_child(child_command(list(argv), bare_memory_share, share), share)
+        if got is not None:
+            result["rows"]["memory_share"] = dict(got, gpu_memory_utilization=bare_memory_share)
+            write(cfg, result)
+    return result
+
+
+def write(cfg, result):
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.output_dir, "engine_ablation.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(result), flush=True)
+    print("ENGINE_ABLATION " + json.dumps({k: round(r["seconds"], 3) for k, r in result["rows"].items()}), flush=True)
