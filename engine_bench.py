@@ -10,9 +10,9 @@ The requests are the step's: the prompts and seeds grpo.generate_and_score hands
 generate adds to a bare request (so no row is a copy of generate's request building that could drift from it):
 
   bare            n, temperature, top_p, max_tokens, stop at EOS, detokenize off: nothing else (engine awake)
-  logprobs        + the sampled tokens' processed log-probs, in vLLM's FlatLogprobs (what generate asks for)
-  logprobs_dicts  + the same log-probs as one dict and one Logprob object per token (vLLM's default container,
-                  generate's before FlatLogprobs)
+  logprobs        + the sampled tokens' processed log-probs, one dict and one Logprob object per token (vLLM's
+                  default container: what generate asks for)
+  logprobs_flat   + the same log-probs in vLLM's FlatLogprobs (VLLMRollout.flat_logprobs: off until measured here)
   seeds           + a seed per prompt (rollout.request_seed)
   banned          + the image/video pad tokens banned (logit_bias)
   sleep_wake      bare, the engine woken before and put to sleep after it, as every training step does
@@ -52,10 +52,10 @@ from common import UserError
 ROWS = {
     "bare": ("nothing: n, temperature, top_p, max_tokens, stop at EOS",
              dict(seeded=False, logprobs=False, ban=False)),
-    "logprobs": ("+ the sampled tokens' log-probs (processed, FlatLogprobs)",
-                 dict(seeded=False, logprobs=True, ban=False)),
-    "logprobs_dicts": ("+ the same log-probs as a dict and a Logprob object per token",
-                       dict(seeded=False, logprobs=True, ban=False, flat=False)),
+    "logprobs": ("+ the sampled tokens' log-probs (processed; a dict and a Logprob object per token)",
+                 dict(seeded=False, logprobs=True, ban=False, flat=False)),
+    "logprobs_flat": ("+ the same log-probs in vLLM's FlatLogprobs (flat_logprobs, off by default)",
+                      dict(seeded=False, logprobs=True, ban=False, flat=True)),
     "seeds": ("+ a seed per prompt", dict(seeded=True, logprobs=False, ban=False)),
     "banned": ("+ the image/video pad tokens banned (logit_bias)", dict(seeded=False, logprobs=False, ban=True)),
     "sleep_wake": ("+ wake before and sleep after", dict(seeded=False, logprobs=False, ban=False)),
@@ -63,7 +63,7 @@ ROWS = {
     "all_ours_scored": ("all_ours + decoding and reward (bench's timing/gen less the sync)", None),
     "memory_share": ("bare, at the bare engine's share of GPU memory", None),
 }
-ENGINE_ROWS = ("bare", "logprobs", "logprobs_dicts", "seeds", "banned", "sleep_wake")
+ENGINE_ROWS = ("bare", "logprobs", "logprobs_flat", "seeds", "banned", "sleep_wake")
 
 _GC = {"seconds": 0.0, "start": 0.0}
 

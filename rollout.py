@@ -311,7 +311,9 @@ class VLLMRollout:
 
     # ---- generation
     per_prompt_seeds = True  # (class attributes: make_rollout sets them) --per-prompt-seeds, see _requests
-    flat_logprobs = True  # vLLM's FlatLogprobs container where it has one (see _sampling_params)
+    # vLLM's FlatLogprobs container (see _sampling_params): off until a GPU run checks it (tests/test_vllm_gpu.py) and
+    # bench.py engine-ablation measures what it saves; the dict container is what every GPU result here ran with
+    flat_logprobs = False
 
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True,
                          flat=None):
