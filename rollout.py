@@ -24,6 +24,7 @@ import torch.distributed as dist
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, LogitsProcessorList,
                           SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper)
 
+import presets
 from common import UserError
 from fsdp_actor import load_hf_model, mm_token_types  # the same loading and M-RoPE inputs as the trainer
 
@@ -122,6 +123,13 @@ class HFRollout:
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0])
         # name -> tensor sharing storage with the model: sync_weights copies into these in place
         self._params = self.model.state_dict()
+        # a folder without weights: placeholders, as vLLM's load_format="dummy" has them, until a sync sends every
+        # weight (a first sync of only the LoRA layers would leave the rest placeholders: sync_weights refuses it)
+        self.weights_lost = presets.random_init(model_path) is not None
+        if self.weights_lost:
+            g = torch.Generator(self.device).manual_seed(1234)
+            for prm in self.model.parameters():
+                prm.data.uniform_(-1e-3, 1e-3, generator=g)
 
     @torch.no_grad()
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None):
@@ -172,6 +180,7 @@ class HFRollout:
     @torch.no_grad()
     def sync_weights(self, named_tensors):
         """Copy streamed (HF state_dict name, full tensor) pairs into the model, one tensor at a time."""
+        seen = set()
         for name, t in named_tensors:
             dst = self._params.get(name)
             if dst is None:
@@ -179,6 +188,11 @@ class HFRollout:
             if dst.shape != t.shape:  # copy_ would silently broadcast a wrong shape
                 raise ValueError(f"sync_weights: {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(t)
+            seen.add(name)
+        missing = [n for n, _ in self.model.named_parameters() if n not in seen] if self.weights_lost else []
+        if missing:  # (named_parameters: a tied weight once, under the name state_dict gives it first)
+            raise RuntimeError(f"the engine started without weights and these were not sent: {missing[:5]}...")
+        self.weights_lost = False
 
     def sleep(self):  # the HF engine keeps its weights; nothing to release
         pass
@@ -293,7 +307,8 @@ class VLLMRollout:
         self.processed_logprobs = "logprobs_mode" not in dropped
         self.llm = LLM(**{k: v for k, v in kw.items() if k in known})
         self.sleep_mode, self.sleep_level = enable_sleep_mode, sleep_level
-        self.asleep, self.weights_lost = set(), False
+        # load_format="dummy" (make_rollout, for a folder without weights): placeholders until the first full sync
+        self.asleep, self.weights_lost = set(), kw.get("load_format") == "dummy"
         # A gloo group per TP group (same consecutive-rank layout as vLLM's TP groups) to gather prompt records.
         self.tp_group = None
         if self.tp > 1:
@@ -497,6 +512,8 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
               max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
               limit_mm_per_prompt={"image": limit_images, "video": limit_videos}, seed=seed, dtype=dtype,
               enforce_eager=enforce_eager, sleep_level=sleep_level)
+    if presets.random_init(model_path):  # no weights on disk: placeholders, replaced in full by the first sync
+        kw["load_format"] = "dummy"
     if kv_cache_memory_gb:  # vLLM then skips its memory profile, which assumes no other process allocates meanwhile
         kw["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
     if lo and hi:
