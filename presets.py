@@ -125,12 +125,16 @@ def random_init(path):
 def random_model(path, dtype=torch.float32, attn_implementation=None, device=None):
     """The model of a folder without weights, as from_pretrained would give it had build_random_model saved them:
     built from its config with its seed in bf16 on `device` (default: this process's GPU, else the CPU), then each
-    parameter cast to `dtype` in turn (bf16 -> fp32 is exact; one parameter's copy at a time)."""
+    parameter cast to `dtype` in turn (bf16 -> fp32 is exact). Every rank builds the whole model before FSDP2 shards
+    it: 2 bytes per parameter on its GPU, 4 at most for fp32 master weights (the 30B-A3B in AMP: 116 GiB)."""
     from transformers import AutoConfig  # slow to import (~2 s)
     cfg = AutoConfig.from_pretrained(path)
     model = _init_model(_vl_classes(cfg.model_type)[1], cfg, random_init(path)["seed"], device)
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
+    if dtype != torch.bfloat16:
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+            if p.is_cuda:  # the bf16 copy's memory back to the driver now: cached, it would stand beside the fp32 ones
+                torch.cuda.empty_cache()
     if attn_implementation:
         model.set_attn_implementation(attn_implementation)
     return model
