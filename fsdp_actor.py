@@ -27,8 +27,8 @@ import memory
 import presets
 import varlen
 import video
-from tiny_moe import router_aux_loss, routers
 from common import UserError, _cpu_group, all_reduce_cpu  # noqa: F401 (all_reduce_cpu: the loop's actor.all_reduce_cpu)
+from tiny_moe import router_aux_loss, routers
 
 
 # ----------------------------------------------------------------------------------------------- distributed

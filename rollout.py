@@ -425,10 +425,11 @@ class VLLMRollout:
         loaded = model.load_weights((name, t.to(dev, non_blocking=True)) for name, t in named_tensors)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        if self.weights_lost and loaded is not None:  # after level-2 sleep every parameter must be resent
+        if self.weights_lost and loaded is not None:  # after level-2 sleep (or dummy weights) every one is sent
             missing = {n for n, _ in model.named_parameters()} - set(loaded)
             if missing:
-                raise RuntimeError(f"after sleep(level=2) these weights were not resent: {sorted(missing)[:5]}...")
+                raise RuntimeError(f"after sleep(level=2) or a start without weights these were not sent: "
+                                   f"{sorted(missing)[:5]}...")
         self.weights_lost = False
         self._reset_caches()
 
