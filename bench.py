@@ -10,9 +10,15 @@
     python bench.py --preset qwen2_5_vl_7b --lora-rank 64 --gpu-memory-cap-gb 40   # as if on a 40 GB card
     python bench.py engine-ablation --preset qwen2_5_vl_3b            # a step's generation: the engine alone, then
                                                                      # each of our additions (engine_bench.py)
+    bash benchmarks/gpu_moe30b.sh                                    # Qwen3-VL-30B-A3B on one H200: no weights on disk
 
 Random weights with the real dimensions (presets.build_random_model: no download) and geo3k-like prompts: one
-512x512 figure and about 100 text tokens. Two workloads, each the same work on every run:
+512x512 figure and about 100 text tokens. A preset above presets.RANDOM_INIT_ABOVE parameters (the 30B-A3B, 32B, 72B),
+or any with --random-init, is written without weights (the bf16 checkpoint would not fit the GPU machine's disk): the
+trainer builds the random model from the config on its GPU (seeded, the values build_random_model would have saved),
+vLLM starts with load_format="dummy", and the first weight sync, before anything is generated, sends every weight.
+A run that by the memory model cannot fit this GPU count stops first with one line naming the GPUs it needs.
+Two workloads, each the same work on every run:
 - forced (default): a random policy almost never emits EOS, so every response runs to max_response_length (the
   worst case; the issue's bar);
 - realistic: each sample's length is drawn from a seeded log-normal shaped like geo3k RL runs (median 0.3 x
@@ -41,6 +47,7 @@ import grpo
 import memory
 import presets
 import tiny_model
+from common import UserError, one_line_errors
 
 WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
          "of x if is parallel to perpendicular measure degrees round answer nearest tenth").split()
@@ -320,26 +327,60 @@ ENGINE_LEAST_GIB = 4.5  # vLLM beside its weights at its least: a 1.5 GiB KV cac
 # (session 6, the 7B at --kv-cache-memory-gb 1.5: 15.7 GiB of weights, 20.7 awake)
 
 
-def smallest_card(m, dims, world):
-    """The smallest of CARDS_GIB that holds a memory_model() cell with the engine at its least (tensor-parallel over
-    the cell's GPUs, ENGINE_LEAST_GIB beside its bf16 weights), keeping ~1 GiB for the CUDA context; None if none."""
+def need_gib(m, dims, world):
+    """What a memory_model() cell needs of each GPU with the engine at its least (tensor-parallel over the cell's
+    GPUs, ENGINE_LEAST_GIB beside its bf16 weights) while generating, or in the update (the engine asleep)."""
     engine = 2 * dims["params"] / min(world, 8) / GIB + ENGINE_LEAST_GIB
-    need = max(m["gen"] + engine, m["update"])  # the engine sleeps through the update
-    return next((c for c in CARDS_GIB if need <= c - 1), None)
+    return max(m["gen"] + engine, m["update"])
+
+
+def smallest_card(m, dims, world):
+    """The smallest of CARDS_GIB that holds a memory_model() cell with the engine at its least, keeping ~1 GiB for
+    the CUDA context; None if none."""
+    return next((c for c in CARDS_GIB if need_gib(m, dims, world) <= c - 1), None)
 
 
 TOKENS_PER_SAMPLE = 1470  # the geo3k-like workload: ~324 image + ~120 text prompt tokens + 1024 response tokens
+PROMPT_TOKENS = TOKENS_PER_SAMPLE - 1024
+
+
+def config_mode(c, world):
+    """memory_model()'s keywords for a run's config (grpo.Config as a dict) on `world` ranks: its state, and
+    micro-batches of as many bench samples (PROMPT_TOKENS + max_response_length) as its limits let a rank take."""
+    tokens = PROMPT_TOKENS + c["max_response_length"]
+    per_rank = c["rollout_batch_size"] * c["n"] // world
+    fit = max(1, min(per_rank, c["micro_batch_size_per_device"], c["max_token_len_per_device"] // tokens))
+    return dict(precision=c["precision"], lora_rank=c["lora_rank"], kahan=c["bf16_rounding"] == "kahan", world=world,
+                offload_params=c["offload_params"], offload_optimizer=c["offload_optimizer"], kl_coef=c["kl_coef"],
+                mb_tokens=fit * tokens, chunk=c["logprob_chunk_size"])
 
 
 def run_model(summary):
     """The memory model for one bench run, from its bench_summary.json."""
-    c = summary["config"]
-    dims = model_dims(summary["preset"])
-    per_rank = c["rollout_batch_size"] * c["n"] // summary["world"]
-    fit = max(1, min(per_rank, c["micro_batch_size_per_device"], c["max_token_len_per_device"] // TOKENS_PER_SAMPLE))
-    return memory_model(dims, c["precision"], c["lora_rank"], c["bf16_rounding"] == "kahan", summary["world"],
-                        c["offload_params"], c["offload_optimizer"], c["kl_coef"], fit * TOKENS_PER_SAMPLE,
-                        c["logprob_chunk_size"], summary.get("memory/engine_pool_gb") or 0.0)
+    return memory_model(model_dims(summary["preset"]), **config_mode(summary["config"], summary["world"]),
+                        engine_gb=summary.get("memory/engine_pool_gb") or 0.0)
+
+
+def check_fits(c, preset, world, card_gib, slack=0.1):
+    """Stop before anything loads (UserError: one line) when by the memory model the run cannot fit `world` GPUs of
+    `card_gib` even with the engine at its least, naming how many such GPUs would hold it. The model is within 15 %
+    of every measured phase: only a need above the card by more than `slack` stops a run."""
+    dims = model_dims(preset)
+    need = need_gib(memory_model(dims, **config_mode(c, world)), dims, world)
+    if need <= (card_gib - 1) * (1 + slack):
+        return
+    fits = next((w for w in (2, 4, 8, 16, 32, 64) if w > world
+                 and need_gib(memory_model(dims, **config_mode(c, w)), dims, w) <= card_gib - 1), None)
+    mode = " ".join([f"--precision {c['precision']}"] + [f"--lora-rank {c['lora_rank']}"] * bool(c["lora_rank"])
+                    + ["--offload-params"] * c["offload_params"] + ["--offload-optimizer"] * c["offload_optimizer"])
+    less = [flag for flag, on in (("--lora-rank 64", c["lora_rank"]), ("--precision bf16", c["precision"] == "bf16"),
+                                  ("--offload-params", c["offload_params"])) if not on]
+    where = "not even 64 such GPUs hold it" if fits is None else f"it takes {fits} such GPUs (" + (
+        f"torchrun --nproc_per_node {fits})" if fits <= 8 else "several nodes)")
+    raise UserError(f"--preset {preset} with {mode} needs about {need:.0f} GiB per GPU on {world} GPU"
+                    f"{'s' * (world > 1)} (bench.py's memory model, README \"Memory modes\"), more than a "
+                    f"{card_gib:.0f} GiB GPU holds: {where}" + (f"; or less state per GPU: {', '.join(less)}"
+                                                                 if less else ""))
 
 
 def table(paths):
@@ -409,7 +450,7 @@ def main():
         return
     ablation = argv[:1] == ["engine-ablation"]
     argv = argv[1:] if ablation else argv
-    flags = {f: f in argv for f in ("--trainer-only", "--profile", "--prepare-only")}
+    flags = {f: f in argv for f in ("--trainer-only", "--profile", "--prepare-only", "--random-init")}
     argv = [a for a in argv if a not in flags]
     opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced", "--gpu-memory-cap-gb": "",  # bench.py's own
             "--rows": "", "--repeats": "1", "--warmup-tokens": "32", "--bare-memory-share": "0.6"}  # engine-ablation's
@@ -422,10 +463,12 @@ def main():
     workdir = os.environ.get("BENCH_DIR", os.path.expanduser(f"~/.cache/vlm_rl/bench-{preset}"))
     rank = int(os.environ.get("RANK", "0"))
     # v2: ~100 text tokens under the model's own tokenizer (v1 had ~360: 95 words, split finely by the BPE)
-    model_path, data_path = os.path.join(workdir, "model"), os.path.join(workdir, "geo-v2.parquet")
+    on_disk = not (flags["--random-init"] or presets.too_big_for_disk(preset))  # else: no weights written
+    model_path = os.path.join(workdir, "model" if on_disk else "model-random")
+    data_path = os.path.join(workdir, "geo-v2.parquet")
     if rank == 0:  # rank 0 builds (once, cached); the others wait for its marker file
         os.makedirs(workdir, exist_ok=True)
-        presets.build_random_model(model_path, preset)
+        presets.build_random_model(model_path, preset, weights=on_disk)
         if not os.path.exists(data_path):
             from transformers import AutoTokenizer  # slow to import (~2 s)
             make_geo_dataset(data_path, 256, AutoTokenizer.from_pretrained(model_path))
@@ -435,6 +478,11 @@ def main():
     if flags["--prepare-only"]:  # build the model and the data set, nothing else (before parallel runs)
         return
     cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
+    if torch.cuda.is_available():  # one line now, rather than out of memory after minutes of loading
+        card = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / GIB
+        with one_line_errors():
+            check_fits(asdict(cfg), preset, int(os.environ.get("WORLD_SIZE", "1")),
+                       float(opts["--gpu-memory-cap-gb"] or card))
     if opts["--gpu-memory-cap-gb"]:
         cfg = cap_gpu_memory(cfg, float(opts["--gpu-memory-cap-gb"]))
     if ablation:

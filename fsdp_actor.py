@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import memory
+import presets
 import varlen
 import video
 from common import UserError, _cpu_group, all_reduce_cpu  # noqa: F401 (all_reduce_cpu: the loop's actor.all_reduce_cpu)
+from tiny_moe import router_aux_loss, routers
 
 
 # ----------------------------------------------------------------------------------------------- distributed
@@ -50,10 +52,13 @@ def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
     """A VLM through AutoModelForImageTextToText, else a text LLM through AutoModelForCausalLM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # slow to import (~2 s)
     kw = dict(dtype=dtype, **({"attn_implementation": attn_implementation} if attn_implementation else {}))
-    try:
-        model = AutoModelForImageTextToText.from_pretrained(path, **kw)
-    except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText": a text LLM
-        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    if presets.random_init(path):  # a folder without weights (bench.py's big presets): built from its config, seeded
+        model = presets.random_model(path, **kw)
+    else:
+        try:
+            model = AutoModelForImageTextToText.from_pretrained(path, **kw)
+        except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText": a text LLM
+            model = AutoModelForCausalLM.from_pretrained(path, **kw)
     if dtype == torch.float64 and routers(model):  # MoE: transformers' default experts kernel (grouped_mm) takes
         model.set_experts_implementation("eager")  # no float64, the tests' reference precision; the loop does
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):  # positions after a video as vLLM has them
@@ -225,21 +230,6 @@ class LogProbModel(nn.Module):
         pixels = torch.zeros(m * m, dim, device=like.device, dtype=like.dtype)  # [patches, C*t*p*p]
         out = self.hf.model.get_image_features(pixels, torch.tensor([[1, m, m]], device=like.device))
         return sum(t.float().sum() for t in _tensors(out)).to(like.dtype) * 0.0
-
-
-def routers(hf):
-    """The MoE routers of a model (transformers' top-k routers: Qwen3-MoE, Qwen3-VL-MoE, ...); [] for a dense one."""
-    return [m for m in hf.modules() if type(m).__name__.endswith("TopKRouter")]
-
-
-def router_aux_loss(hf, logits, input_ids):
-    """The model's own load-balancing loss (Switch Transformer's, as transformers computes it for
-    output_router_logits) over a micro-batch's real tokens: logits per layer [B*T, experts], pads (right-padded
-    rows) left out."""
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func  # (slow import)
-    cfg = hf.config.get_text_config()
-    real = (input_ids != cfg.pad_token_id).long() if cfg.pad_token_id is not None else None  # [B, T]
-    return load_balancing_loss_func(tuple(logits), cfg.num_experts, cfg.num_experts_per_tok, real)
 
 
 def _tensors(x):

@@ -1,11 +1,24 @@
 """Real-size models with random weights (bench.py's presets): the dimensions of the real Qwen2.5-VL / Qwen3-VL
 checkpoints (from their hub config.json files), built in code with tiny_model.py's tokenizer and processor, so a
-benchmark measures the real shapes without a download."""
+benchmark measures the real shapes without a download.
+
+A preset too big for the disk (the 30B-A3B's bf16 weights are 62 GB; the GPU machine has 64 GiB of disk) is written
+without weights: config, tokenizer and processor, and RANDOM_INIT, which says so. The trainer then builds the model
+from the config where it runs (random_model: the same seed, so the same values build_random_model would have saved),
+and the engine starts on placeholder weights (vLLM's load_format="dummy") that the first weight sync replaces in
+full, before anything is generated."""
+import json
+import os
+
 import torch
 
 import tiny_moe
 from tiny_model import (_atomic_build, _save_generation_config, _save_processor, _text_config, _token_ids, _vl_classes,
-                        _vl_config, build_tokenizer)
+                        _vl_config, _write_json, build_tokenizer, tiny_config)
+
+RANDOM_INIT = "random_init.json"  # in a model folder without weights: {"preset", "seed"}
+# bench.py writes no weights for a preset above this many parameters (bf16: 40 GB and more), or with --random-init
+RANDOM_INIT_ABOVE = 20e9
 
 
 PRESETS = {
@@ -24,6 +37,8 @@ PRESETS = {
     "qwen2_5_vl_72b": dict(hidden=8192, intermediate=29568, layers=80, heads=64, kv_heads=8,
                            vocab_size=152064, tie=False),
     **tiny_moe.PRESETS,  # Qwen3-VL-30B-A3B
+    # the tiny demo MoE (tiny_model.tiny_config, its own small vocabulary) as a preset: bench.py's paths on the CPU
+    "tiny_qwen3_vl_moe": dict(arch="qwen3_vl_moe", tiny=True),
 }
 
 
@@ -33,6 +48,8 @@ def preset_config(preset, ids):
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     p = PRESETS[preset]
     arch = p.get("arch", "qwen2_5_vl")
+    if p.get("tiny"):  # the demo's vocabulary: the tokenizer's (its special tokens last), in rows of 64
+        return tiny_config(arch, ids, (max(ids.values()) + 64) // 64 * 64)
     if arch in ("qwen3_vl", "qwen3_vl_moe"):
         text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"],
                             p["heads"], p["kv_heads"], mrope_section=[24, 20, 20], tie=p["tie"],
@@ -57,32 +74,75 @@ def preset_config(preset, ids):
     return _vl_config(Cfg, Model, text, vision, ids, tie=p["tie"])
 
 
-def build_random_model(out_dir, preset, seed=0, device=None) -> str:
-    """Real-size Qwen2.5-VL / Qwen3-VL with random bf16 weights (GPU benchmarks). Too slow for CPU CI."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+def build_random_model(out_dir, preset, seed=0, device=None, weights=True) -> str:
+    """Real-size Qwen2.5-VL / Qwen3-VL with random bf16 weights (GPU benchmarks). Too slow for CPU CI. weights=False:
+    the folder without them (config, tokenizer, processor, RANDOM_INIT); random_model builds them where they are
+    used."""
     arch = PRESETS.get(preset, {}).get("arch", "qwen2_5_vl")
 
     def build(tmp):
         tok = build_tokenizer(split_digits=arch in ("qwen3_vl", "qwen3_vl_moe"))
         ids = _token_ids(tok)
         cfg = preset_config(preset, ids)
-        Model = _vl_classes(arch)[1]
-        torch.manual_seed(seed)
-        # Built directly in bf16 on the target device: no fp32 copy, GPU init takes seconds.
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device(device):
-                model = Model(cfg).eval()
-        finally:
-            torch.set_default_dtype(old)
-        model.save_pretrained(tmp)
+        if weights:
+            _init_model(_vl_classes(arch)[1], cfg, seed, device).save_pretrained(tmp)
+        else:
+            cfg.dtype = torch.bfloat16  # what save_pretrained of the bf16 model records
+            cfg.save_pretrained(tmp)
+            _write_json(os.path.join(tmp, RANDOM_INIT), {"preset": preset, "seed": seed})
         tiny_moe.hub_layout(tmp)
         _save_generation_config(ids, tmp)
         tok.save_pretrained(tmp)
         _save_processor(arch, tok, tmp, min_pixels=3136, max_pixels=512 * 512)
 
-    return _atomic_build(out_dir, build, {"preset": preset, "seed": seed, "version": 1})
+    return _atomic_build(out_dir, build, {"preset": preset, "seed": seed, "version": 1, "weights": weights})
+
+
+def _init_model(Model, cfg, seed, device=None):
+    """The model with the random weights of `seed`: built in bf16 on `device` (the GPU where there is one: no fp32
+    copy, a 31B model in seconds), the caller's random state untouched."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with device:
+                return Model(cfg).eval()
+        finally:
+            torch.set_default_dtype(old)
+
+
+def random_init(path):
+    """{"preset", "seed"} of a model folder written without weights (build_random_model(weights=False)), else None."""
+    f = os.path.join(path, RANDOM_INIT) if isinstance(path, str) else ""
+    if not os.path.isfile(f):
+        return None
+    with open(f) as fh:
+        return json.load(fh)
+
+
+def random_model(path, dtype=torch.float32, attn_implementation=None, device=None):
+    """The model of a folder without weights, as from_pretrained would give it had build_random_model saved them:
+    built from its config with its seed in bf16 on `device` (default: this process's GPU, else the CPU), then each
+    parameter cast to `dtype` in turn (bf16 -> fp32 is exact). Every rank builds the whole model before FSDP2 shards
+    it: 2 bytes per parameter on its GPU, 4 at most for fp32 master weights (the 30B-A3B in AMP: 116 GiB)."""
+    from transformers import AutoConfig  # slow to import (~2 s)
+    cfg = AutoConfig.from_pretrained(path)
+    model = _init_model(_vl_classes(cfg.model_type)[1], cfg, random_init(path)["seed"], device)
+    if dtype != torch.bfloat16:
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+            if p.is_cuda:  # the bf16 copy's memory back to the driver now: cached, it would stand beside the fp32 ones
+                torch.cuda.empty_cache()
+    if attn_implementation:
+        model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def too_big_for_disk(preset):
+    """Whether bench.py writes the preset without weights (above RANDOM_INIT_ABOVE parameters)."""
+    return count_params(preset_config(preset, _token_ids(build_tokenizer()))) > RANDOM_INIT_ABOVE
 
 
 def count_params(cfg, arch=None) -> int:

@@ -12,8 +12,8 @@ actually sampled from, i.e. log_softmax over the *processed* scores: image/video
 by the temperature, then top-p truncation (renormalised over the nucleus). vLLM calls this
 logprobs_mode="processed_logprobs" (its default "raw_logprobs" ignores the temperature, which makes it useless for
 a trainer computing log_softmax(logits / T)). With top_p == 1 (the GRPO default) this equals the trainer's
-log_softmax(logits / T) with the same tokens forbidden (fsdp_actor masks them too); with top_p < 1 it is the nucleus-renormalised value.
-Greedy (temperature == 0): log_softmax of the untempered logits.
+log_softmax(logits / T) with the same tokens forbidden (fsdp_actor masks them too); with top_p < 1 it is the
+nucleus-renormalised value. Greedy (temperature == 0): log_softmax of the untempered logits.
 """
 import dataclasses
 import os
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, LogitsProcessorList,
                           SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper)
 
+import presets
 from common import UserError
 from fsdp_actor import load_hf_model, mm_token_types  # the same loading and M-RoPE inputs as the trainer
 
@@ -131,6 +132,13 @@ class HFRollout:
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0])
         # name -> tensor sharing storage with the model: sync_weights copies into these in place
         self._params = self.model.state_dict()
+        # a folder without weights: placeholders, as vLLM's load_format="dummy" has them, until a sync sends every
+        # weight (a first sync of only the LoRA layers would leave the rest placeholders: sync_weights refuses it)
+        self.weights_lost = presets.random_init(model_path) is not None
+        if self.weights_lost:
+            g = torch.Generator(self.device).manual_seed(1234)
+            for prm in self.model.parameters():
+                prm.data.uniform_(-1e-3, 1e-3, generator=g)
 
     @torch.no_grad()
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None):
@@ -181,6 +189,7 @@ class HFRollout:
     @torch.no_grad()
     def sync_weights(self, named_tensors):
         """Copy streamed (HF state_dict name, full tensor) pairs into the model, one tensor at a time."""
+        seen = set()
         for name, t in named_tensors:
             dst = self._params.get(name)
             if dst is None:
@@ -188,6 +197,11 @@ class HFRollout:
             if dst.shape != t.shape:  # copy_ would silently broadcast a wrong shape
                 raise ValueError(f"sync_weights: {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(t)
+            seen.add(name)
+        missing = [n for n, _ in self.model.named_parameters() if n not in seen] if self.weights_lost else []
+        if missing:  # (named_parameters: a tied weight once, under the name state_dict gives it first)
+            raise RuntimeError(f"the engine started without weights and these were not sent: {missing[:5]}...")
+        self.weights_lost = False
 
     def sleep(self):  # the HF engine keeps its weights; nothing to release
         pass
@@ -302,7 +316,8 @@ class VLLMRollout:
         self.processed_logprobs = "logprobs_mode" not in dropped
         self.llm = LLM(**{k: v for k, v in kw.items() if k in known})
         self.sleep_mode, self.sleep_level = enable_sleep_mode, sleep_level
-        self.asleep, self.weights_lost = set(), False
+        # load_format="dummy" (make_rollout, for a folder without weights): placeholders until the first full sync
+        self.asleep, self.weights_lost = set(), kw.get("load_format") == "dummy"
         # A gloo group per TP group (same consecutive-rank layout as vLLM's TP groups) to gather prompt records.
         self.tp_group = None
         if self.tp > 1:
@@ -311,18 +326,13 @@ class VLLMRollout:
 
     # ---- generation
     per_prompt_seeds = True  # (class attributes: make_rollout sets them) --per-prompt-seeds, see _requests
-    # vLLM's FlatLogprobs container (see _sampling_params): off until a GPU run checks it (tests/test_vllm_gpu.py) and
-    # bench.py engine-ablation measures what it saves; the dict container is what every GPU result here ran with
-    flat_logprobs = False
+    flat_logprobs = False  # FlatLogprobs: off until a GPU run checks and bench.py engine-ablation measures it
 
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True,
                          flat=None):
-        """seed: the request's own (None: vLLM draws one); vLLM gives its j-th of `rows` samples the seed `seed + j`
-        (parallel_sampling.py), so requests must be given seeds at least `rows` apart (request_seed). logprobs: the
-        sampled token's (logprobs=0; the engine's mode is processed_logprobs), flat: in vLLM's FlatLogprobs (a few
-        lists per sample) instead of a dict and a Logprob object per token, which the output processor builds one
-        by one (half a million of each per 3B bench step) and Python's garbage collector then walks. ban: the
-        image/video pad tokens forbidden through logit_bias."""
+        """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j`, so
+        requests need seeds `rows` apart (request_seed). logprobs: the sampled token's (processed); flat: in vLLM's
+        FlatLogprobs, not a dict and Logprob object per token (Python's collector walks those); ban: pad tokens."""
         from vllm import SamplingParams  # optional: the GPU engine
         greedy = temperature == 0
         # logit_bias is clamped to [-100, 100] by vLLM: -100 is probability ~e-44, i.e. forbidden
@@ -455,10 +465,11 @@ class VLLMRollout:
         loaded = model.load_weights((name, t.to(dev, non_blocking=True)) for name, t in named_tensors)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        if self.weights_lost and loaded is not None:  # after level-2 sleep every parameter must be resent
+        if self.weights_lost and loaded is not None:  # after level-2 sleep (or dummy weights) every one is sent
             missing = {n for n, _ in model.named_parameters()} - set(loaded)
             if missing:
-                raise RuntimeError(f"after sleep(level=2) these weights were not resent: {sorted(missing)[:5]}...")
+                raise RuntimeError(f"after sleep(level=2) or a start without weights these were not sent: "
+                                   f"{sorted(missing)[:5]}...")
         self.weights_lost = False
         self._reset_caches()
 
@@ -544,6 +555,8 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
               max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
               limit_mm_per_prompt={"image": limit_images, "video": limit_videos}, seed=seed, dtype=dtype,
               enforce_eager=enforce_eager, sleep_level=sleep_level)
+    if presets.random_init(model_path):  # no weights on disk: placeholders, replaced in full by the first sync
+        kw["load_format"] = "dummy"
     if kv_cache_memory_gb:  # vLLM then skips its memory profile, which assumes no other process allocates meanwhile
         kw["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
     if lo and hi:

@@ -1,6 +1,7 @@
 """The mixture-of-experts pieces of the demo models (tiny_model.py builds them): the tiny Qwen3-VL-MoE's expert
-settings, the real Qwen3-VL-30B-A3B's dimensions (a bench.py preset), and the checkpoint layout of the experts as
-the hub's Qwen3-VL-MoE checkpoints hold them on disk."""
+settings, the real Qwen3-VL-30B-A3B's dimensions (a bench.py preset), the checkpoint layout of the experts as
+the hub's Qwen3-VL-MoE checkpoints hold them on disk, and the routers the trainer finds and balances
+(fsdp_actor.py)."""
 import json
 import os
 
@@ -49,3 +50,18 @@ def hub_layout(out):
         if fused:
             save_file({k: v.transpose(1, 2).contiguous() if k in fused else v for k, v in sd.items()},
                       os.path.join(out, f), metadata={"format": "pt"})
+
+
+def routers(hf):
+    """The MoE routers of a model (transformers' top-k routers: Qwen3-MoE, Qwen3-VL-MoE, ...); [] for a dense one."""
+    return [m for m in hf.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def router_aux_loss(hf, logits, input_ids):
+    """The model's own load-balancing loss (Switch Transformer's, as transformers computes it for
+    output_router_logits) over a micro-batch's real tokens: logits per layer [B*T, experts], pads (right-padded
+    rows) left out."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func  # (slow import)
+    cfg = hf.config.get_text_config()
+    real = (input_ids != cfg.pad_token_id).long() if cfg.pad_token_id is not None else None  # [B, T]
+    return load_balancing_loss_func(tuple(logits), cfg.num_experts, cfg.num_experts_per_tok, real)

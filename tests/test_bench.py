@@ -307,3 +307,49 @@ def test_engine_ablation_memory_share_row_runs_bare_alone_in_a_second_engine():
     assert cmd[2:] == ["engine-ablation", "--preset", "qwen2_5_vl_3b", "--max-steps", "3", "--rows", "bare",
                        "--repeats", "1", "--bare-memory-share", "0", "--gpu-memory-utilization", "0.6",
                        "--output-dir", "/o/memory_share"]
+
+
+def _recipe_config(tmp_path, precision=None):
+    """grpo.Config of benchmarks/gpu_moe30b.sh's bench.py run (the flags as bash passes them), and its preset."""
+    import shlex
+    import tyro
+    import easyr1_config
+    import grpo
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "gpu_moe30b.sh")
+    text = open(here).read().replace("\\\n", " ")
+    words = [w.replace("${STEPS:-3}", "3") for w in shlex.split(next(x for x in text.splitlines()
+                                                                     if x.startswith("run_bench ")))[4:]]
+    i = words.index("--preset")
+    preset = words[i + 1]
+    del words[i:i + 2]
+    if precision:
+        words[words.index("--precision") + 1] = precision
+    (tmp_path / "geo.parquet").touch()
+    cfg = tyro.cli(grpo.Config, args=words, default=bench.defaults(str(tmp_path), "org/model",
+                                                                  str(tmp_path / "geo.parquet")))
+    easyr1_config.check(cfg, 1)
+    return cfg, preset
+
+
+def test_the_30b_recipe_fits_one_h200_by_the_memory_model(tmp_path):
+    """benchmarks/gpu_moe30b.sh: the 30B-A3B with LoRA on a pure-bf16 base, the engine dropping its weights in its
+    sleep (level 2, no reference model), 8 prompts x 8 x 512 tokens. By the memory model (README: the 30B-A3B's
+    "LoRA r64, bf16" row) the trainer holds 58.2 GiB while generating, beside the engine's 57.9 GiB of weights, its
+    6 GiB KV cache and ~3 of activations and graphs: ~125 of an H200's ~139; the update needs ~80 with the engine
+    asleep; vLLM's start-up check (gpu_memory_utilization x the card free) passes beside the trainer's weights.
+    In AMP (LoRA on fp32 master weights) the same run stops before loading, naming the two GPUs it takes."""
+    from dataclasses import asdict
+    from common import UserError
+    cfg, preset = _recipe_config(tmp_path)
+    assert preset == "qwen3_vl_30b_a3b" and (cfg.lora_rank, cfg.precision, cfg.sleep_level) == (64, "bf16", 2)
+    dims = bench.model_dims(preset)
+    m = bench.memory_model(dims, **bench.config_mode(asdict(cfg), 1))
+    card = 139.0  # GiB an H200 leaves to a process (140.4 less the CUDA context)
+    engine = 2 * dims["params"] / bench.GIB + cfg.kv_cache_memory_gb + bench.ENGINE_LEAST_GIB - 1.5
+    assert m["gen"] == pytest.approx(58.2, abs=0.1) and m["gen"] + engine == pytest.approx(125.1, abs=0.5)
+    assert m["gen"] + engine < card - 10 and m["ref"] < m["update"] < 85
+    assert (140.4 - m["gen"] - 1) > cfg.gpu_memory_utilization * 140.4  # vLLM's free-memory check at its start
+    bench.check_fits(asdict(cfg), preset, 1, 140.4)
+    cfg, _ = _recipe_config(tmp_path, precision="amp")
+    with pytest.raises(UserError, match="it takes 2 such GPUs"):
+        bench.check_fits(asdict(cfg), preset, 1, 140.4)
