@@ -282,7 +282,7 @@ def test_bench_main_passes_the_engine_ablation_options(tmp_path, monkeypatch):
     import engine_bench
     got = {}
     monkeypatch.setenv("BENCH_DIR", str(tmp_path))
-    monkeypatch.setattr(bench.presets, "build_random_model", lambda path, preset: None)
+    monkeypatch.setattr(bench.presets, "build_random_model", lambda path, preset, **kw: None)
     (tmp_path / "geo-v2.parquet").write_text("")
     monkeypatch.setattr(engine_bench, "run", lambda cfg, *a: got.update(cfg=cfg, args=a))
     monkeypatch.setattr(bench.dist, "destroy_process_group", lambda: None)
