@@ -45,6 +45,7 @@ ROWS = {
     "dapo": ("dapo.py", [], 0.95, "dapo.py, Qwen2.5-VL colour"),
     "rloo": ("grpo.py", ["--adv-estimator", "rloo"], 0.95, "RLOO, Qwen2.5-VL colour"),
     "qwen3vl_moe": ("grpo.py", ["--demo-model", "qwen3_vl_moe"], 0.95, "Qwen3-VL-MoE colour (4 experts, top 2)"),
+    "qwen2vl_colour": ("grpo.py", ["--demo-model", "qwen2_vl"], 0.95, "Qwen2-VL colour"),
 }
 MAX_DIFF_MEAN = 5e-3
 MIN_GREEDY_EQUAL = 0.99  # parity: the share of validation prompts on which vLLM's greedy answer is the HF engine's
@@ -233,6 +234,7 @@ def table(docs):
             f"{_fmt(s['sec_per_step'], '.2f')} | {_fmt(s['peak_gb'], '.1f')} | "
             f"{'pass' if not s['failures'] else 'FAIL: ' + '; '.join(s['failures'])}{_parity_note(s)} | "
             f"{s['doc']['date']} |")
+    lines += [f"| {name} | {ROWS[name][3]} | - | - | - | - | - | not yet run | - |" for name in ROWS if name not in latest]
     ran = sorted({_ran(s["doc"]) for s in latest.values()})
     lines.insert(0, "Ran on: " + "; ".join(ran) + ".\n")
     for s in earlier:

@@ -90,7 +90,9 @@ def test_readme_and_benchmarks_quote_the_generated_matrix():
         assert text in open(os.path.join(ROOT, doc)).read(), f"{doc}: paste `python matrix.py table " \
             "benchmarks/h200/matrix_*.json`"
     latest = {r["row"]: r for d in docs for r in d["rows"]}
-    assert set(latest) == set(matrix.ROWS) and all(not r["failures"] for r in latest.values())
+    assert set(latest) <= set(matrix.ROWS) and all(not r["failures"] for r in latest.values())
+    for name in set(matrix.ROWS) - set(latest):  # a row added since the last GPU session says so in the table
+        assert f"| {name} | {matrix.ROWS[name][3]} | - | - | - | - | - | not yet run | - |" in text
 
 
 def test_parity_of_a_trained_run_on_the_cpu(tmp_path):

@@ -181,6 +181,7 @@ def test_qwen3_vl_8b_preset_has_the_real_dimensions():
 
 @pytest.mark.parametrize("demo, model_cls, reward, images", [
     ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "color_reward", True),  # the default: today's demo
+    ("qwen2_vl", "Qwen2VLForConditionalGeneration", "color_reward", True),
     ("qwen3_vl", "Qwen3VLForConditionalGeneration", "color_reward", True),
     ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "color_reward", True),
     ("qwen3", "Qwen3ForCausalLM", "number_reward", False)])
