@@ -47,7 +47,7 @@ import grpo
 import memory
 import presets
 import tiny_model
-from common import UserError, one_line_errors
+from common import one_line_errors
 
 WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
          "of x if is parallel to perpendicular measure degrees round answer nearest tenth").split()
@@ -240,147 +240,11 @@ def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
     return replace(cfg, gpu_memory_utilization=util)
 
 
-# ------------------------------------------------------------------------------------------ the memory model
-GIB = 2**30
-
-
-def model_dims(preset):
-    """Parameter counts and the dimensions the activations scale with, of a bench preset (meta device: no memory)."""
-    cfg = presets.preset_config(preset, tiny_model._token_ids(tiny_model.build_tokenizer()))
-    t = cfg.text_config
-    params = presets.count_params(cfg)
-    H, kv = t.hidden_size, t.num_key_value_heads / t.num_attention_heads
-    E = getattr(t, "num_experts", 0) or 0
-    # MoE: a layer (one FSDP unit, gathered whole) holds all E experts (3 x H x I' each) and the router (E x H);
-    # a token's MLP intermediates are those of its k routed experts, k x I' wide
-    inter = t.num_experts_per_tok * t.moe_intermediate_size if E else t.intermediate_size
-    mlp = 3 * H * t.moe_intermediate_size * E + H * E if E else 3 * H * t.intermediate_size
-    layer = 2 * H * H * hd_frac(t) + 2 * H * H * kv * hd_frac(t) + mlp  # q, o: H x H; k, v: H x kv H; the MLP
-    return dict(params=params, hidden=t.hidden_size, inter=inter, layers=t.num_hidden_layers, moe=bool(E),
-                vocab=t.vocab_size, kv_frac=t.num_key_value_heads / t.num_attention_heads, layer_params=layer,
-                root_params=t.vocab_size * t.hidden_size * (1 if cfg.tie_word_embeddings else 2))
-
-
-def hd_frac(t):
-    """heads x head_dim over the hidden size: 1 for Qwen2.5-VL and the 8B, 2 for the 30B-A3B (32 x 128 = 4096 of
-    a 2048 residual stream)."""
-    return t.num_attention_heads * (getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads) \
-        / t.hidden_size
-
-
-def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offload_params=False,
-                 offload_optimizer=False, kl_coef=1e-2, mb_tokens=16384, chunk=4096, engine_gb=0.0):
-    """GiB per GPU by phase, from bytes per parameter: the policy's sharded state (AMP: 4 + 4 + 8, fp32 master
-    weights, gradients and moments; bf16: 2 + 2 + 4, + 2 for Kahan's compensation; LoRA: the frozen base's
-    weights only, the adapters with the full state), the reference model (bf16, 2 bytes, when kl_coef > 0 without
-    LoRA), all over `world`; then what is not sharded: the largest FSDP unit all-gathered in bf16 (the root:
-    embeddings and lm_head) plus two decoder layers (one prefetched), and the activations of a micro-batch of
-    `mb_tokens` (gradient checkpointing: each layer's bf16 input is kept, and one layer recomputed at a time or a
-    chunk of fp32 logits with its softmax and gradient; the log-prob passes: one MLP's intermediates or a chunk of
-    logits). --offload-optimizer: the state on the GPU for the step only. The engine:
-    its pool (`engine_gb`, weights + KV cache) while awake, nothing asleep (level 1 moves its weights to the host).
-    Returns {phase: GiB} and the parts."""
-    P, H, L = dims["params"], dims["hidden"], dims["layers"]
-    b = dict(memory.STATE_BYTES[precision])
-    if precision == "bf16" and kahan:
-        b["optim"] += memory.KAHAN_BYTES
-    if lora_rank:  # all-linear adapters on the language model: r x (in + out) per projection
-        # q, o: H + H; k, v: H + kv H; gate, up, down: H + I (MoE: attention only, its experts are not nn.Linear)
-        adapters = lora_rank * L * (4 * H + 2 * H * (1 + dims["kv_frac"])
-                                    + (0 if dims.get("moe") else 3 * (H + dims["inter"])))
-        train = adapters
-        base = P * b["weights"]
-    else:
-        train, base = P, 0
-    weights = base + train * b["weights"]
-    grads, optim = train * b["grads"], train * b["optim"]
-    ref = 2 * P if kl_coef > 0 and not lora_rank else 0
-    on_gpu = lambda x, off: 0 if off else x / world  # noqa: E731
-    gathered = 2 * (dims["root_params"] + 2 * dims["layer_params"])  # bf16 all-gathered units
-    # The update: gradient checkpointing keeps each layer's bf16 input, and on top of them either one layer
-    # recomputed with its gradient (during the layers' backward) or a chunk of fp32 logits with its softmax and
-    # gradient (at the head): the two are never alive together (summing them overshot the 3B's update by 47 %).
-    ckpt = mb_tokens * 2 * H * L
-    act_update = ckpt + max(mb_tokens * 2 * 2 * (4 * H + 3 * dims["inter"]), 3 * 4 * chunk * dims["vocab"])
-    # a no-grad forward keeps nothing from layer to layer: its peak is inside one MLP (gate, up and their product,
-    # bf16) beside the residual stream's input and output, or at the head, a chunk of fp32 logits and their softmax
-    # (measured on the H200: the old bound, one recomputed layer and its gradient as in the update, overshot every
-    # reference phase by 13-54 %)
-    act_fwd = max(mb_tokens * 2 * (3 * dims["inter"] + 2 * H), 2 * 4 * chunk * dims["vocab"])
-    resident = on_gpu(weights, offload_params) + on_gpu(optim, offload_params or offload_optimizer)
-    # --offload-optimizer: the state comes in for the optimizer step, after the backward freed its activations
-    # (with --offload-params the step runs on the host)
-    step_in = on_gpu(optim, offload_params) if offload_optimizer else 0
-    parts = dict(weights=on_gpu(weights, offload_params) / GIB, grads=on_gpu(grads, offload_params) / GIB,
-                 optim=on_gpu(optim, offload_params) / GIB, ref=on_gpu(ref, offload_params) / GIB,
-                 gathered=gathered / GIB, act_update=act_update / GIB, engine=engine_gb)
-    ref_gpu = ref / world  # with --offload-params it comes in for its pass
-    gen = (resident + on_gpu(ref, offload_params)) / GIB
-    update = (resident + on_gpu(grads, offload_params) + on_gpu(ref, offload_params)
-              + max(gathered + act_update, step_in)) / GIB
-    return dict(gen=gen, ref=(resident + ref_gpu + gathered + act_fwd) / GIB, update=update, engine=engine_gb,
-                peak=max(gen + engine_gb, update), parts=parts)
-
-
-CARDS_GIB = (40, 80, 140)  # 40 and 80 GB cards (as bench.py --gpu-memory-cap-gb measures them), an H200
-ENGINE_LEAST_GIB = 4.5  # vLLM beside its weights at its least: a 1.5 GiB KV cache, ~3 GiB of activations and graphs
-# (session 6, the 7B at --kv-cache-memory-gb 1.5: 15.7 GiB of weights, 20.7 awake)
-
-
-def need_gib(m, dims, world):
-    """What a memory_model() cell needs of each GPU with the engine at its least (tensor-parallel over the cell's
-    GPUs, ENGINE_LEAST_GIB beside its bf16 weights) while generating, or in the update (the engine asleep)."""
-    engine = 2 * dims["params"] / min(world, 8) / GIB + ENGINE_LEAST_GIB
-    return max(m["gen"] + engine, m["update"])
-
-
-def smallest_card(m, dims, world):
-    """The smallest of CARDS_GIB that holds a memory_model() cell with the engine at its least, keeping ~1 GiB for
-    the CUDA context; None if none."""
-    return next((c for c in CARDS_GIB if need_gib(m, dims, world) <= c - 1), None)
-
-
-TOKENS_PER_SAMPLE = 1470  # the geo3k-like workload: ~324 image + ~120 text prompt tokens + 1024 response tokens
-PROMPT_TOKENS = TOKENS_PER_SAMPLE - 1024
-
-
-def config_mode(c, world):
-    """memory_model()'s keywords for a run's config (grpo.Config as a dict) on `world` ranks: its state, and
-    micro-batches of as many bench samples (PROMPT_TOKENS + max_response_length) as its limits let a rank take."""
-    tokens = PROMPT_TOKENS + c["max_response_length"]
-    per_rank = c["rollout_batch_size"] * c["n"] // world
-    fit = max(1, min(per_rank, c["micro_batch_size_per_device"], c["max_token_len_per_device"] // tokens))
-    return dict(precision=c["precision"], lora_rank=c["lora_rank"], kahan=c["bf16_rounding"] == "kahan", world=world,
-                offload_params=c["offload_params"], offload_optimizer=c["offload_optimizer"], kl_coef=c["kl_coef"],
-                mb_tokens=fit * tokens, chunk=c["logprob_chunk_size"])
-
-
 def run_model(summary):
     """The memory model for one bench run, from its bench_summary.json."""
-    return memory_model(model_dims(summary["preset"]), **config_mode(summary["config"], summary["world"]),
-                        engine_gb=summary.get("memory/engine_pool_gb") or 0.0)
-
-
-def check_fits(c, preset, world, card_gib, slack=0.1):
-    """Stop before anything loads (UserError: one line) when by the memory model the run cannot fit `world` GPUs of
-    `card_gib` even with the engine at its least, naming how many such GPUs would hold it. The model is within 15 %
-    of every measured phase: only a need above the card by more than `slack` stops a run."""
-    dims = model_dims(preset)
-    need = need_gib(memory_model(dims, **config_mode(c, world)), dims, world)
-    if need <= (card_gib - 1) * (1 + slack):
-        return
-    fits = next((w for w in (2, 4, 8, 16, 32, 64) if w > world
-                 and need_gib(memory_model(dims, **config_mode(c, w)), dims, w) <= card_gib - 1), None)
-    mode = " ".join([f"--precision {c['precision']}"] + [f"--lora-rank {c['lora_rank']}"] * bool(c["lora_rank"])
-                    + ["--offload-params"] * c["offload_params"] + ["--offload-optimizer"] * c["offload_optimizer"])
-    less = [flag for flag, on in (("--lora-rank 64", c["lora_rank"]), ("--precision bf16", c["precision"] == "bf16"),
-                                  ("--offload-params", c["offload_params"])) if not on]
-    where = "not even 64 such GPUs hold it" if fits is None else f"it takes {fits} such GPUs (" + (
-        f"torchrun --nproc_per_node {fits})" if fits <= 8 else "several nodes)")
-    raise UserError(f"--preset {preset} with {mode} needs about {need:.0f} GiB per GPU on {world} GPU"
-                    f"{'s' * (world > 1)} (bench.py's memory model, README \"Memory modes\"), more than a "
-                    f"{card_gib:.0f} GiB GPU holds: {where}" + (f"; or less state per GPU: {', '.join(less)}"
-                                                                 if less else ""))
+    return memory.memory_model(memory.model_dims(summary["preset"]),
+                               **memory.config_mode(summary["config"], summary["world"]),
+                               engine_gb=summary.get("memory/engine_pool_gb") or 0.0)
 
 
 def table(paths):
@@ -392,17 +256,19 @@ def table(paths):
              ("LoRA r64, AMP", dict(lora_rank=64)), ("LoRA r64, bf16", dict(lora_rank=64, precision="bf16"))]
     out = ["Computed (GiB per GPU: trainer during generation / update, bench workload 1470 tokens per sample, "
            "16384-token micro-batches; the engine's pool comes on top while it generates. In brackets the smallest "
-           f"card of {', '.join(map(str, CARDS_GIB))} GiB that holds it with the engine at its least (tensor-parallel "
-           f"over the cell's GPUs, {ENGINE_LEAST_GIB} GiB beside its weights: a 1.5 GiB KV cache via "
-           "--kv-cache-memory-gb), '-' if none; offload takes host memory instead: 16 bytes per parameter):", "",
+           f"card of {', '.join(map(str, memory.CARDS_GIB))} GiB that holds it with the engine at its least "
+           f"(tensor-parallel over the cell's GPUs, {memory.ENGINE_LEAST_GIB} GiB beside its weights: a 1.5 GiB KV "
+           "cache via --kv-cache-memory-gb), '-' if none; offload takes host memory instead: 16 bytes per "
+           "parameter):", "",
            "| model | mode | 1 GPU | 2 GPUs | 4 GPUs | 8 GPUs |", "|---|---|---|---|---|---|"]
     for preset in ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b", "qwen2_5_vl_32b", "qwen2_5_vl_72b",
                    "qwen3_vl_30b_a3b"):
-        dims = model_dims(preset)
+        dims = memory.model_dims(preset)
         for name, kw in modes:
-            cells = [memory_model(dims, world=w, mb_tokens=11 * TOKENS_PER_SAMPLE, **kw) for w in (1, 2, 4, 8)]
+            cells = [memory.memory_model(dims, world=w, mb_tokens=11 * memory.TOKENS_PER_SAMPLE, **kw)
+                     for w in (1, 2, 4, 8)]
             out.append(f"| {preset} ({dims['params'] / 1e9:.2f}B) | {name} | "
-                       + " | ".join(f"{m['gen']:.1f} / {m['update']:.1f} ({smallest_card(m, dims, w) or '-'})"
+                       + " | ".join(f"{m['gen']:.1f} / {m['update']:.1f} ({memory.smallest_card(m, dims, w) or '-'})"
                                     for m, w in zip(cells, (1, 2, 4, 8))) + " |")
     out += ["", "Measured (GiB per GPU; each cell: measured, model, error):", "",
             "| run | date, command | trainer gen | trainer ref | trainer update | engine pool | s/step "
@@ -479,10 +345,10 @@ def main():
         return
     cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
     if torch.cuda.is_available():  # one line now, rather than out of memory after minutes of loading
-        card = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / GIB
+        card = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / memory.GIB
         with one_line_errors():
-            check_fits(asdict(cfg), preset, int(os.environ.get("WORLD_SIZE", "1")),
-                       float(opts["--gpu-memory-cap-gb"] or card))
+            memory.check_fits(asdict(cfg), memory.model_dims(preset), int(os.environ.get("WORLD_SIZE", "1")),
+                              float(opts["--gpu-memory-cap-gb"] or card), f"--preset {preset}")
     if opts["--gpu-memory-cap-gb"]:
         cfg = cap_gpu_memory(cfg, float(opts["--gpu-memory-cap-gb"]))
     if ablation:

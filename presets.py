@@ -13,8 +13,8 @@ import os
 import torch
 
 import tiny_moe
-from tiny_model import (_atomic_build, _save_generation_config, _save_processor, _text_config, _token_ids, _vl_classes,
-                        _vl_config, _write_json, build_tokenizer, tiny_config)
+from tiny_model import (ARCHS, TEXT_ARCHS, _atomic_build, _save_generation_config, _save_processor, _text_config,
+                        _token_ids, _vl_classes, _vl_config, _write_json, build_tokenizer, tiny_config)
 
 RANDOM_INIT = "random_init.json"  # in a model folder without weights: {"preset", "seed"}
 # bench.py writes no weights for a preset above this many parameters (bf16: 40 GB and more), or with --random-init
@@ -40,6 +40,11 @@ PRESETS = {
     # the tiny demo MoE (tiny_model.tiny_config, its own small vocabulary) as a preset: bench.py's paths on the CPU
     "tiny_qwen3_vl_moe": dict(arch="qwen3_vl_moe", tiny=True),
 }
+# the hub's names of the checkpoints a preset has the dimensions of: grpo.py's check before loading (memory.py)
+# knows these models without their config.json
+HUB_NAMES = {"Qwen/Qwen2.5-VL-3B-Instruct": "qwen2_5_vl_3b", "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2_5_vl_7b",
+             "Qwen/Qwen2.5-VL-32B-Instruct": "qwen2_5_vl_32b", "Qwen/Qwen2.5-VL-72B-Instruct": "qwen2_5_vl_72b",
+             "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl_8b", **tiny_moe.HUB_NAMES}
 
 
 def preset_config(preset, ids):
@@ -140,14 +145,52 @@ def random_model(path, dtype=torch.float32, attn_implementation=None, device=Non
     return model
 
 
+def config_json(model_path):
+    """The config.json of a --model-path that can be read without a download: the folder's, or the HF cache's copy
+    of a hub name; None if neither."""
+    local = os.path.join(model_path, "config.json")
+    if os.path.isfile(local):
+        return local
+    if os.path.exists(model_path) or model_path.count("/") != 1:  # a folder without one, or not a hub name
+        return None
+    from huggingface_hub import try_to_load_from_cache  # (imported by transformers anyway; only hub names need it)
+    try:
+        found = try_to_load_from_cache(model_path, "config.json")
+    except ValueError:  # not a valid repo id (huggingface_hub's HFValidationError)
+        return None
+    return found if isinstance(found, str) else None  # (a "known missing" marker is not a path)
+
+
+def known_config(model_path):
+    """The config of the model a --model-path names, without loading or downloading anything: from its config.json
+    where one is readable (config_json), else its preset's for a name of HUB_NAMES; None for any other."""
+    found = config_json(model_path) if model_path else None
+    if found:
+        from transformers import AutoConfig  # slow to import (~2 s)
+        try:
+            return AutoConfig.from_pretrained(os.path.dirname(found))
+        except (OSError, ValueError, KeyError):  # not a config transformers can read (an unknown model type)
+            return None
+    preset = HUB_NAMES.get(model_path)
+    return preset_config(preset, _token_ids(build_tokenizer())) if preset else None
+
+
 def too_big_for_disk(preset):
     """Whether bench.py writes the preset without weights (above RANDOM_INIT_ABOVE parameters)."""
     return count_params(preset_config(preset, _token_ids(build_tokenizer()))) > RANDOM_INIT_ABOVE
 
 
 def count_params(cfg, arch=None) -> int:
-    """Parameter count of a config without allocating (meta device)."""
-    Model = _vl_classes(arch or cfg.model_type)[1]
+    """Parameter count of a config without allocating (meta device): a VLM of tiny_model's, else the model
+    fsdp_actor.load_hf_model would load (a text LLM's causal LM, another VLM's image-text-to-text model)."""
+    arch = arch or cfg.model_type
     with torch.device("meta"):
-        model = Model(cfg)
+        if arch in ARCHS and arch not in TEXT_ARCHS:
+            model = _vl_classes(arch)[1](cfg)
+        else:
+            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # slow to import (~2 s)
+            try:
+                model = AutoModelForImageTextToText.from_config(cfg)
+            except ValueError:  # "Unrecognized configuration class": a text LLM (as load_hf_model tells them apart)
+                model = AutoModelForCausalLM.from_config(cfg)
     return sum(p.numel() for p in model.parameters())

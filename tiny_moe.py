@@ -26,6 +26,7 @@ PRESETS = {
                                       decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
                                       norm_topk_prob=True)),
 }
+HUB_NAMES = {"Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_30b_a3b"}  # (presets.HUB_NAMES)
 
 
 def hub_layout(out):

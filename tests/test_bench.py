@@ -6,6 +6,7 @@ import pytest
 
 import bench
 import data
+import memory
 import tiny_model
 
 
@@ -75,16 +76,16 @@ def test_memory_model_bytes_per_parameter():
     """Without activations and gathered units, the model is bytes per parameter over the ranks: AMP 4 + 4 + 8,
     bf16 2 + 2 + 4 (+ 2 Kahan), the reference 2, LoRA's base its weights only; offload leaves the GPU empty."""
     dims = dict(params=1e9, hidden=0, inter=0, layers=0, vocab=0, kv_frac=0, layer_params=0, root_params=0)
-    g = bench.GIB
+    g = memory.GIB
 
     def upd(**kw):
-        return bench.memory_model(dims, mb_tokens=0, chunk=0, **kw)["update"] * g / 1e9
+        return memory.memory_model(dims, mb_tokens=0, chunk=0, **kw)["update"] * g / 1e9
 
     assert upd() == 16 + 2 and upd(kl_coef=0) == 16
     assert upd(world=4, kl_coef=0) == 4
     assert upd(precision="bf16", kahan=False, kl_coef=0) == 8 and upd(precision="bf16", kl_coef=0) == 10
     assert upd(offload_params=True) == 0
-    assert bench.memory_model(dims, mb_tokens=0, chunk=0)["gen"] * g / 1e9 == 12 + 2  # no gradients then
+    assert memory.memory_model(dims, mb_tokens=0, chunk=0)["gen"] * g / 1e9 == 12 + 2  # no gradients then
     assert upd(lora_rank=8) == 4  # layers=0: no adapters, the fp32 base alone, no reference model
 
 
@@ -118,7 +119,7 @@ def test_table_shows_a_run_that_did_not_finish(tmp_path):
 def test_computed_only_presets_have_the_checkpoints_sizes(preset, billions):
     """The table's computed-only rows: the presets' dimensions give the published checkpoints' parameter counts
     (Qwen2.5-VL-32B-Instruct 33.5B, -72B-Instruct 73.4B), so a wrong hidden size or layer count shows."""
-    assert bench.model_dims(preset)["params"] / 1e9 == pytest.approx(billions, rel=0.005)
+    assert memory.model_dims(preset)["params"] / 1e9 == pytest.approx(billions, rel=0.005)
 
 
 def test_memory_model_tracks_every_measured_run():
@@ -144,8 +145,8 @@ def test_memory_model_tracks_every_measured_run():
 def test_offloaded_optimizer_state_counts_in_the_step_only():
     """--offload-optimizer: the state is off the GPU while generating, and on it for the optimizer step, whose peak
     (weights + gradients + state + reference) stands even when the micro-batch's activations are small."""
-    dims = bench.model_dims("qwen2_5_vl_3b")
-    m = bench.memory_model(dims, offload_optimizer=True, mb_tokens=1024)
+    dims = memory.model_dims("qwen2_5_vl_3b")
+    m = memory.memory_model(dims, offload_optimizer=True, mb_tokens=1024)
     p = m["parts"]
     assert m["gen"] == pytest.approx(p["weights"] + p["ref"])
     assert m["update"] >= p["weights"] + p["grads"] + p["optim"] + p["ref"] > p["optim"] > 20
@@ -160,8 +161,8 @@ def test_offloaded_optimizer_state_counts_in_the_step_only():
 def test_smallest_card_holds_the_measured_cells(preset, kw, card):
     """The table's "(card)" for one GPU agrees with what ran: a measured cell is never put on a bigger card than the
     one it ran on, and the 8B in pure bf16, whose trainer alone took 133 GB in its update, not on a smaller one."""
-    dims = bench.model_dims(preset)
-    got = bench.smallest_card(bench.memory_model(dims, mb_tokens=11 * bench.TOKENS_PER_SAMPLE, **kw), dims, 1)
+    dims = memory.model_dims(preset)
+    got = memory.smallest_card(memory.memory_model(dims, mb_tokens=11 * memory.TOKENS_PER_SAMPLE, **kw), dims, 1)
     assert got is not None and got <= card
     if preset == "qwen3_vl_8b":
         assert got == 140
@@ -180,14 +181,14 @@ def test_qwen3_vl_30b_a3b_preset_and_its_easyr1_script():
     """Qwen3-VL-30B-A3B-Instruct: 31.07B parameters (the hub's 31.1B), each layer an FSDP unit of 128 experts
     (0.62B parameters gathered at once), a token's MLP 8 x 768 wide; LoRA adapts attention only. EasyR1's example
     (bf16 weights, bf16 AdamW, 8 GPUs) is the computed "bf16 (Kahan)" cell on 8 GPUs: it fits an 80 GB card."""
-    dims = bench.model_dims("qwen3_vl_30b_a3b")
+    dims = memory.model_dims("qwen3_vl_30b_a3b")
     assert dims["params"] / 1e9 == pytest.approx(31.07, rel=0.002) and dims["moe"]
     assert dims["layer_params"] == pytest.approx(2 * 2048 * 4096 + 2 * 2048 * 512 + 128 * (3 * 2048 * 768 + 2048))
     assert dims["inter"] == 8 * 768
-    m = bench.memory_model(dims, precision="bf16", world=8, mb_tokens=11 * bench.TOKENS_PER_SAMPLE)
-    assert bench.smallest_card(m, dims, 8) == 80
-    dense_like = bench.memory_model({**dims, "moe": False}, lora_rank=64)  # MLP adapters would add to the state
-    assert bench.memory_model(dims, lora_rank=64)["parts"]["optim"] < dense_like["parts"]["optim"]
+    m = memory.memory_model(dims, precision="bf16", world=8, mb_tokens=11 * memory.TOKENS_PER_SAMPLE)
+    assert memory.smallest_card(m, dims, 8) == 80
+    dense_like = memory.memory_model({**dims, "moe": False}, lora_rank=64)  # MLP adapters would add to the state
+    assert memory.memory_model(dims, lora_rank=64)["parts"]["optim"] < dense_like["parts"]["optim"]
 
 
 # ------------------------------------------------------------------------------------------- engine-ablation
@@ -342,14 +343,14 @@ def test_the_30b_recipe_fits_one_h200_by_the_memory_model(tmp_path):
     from common import UserError
     cfg, preset = _recipe_config(tmp_path)
     assert preset == "qwen3_vl_30b_a3b" and (cfg.lora_rank, cfg.precision, cfg.sleep_level) == (64, "bf16", 2)
-    dims = bench.model_dims(preset)
-    m = bench.memory_model(dims, **bench.config_mode(asdict(cfg), 1))
+    dims = memory.model_dims(preset)
+    m = memory.memory_model(dims, **memory.config_mode(asdict(cfg), 1))
     card = 139.0  # GiB an H200 leaves to a process (140.4 less the CUDA context)
-    engine = 2 * dims["params"] / bench.GIB + cfg.kv_cache_memory_gb + bench.ENGINE_LEAST_GIB - 1.5
+    engine = 2 * dims["params"] / memory.GIB + cfg.kv_cache_memory_gb + memory.ENGINE_LEAST_GIB - 1.5
     assert m["gen"] == pytest.approx(58.2, abs=0.1) and m["gen"] + engine == pytest.approx(125.1, abs=0.5)
     assert m["gen"] + engine < card - 10 and m["ref"] < m["update"] < 85
     assert (140.4 - m["gen"] - 1) > cfg.gpu_memory_utilization * 140.4  # vLLM's free-memory check at its start
-    bench.check_fits(asdict(cfg), preset, 1, 140.4)
+    memory.check_fits(asdict(cfg), dims, 1, 140.4, f"--preset {preset}")
     cfg, _ = _recipe_config(tmp_path, precision="amp")
     with pytest.raises(UserError, match="it takes 2 such GPUs"):
-        bench.check_fits(asdict(cfg), preset, 1, 140.4)
+        memory.check_fits(asdict(cfg), dims, 1, 140.4, f"--preset {preset}")

@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-import bench
 import dapo
 import easyr1_config as E
 import grpo
+import memory
 from data import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,33 +143,36 @@ def test_readme_one_word_change_runs_a_script(tmp_path, monkeypatch):
 
 
 def test_the_qwen3_vl_30b_script_fits_the_computed_table(tmp_path, monkeypatch):
-    """EasyR1's Qwen3-VL-30B-A3B example parses to pure bf16 (bf16 weights, bf16 AdamW) on 8 ranks, and bench.py's
-    memory model for exactly that (the 30B-A3B preset, its rank count, its LoRA rank, KL coefficient and
-    micro-batch tokens) holds it on an 80 GB card beside the engine; the README table shows that cell."""
+    """EasyR1's Qwen3-VL-30B-A3B example parses to pure bf16 (bf16 weights, bf16 AdamW) on 8 ranks, and the memory
+    model for exactly that (the 30B-A3B preset, its rank count, its LoRA rank, KL coefficient and micro-batch tokens)
+    holds it on an 80 GB card beside the engine; the README table shows that cell. Then the script's config goes
+    through grpo.setup's own check before loading (memory.check_before_loading) on simulated cards: the hub name
+    Qwen/Qwen3-VL-30B-A3B-Instruct is a known model (presets.HUB_NAMES), so it is checked without a download."""
     words = expand("examples/qwen3_vl_30b_geo3k_grpo.sh", tmp_path)
     monkeypatch.chdir(tmp_path)
     cfg = parse_and_check(words, grpo.Config, monkeypatch)
     assert cfg.model_path == "Qwen/Qwen3-VL-30B-A3B-Instruct" and cfg.precision == "bf16"
-    dims = bench.model_dims("qwen3_vl_30b_a3b")
-    m = bench.memory_model(dims, precision=cfg.precision, lora_rank=cfg.lora_rank, world=8, kl_coef=cfg.kl_coef,
-                           mb_tokens=cfg.max_token_len_per_device)
-    assert bench.smallest_card(m, dims, 8) == 80, m
-    assert bench.smallest_card(bench.memory_model(dims, precision="amp", world=8), dims, 8) == 80  # AMP: just
-    assert bench.smallest_card(bench.memory_model(dims, precision=cfg.precision, world=2), dims, 2) is None
-    # bench.py's check before anything loads. EasyR1's config.yaml offloads weights and optimizer state
-    # (offload_params / offload_optimizer: true), so the script as it is leaves the GPUs almost empty in the update
-    # and passes on 8 GPUs of 80 GB and on 2 H200s alike (the host holds the state: memory.check_host_memory). Without
-    # the offload, the table's "bf16 (Kahan)" cells: 8 x 80 GB pass, two H200s stop with one line that names the GPUs
-    # it takes (the 4-GPU cell holds it on a 140 GiB card).
-    c = dataclasses.asdict(cfg)
-    assert c["offload_params"] and c["offload_optimizer"]
-    bench.check_fits(c, "qwen3_vl_30b_a3b", 8, 80)
-    bench.check_fits(c, "qwen3_vl_30b_a3b", 2, 140)
-    c.update(offload_params=False, offload_optimizer=False)
-    bench.check_fits(c, "qwen3_vl_30b_a3b", 8, 80)
+    dims = memory.model_dims("qwen3_vl_30b_a3b")
+    assert memory.known_dims(cfg.model_path) == dims
+    m = memory.memory_model(dims, precision=cfg.precision, lora_rank=cfg.lora_rank, world=8, kl_coef=cfg.kl_coef,
+                            mb_tokens=cfg.max_token_len_per_device)
+    assert memory.smallest_card(m, dims, 8) == 80, m
+    assert memory.smallest_card(memory.memory_model(dims, precision="amp", world=8), dims, 8) == 80  # AMP: just
+    assert memory.smallest_card(memory.memory_model(dims, precision=cfg.precision, world=2), dims, 2) is None
+    # EasyR1's config.yaml offloads weights and optimizer state (offload_params / offload_optimizer: true), so the
+    # script as it is leaves the GPUs almost empty in the update and passes on 8 GPUs of 80 GB and on 2 H200s alike
+    # (the host holds the state: memory.check_host_memory). Without the offload, the table's "bf16 (Kahan)" cells:
+    # 8 x 80 GB pass, two H200s stop with one line that names the GPUs it takes (the 4-GPU cell holds it on a
+    # 140 GiB card).
+    assert cfg.offload_params and cfg.offload_optimizer
+    memory.check_before_loading(cfg, 8, card_gib=80)
+    memory.check_before_loading(cfg, 2, card_gib=140)
+    on_gpu = dataclasses.replace(cfg, offload_params=False, offload_optimizer=False)
+    memory.check_before_loading(on_gpu, 8, card_gib=80)
     with pytest.raises(UserError) as e:
-        bench.check_fits(c, "qwen3_vl_30b_a3b", 2, 140)
+        memory.check_before_loading(on_gpu, 2, card_gib=140)
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("--preset qwen3_vl_30b_a3b with --precision bf16 needs about ")
+    assert "\n" not in msg and msg.startswith("--model-path Qwen/Qwen3-VL-30B-A3B-Instruct with --precision bf16 "
+                                              "needs about "), msg
     assert "on 2 GPUs" in msg and "it takes 4 such GPUs (torchrun --nproc_per_node 4)" in msg, msg
     assert msg.endswith("or less state per GPU: --lora-rank 64, --offload-params"), msg

@@ -216,3 +216,49 @@ def test_torchrun_prints_the_error_once_and_no_rank_hangs(tmp_path, launch):
     p = run(launch, tmp_path / "run.log", ["--train-files", src, "--output-dir", str(tmp_path / "o")] + SMALL,
             nproc=2, timeout=300)
     assert error_of(p).startswith(f"--train-files {src}: 3 of 8 rows cannot be used")
+
+
+def test_gpus_too_small_for_the_model_stop_before_anything_loads(tmp_path, monkeypatch, capsys):
+    """grpo.setup checks the run against the memory model first (memory.check_before_loading) when CUDA is there:
+    with the card of this rank's GPU (LOCAL_RANK's) and the world size, a model whose config.json is readable (here
+    the 30B-A3B's, config only) stops with one line that names the GPUs it takes, exit 2, before the process group,
+    the data or a model. A card that holds it, or no CUDA, passes on to the loading."""
+    import types
+
+    import presets
+    import torch
+    folder = tmp_path / "qwen3-vl-30b"
+    presets.preset_config("qwen3_vl_30b_a3b", tiny_model._token_ids(tiny_model.build_tokenizer())).save_pretrained(
+        folder)
+    asked = []
+
+    def card(gib):
+        def props(i):
+            asked.append(i)
+            return types.SimpleNamespace(total_memory=gib * 2**30)
+        return props
+
+    def loading(*a, **k):
+        raise RuntimeError("past the check")
+    monkeypatch.setattr(grpo.actor, "init_distributed", loading)  # the first thing after the checks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", card(80))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--model-path", str(folder), "--output-dir", str(tmp_path / "o"), "--precision", "bf16"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        grpo_main(argv)
+    assert e.value.code == 2 and asked == [3]
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --model-path {folder} with --precision bf16 ") and err.count("\n") == 1, err
+    assert "GiB per GPU on 2 GPUs (the memory model, README \"Memory modes\"), more than a 80 GiB GPU holds: it " \
+           "takes 8 such GPUs (torchrun --nproc_per_node 8); or less state per GPU: --lora-rank 64, " \
+           "--offload-params" in err, err
+    monkeypatch.setattr(torch.cuda, "get_device_properties", card(1000))  # a card that holds it
+    with pytest.raises(RuntimeError, match="past the check"):
+        grpo_main(argv)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU: nothing to compare with
+    monkeypatch.setattr(torch.cuda, "get_device_properties", None)
+    with pytest.raises(RuntimeError, match="past the check"):
+        grpo_main(argv)
