@@ -67,6 +67,10 @@ class Config:
     ppo_epochs: int = 1  # passes over each rollout batch
     micro_batch_size_per_device: int = 64  # samples per forward/backward, at most
     max_token_len_per_device: int = 16384  # padded tokens per forward/backward, at most
+    # the old/reference log-prob passes keep no activations for a backward, so they can take larger micro-batches:
+    # padded tokens per forward there, at most, with no sample cap (veRL's log_prob_max_token_len_per_gpu);
+    # 0 = the update's bounds (--max-token-len-per-device, --micro-batch-size-per-device)
+    logprob_max_token_len_per_device: int = 0
     # --- optimisation ---
     lr: float = 1e-6  # AdamW learning rate; the demo's tiny model, trained from scratch, uses 1e-3
     weight_decay: float = 1e-2  # AdamW's decoupled weight decay
@@ -127,6 +131,9 @@ class Config:
     lora_exclude_modules: str = r".*visual.*"  # regex of modules left without adapters (vLLM has no vision LoRA)
     lora_modules_to_save: str = ""  # comma-separated modules trained in full beside the adapters (peft's), e.g. lm_head
     gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~1/3 more compute
+    # with gradient checkpointing: the share of the language model's decoder layers that recompute (the first ones,
+    # rounded up); the others keep their activations for backward: less compute, more memory. 1 = all
+    checkpoint_layers: float = 1.0
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     padding_free: Literal["auto", "on", "off"] = "auto"  # one packed row per micro-batch (varlen attention); auto: where a fast kernel runs
     vision_varlen: Literal["auto", "on", "off"] = "auto"  # the vision tower's windows in one attention call per layer

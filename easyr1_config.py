@@ -164,8 +164,11 @@ TABLE = {
     "worker.actor.global_batch_size": ("global_batch_size", None, SAME),
     "worker.actor.micro_batch_size_per_device_for_update": (
         None, None, "micro-batches do not change the result; here --max-token-len-per-device and "
-                    "--micro-batch-size-per-device bound every forward"),
-    "worker.actor.micro_batch_size_per_device_for_experience": (None, None, "as for_update"),
+                    "--micro-batch-size-per-device bound them (the log-prob passes' too, unless "
+                    "--logprob-max-token-len-per-device)"),
+    "worker.actor.micro_batch_size_per_device_for_experience": (
+        None, None, "as for_update; EasyR1 gives its log-prob passes this x the padded length in tokens, here "
+                    "--logprob-max-token-len-per-device sets their own token bound"),
     "worker.actor.max_grad_norm": ("max_grad_norm", None, SAME),
     "worker.actor.clip_ratio_low": ("clip_ratio_low", None, SAME),
     "worker.actor.clip_ratio_high": ("clip_ratio_high", None, SAME),
@@ -463,6 +466,9 @@ def check(cfg, world):
     if not 0 < cfg.gpu_memory_utilization <= 1 or cfg.kv_cache_memory_gb < 0:
         raise UserError(f"--gpu-memory-utilization {cfg.gpu_memory_utilization} / --kv-cache-memory-gb "
                         f"{cfg.kv_cache_memory_gb}: the first is a share of the GPU in (0, 1], the second GiB >= 0")
+    if not 0 <= cfg.checkpoint_layers <= 1 or cfg.logprob_max_token_len_per_device < 0:
+        raise UserError(f"--checkpoint-layers {cfg.checkpoint_layers} / --logprob-max-token-len-per-device "
+                        f"{cfg.logprob_max_token_len_per_device}: the first is a share in [0, 1], the second >= 0")
     if cfg.precision == "bf16" and cfg.dtype == "fp32":
         raise UserError("--precision bf16 computes in bf16: drop --dtype fp32 (or use --precision amp)")
     data.check_model_path(cfg.model_path)

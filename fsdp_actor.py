@@ -272,9 +272,22 @@ def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
     return logp, ent
 
 
+def recompute_first_layers(hf, share):
+    """Only the first ceil(share x L) of the language model's L decoder layers recompute (vision blocks all do: a
+    small share of the compute), the rest keep their activations. The first, not every k-th (Megatron's "block"
+    method): backward frees the last layers' kept activations before any recomputation starts. Returns the count."""
+    from transformers.modeling_layers import GradientCheckpointingLayer  # (transformers: slow to import, ~2 s)
+    layers = [m for n, m in hf.named_modules()
+              if isinstance(m, GradientCheckpointingLayer) and ".visual." not in f".{n}."]
+    n = math.ceil(round(share * len(layers), 6))  # (0.7 x 10 is 7.000000000000001: 7 layers, not 8)
+    for i, m in enumerate(layers):
+        m.gradient_checkpointing = i < n
+    return n
+
+
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
                 trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto",
-                torch_compile="off", offload=False, router_aux_loss_coef=0.0):
+                torch_compile="off", offload=False, router_aux_loss_coef=0.0, checkpoint_layers=1.0):
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
@@ -285,7 +298,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     FSDP2's CPUOffloadPolicy, which keeps the sharded weights, their gradients and hence the optimizer state and
     step on the host (FSDP2 offers the three only together), each unit's shard copied in just before its
     all-gather; a frozen model is kept on the host whole instead. router_aux_loss_coef > 0 (MoE): every forward
-    keeps its router logits and sets model.aux_loss (the caller adds coef x it); 0 = off.
+    keeps its router logits and sets model.aux_loss (the caller adds coef x it); 0 = off. checkpoint_layers: above.
     MoE decoder layers are units like the dense ones (their _no_split_modules), so each layer's experts (the fused
     [experts, 2 x width, hidden] tensors) shard and all-gather with their layer; routers run in the model's own
     precision: logits in the compute dtype, their softmax and top-k in fp32, as transformers and vLLM have it."""
@@ -302,6 +315,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        recompute_first_layers(hf, checkpoint_layers)  # (1: every layer, as transformers has just set them)
     if not trainable:
         hf.requires_grad_(False)
     if freeze_vision_tower:  # EasyR1's option: train the language model on fixed image features

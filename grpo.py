@@ -108,7 +108,8 @@ def setup(cfg: Config):
                                   freeze_vision_tower=cfg.freeze_vision_tower, lora=ctx.lora,
                                   padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
                                   torch_compile=cfg.torch_compile, offload=cfg.offload_params,
-                                  router_aux_loss_coef=cfg.router_aux_loss_coef)
+                                  router_aux_loss_coef=cfg.router_aux_loss_coef,
+                                  checkpoint_layers=cfg.checkpoint_layers)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = actor.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
@@ -361,7 +362,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     # ---- 3. log-probs of the old policy (when it differs from the first forward, or the reward needs it) and of
     #         the reference ----
     mb_kw = dict(pad_id=ctx.pad_id, device=ctx.device, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
-                 max_tokens=cfg.max_token_len_per_device, max_samples=cfg.micro_batch_size_per_device)
+                 **logprob_bounds(cfg))
     if cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs > 1 or kl_in_reward(cfg):
         t = time.time()
         old, _ = actor.compute_logprobs(ctx.model, samples, **mb_kw)
@@ -400,6 +401,15 @@ def train_step(ctx, step, collect=collect_rollouts):
     metrics.update(rundir.step_metrics(ctx, samples, T, peaks, metrics))
     metrics["step"] = step + 1
     return metrics, samples
+
+
+def logprob_bounds(cfg):
+    """The micro-batch bounds of the no-grad log-prob passes: with --logprob-max-token-len-per-device, that many
+    tokens and no sample cap (a pass without gradient keeps no activations: tokens alone size its memory), as
+    veRL's log_prob_max_token_len_per_gpu; 0: the update's tokens and samples."""
+    if cfg.logprob_max_token_len_per_device:
+        return dict(max_tokens=cfg.logprob_max_token_len_per_device, max_samples=math.inf)
+    return dict(max_tokens=cfg.max_token_len_per_device, max_samples=cfg.micro_batch_size_per_device)
 
 
 def kl_in_reward(cfg):

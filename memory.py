@@ -31,6 +31,7 @@ FSDP2: parameters, gradients and state are DTensors sharded alike; the step work
 """
 import contextlib
 import hashlib
+import math
 import os
 import resource
 import sys
@@ -319,7 +320,8 @@ def hd_frac(t):
 
 
 def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offload_params=False,
-                 offload_optimizer=False, kl_coef=1e-2, mb_tokens=16384, chunk=4096, engine_gb=0.0):
+                 offload_optimizer=False, kl_coef=1e-2, mb_tokens=16384, chunk=4096, engine_gb=0.0, lp_tokens=None,
+                 recompute=1.0):
     """GiB per GPU by phase, from bytes per parameter: the policy's sharded state (AMP: 4 + 4 + 8, fp32 master
     weights, gradients and moments; bf16: 2 + 2 + 4, + 2 for Kahan's compensation; LoRA: the frozen base's
     weights only, the adapters with the full state), the reference model (bf16, 2 bytes, when kl_coef > 0 without
@@ -327,7 +329,8 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     embeddings and lm_head) plus two decoder layers (one prefetched), and the activations of a micro-batch of
     `mb_tokens` (gradient checkpointing: each layer's bf16 input is kept, and one layer recomputed at a time or a
     chunk of fp32 logits with its softmax and gradient; the log-prob passes: one MLP's intermediates or a chunk of
-    logits). --offload-optimizer: the state on the GPU for the step only. The engine:
+    logits, of `lp_tokens`, default mb_tokens; `recompute`: the share of layers that recompute, the others keep
+    their activations). --offload-optimizer: the state on the GPU for the step only. The engine:
     its pool (`engine_gb`, weights + KV cache) while awake, nothing asleep (level 1 moves its weights to the host).
     Returns {phase: GiB} and the parts."""
     P, H, L = dims["params"], dims["hidden"], dims["layers"]
@@ -351,12 +354,15 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     # recomputed with its gradient (during the layers' backward) or a chunk of fp32 logits with its softmax and
     # gradient (at the head): the two are never alive together (summing them overshot the 3B's update by 47 %).
     ckpt = mb_tokens * 2 * H * L
-    act_update = ckpt + max(mb_tokens * 2 * 2 * (4 * H + 3 * dims["inter"]), 3 * 4 * chunk * dims["vocab"])
+    # --checkpoint-layers: a layer that does not recompute keeps its bf16 activations (the recomputed layer's,
+    # without their gradient) from forward to backward; all of them are alive when the backward starts
+    kept = (L - math.ceil(round(recompute * L, 6))) * mb_tokens * 2 * (4 * H + 3 * dims["inter"])
+    act_update = ckpt + kept + max(mb_tokens * 2 * 2 * (4 * H + 3 * dims["inter"]), 3 * 4 * chunk * dims["vocab"])
     # a no-grad forward keeps nothing from layer to layer: its peak is inside one MLP (gate, up and their product,
     # bf16) beside the residual stream's input and output, or at the head, a chunk of fp32 logits and their softmax
     # (measured on the H200: the old bound, one recomputed layer and its gradient as in the update, overshot every
     # reference phase by 13-54 %)
-    act_fwd = max(mb_tokens * 2 * (3 * dims["inter"] + 2 * H), 2 * 4 * chunk * dims["vocab"])
+    act_fwd = max((lp_tokens or mb_tokens) * 2 * (3 * dims["inter"] + 2 * H), 2 * 4 * chunk * dims["vocab"])
     resident = on_gpu(weights, offload_params) + on_gpu(optim, offload_params or offload_optimizer)
     # --offload-optimizer: the state comes in for the optimizer step, after the backward freed its activations
     # (with --offload-params the step runs on the host)
@@ -400,9 +406,12 @@ def config_mode(c, world):
     tokens = PROMPT_TOKENS + c["max_response_length"]
     per_rank = c["rollout_batch_size"] * c["n"] // world
     fit = max(1, min(per_rank, c["micro_batch_size_per_device"], c["max_token_len_per_device"] // tokens))
+    lp = c.get("logprob_max_token_len_per_device")  # (.get: bench summaries written before these options)
+    lp_fit = max(1, min(per_rank, lp // tokens)) if lp else fit  # (no sample cap: grpo.logprob_bounds)
     return dict(precision=c["precision"], lora_rank=c["lora_rank"], kahan=c["bf16_rounding"] == "kahan", world=world,
                 offload_params=c["offload_params"], offload_optimizer=c["offload_optimizer"], kl_coef=c["kl_coef"],
-                mb_tokens=fit * tokens, chunk=c["logprob_chunk_size"])
+                mb_tokens=fit * tokens, chunk=c["logprob_chunk_size"], lp_tokens=lp_fit * tokens,
+                recompute=c.get("checkpoint_layers", 1.0) if c.get("gradient_checkpointing", True) else 0.0)
 
 
 def check_fits(c, dims, world, card_gib, what, slack=0.1):
@@ -455,10 +464,11 @@ def check_before_loading(cfg, world, card_gib=None):
 # memory there. Generation has the engine's pool and activations beside the trainer's resident state; the passes
 # and the update add the trainer's activations of one micro-batch to that state.
 _OOM_STAGES = [
-    (("update_policy",), "the policy update", "fewer tokens per micro-batch (--max-token-len-per-device {mb}) or a "
-     "smaller --logprob-chunk-size; less state: --precision bf16, --lora-rank, --offload-optimizer, --offload-params"),
-    (("compute_logprobs",), "the log-prob passes", "fewer tokens per micro-batch (--max-token-len-per-device {mb}) or "
-     "a smaller --logprob-chunk-size; a host-side reference: --offload-params"),
+    (("update_policy",), "the policy update", "fewer tokens per micro-batch (--max-token-len-per-device {mb}), more "
+     "recomputed layers ({ck}) or a smaller --logprob-chunk-size; less state: --precision bf16, "
+     "--lora-rank, --offload-optimizer, --offload-params"),
+    (("compute_logprobs",), "the log-prob passes", "fewer tokens per micro-batch (--logprob-max-token-len-per-device "
+     "{lp}) or a smaller --logprob-chunk-size; a host-side reference: --offload-params"),
     (("sync_engine", "wake"), "the engine's wake-up and weight sync", "a smaller engine (--gpu-memory-utilization "
      "{util}, or a fixed --kv-cache-memory-gb); less trainer state beside it: --offload-optimizer, --offload-params, "
      "--lora-rank"),
@@ -490,7 +500,10 @@ def oom_explained(ctx, step):
             awake = "asleep" if getattr(ctx.rollout, "asleep", None) else f"{gib(engine)}"
             shares = (f" (GiB: trainer {gib(trainer)}, engine {awake}, free {gib(torch.cuda.mem_get_info()[0])} of "
                       f"{gib(card - ballast)})")
-        tip = advice.format(mb=cfg.max_token_len_per_device, util=cfg.gpu_memory_utilization)
+        tip = advice.format(mb=cfg.max_token_len_per_device, util=cfg.gpu_memory_utilization,
+                            lp=cfg.logprob_max_token_len_per_device or cfg.max_token_len_per_device,
+                            ck=f"--checkpoint-layers {cfg.checkpoint_layers}" if cfg.gradient_checkpointing
+                            else "--gradient-checkpointing")
         raise UserError(f"rank {ctx.rank} ran out of GPU memory in step {step + 1}, during {stage}{shares}. "
                         f"What lowers it there: {tip}.", rank_local=True) from None
 
