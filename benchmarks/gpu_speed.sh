@@ -15,6 +15,16 @@
 #              model build ~1.5 min, engine start ~1 min, warm-up ~20 s, 7 timed generations x ~20-25 s, the second
 #              engine ~1.5 min. REPEATS=2 times each row twice (~3 min more: on a machine where the model is built
 #              already, with LIMIT=570; or with half the prompts, ARGS="--rollout-batch-size 32")
+#   knobs      (~8 min, estimated: not yet run) the trainer alone (--trainer-only, no engine) on the 3B, 16 prompts
+#              x 8 x 1024, 2 steps (step 1 pays torch.compile, step 2 is timed): today's defaults (64k-token
+#              micro-batches, every layer recomputed), then both issue-23 knobs in one run (they act on different
+#              phases: the reference pass and the update): --logprob-max-token-len-per-device 262144 (4 x 64k) with
+#              --checkpoint-layers 0.5 (the first half of the layers recompute) and 32k-token update micro-batches (at
+#              64k the kept layers would need 172 GiB by the memory model, at 32k 120 GiB); a third run,
+#              --checkpoint-layers 0.75 at 64k (127 GiB), when the call has >= 150 s left. Prints each run's reference
+#              and update seconds and MFU (report.md) and the memory model against the measured peaks. Estimate
+#              (BENCHMARKS.md session 4, trainer-only 3B 16x8 runs: ~100 s of compilation in step 1, ~14 s a step,
+#              <= 200 s for 3 steps): model build ~1.5 min on a fresh machine, ~2.8 min per run
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
@@ -50,10 +60,29 @@ ablation() {  # ablation GPU
     "$OUT/$name.json" 2> /dev/null || tail -20 "$OUT/$name.log"
 }
 
+knobs() {  # knobs GPU: the issue-23 knobs against today's defaults, the trainer alone
+  prepare qwen2_5_vl_3b
+  local t=(--preset qwen2_5_vl_3b --trainer-only --max-steps "${STEPS:-2}" --rollout-batch-size 16
+           --global-batch-size 16)
+  run_bench knobs3b_default "$1" "${LIMIT:-200}" "${t[@]}"
+  run_bench knobs3b_lp4x_ckpt50_32k "$1" "${LIMIT:-200}" "${t[@]}" --logprob-max-token-len-per-device 262144 \
+    --checkpoint-layers 0.5 --max-token-len-per-device 32768
+  local left=$(( ${BUDGET:-570} - SECONDS ))  # (SECONDS: since this script started)
+  if (( left >= 150 )); then
+    run_bench knobs3b_lp4x_ckpt75 "$1" "$left" "${t[@]}" --logprob-max-token-len-per-device 262144 \
+      --checkpoint-layers 0.75
+  else
+    echo "knobs3b_lp4x_ckpt75: skipped, $left s left in the call"
+  fi
+  python bench.py table "$OUT"/knobs3b_*_summary.json 2> /dev/null | sed -n '/^Measured/,$p' > "$OUT/knobs_memory.md"
+  cat "$OUT/knobs_memory.md"
+}
+
 case "$MODE" in
   bar) bar 0 ;;
   ablation) ablation 0; exit ;;  # (no metrics.jsonl: no report.md)
   realistic) realistic 0 ;;
+  knobs) knobs 0 ;;
   profile)  # the trainer alone (random responses instead of generation): where the 3B step's time goes
     prepare qwen2_5_vl_3b
     run_bench trainer3b_profile 0 "${LIMIT:-240}" --preset qwen2_5_vl_3b --trainer-only --profile \
@@ -70,6 +99,7 @@ case "$MODE" in
     prepare qwen2_5_vl_3b
     bar 0 & realistic 1
     wait ;;
-  *) echo "usage: bash benchmarks/gpu_speed.sh [bar | realistic | profile | 8b | ablation | 8b_x2 | two]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_speed.sh [bar | realistic | profile | knobs | 8b | ablation | 8b_x2 | two]"
+     exit 2 ;;
 esac
 python bench.py report "$OUT"/*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"
