@@ -36,6 +36,7 @@ RESUMABLE_CHANGES = {
     "max_steps", "total_epochs", "val_freq", "val_before_train", "save_freq", "save_limit", "output_dir", "resume",
     "config", "log_samples", "logger", "project_name", "experiment_name",
     "micro_batch_size_per_device", "max_token_len_per_device", "logprob_chunk_size", "gradient_checkpointing",
+    "logprob_max_token_len_per_device", "checkpoint_layers",  # how the work is cut, not what it computes
     "attn_implementation", "gpu_memory_utilization", "kv_cache_memory_gb", "max_num_batched_tokens", "enforce_eager",
     "sleep_level", "tensor_parallel_size", "torch_compile", "offload_params", "offload_optimizer"}
 
@@ -346,7 +347,9 @@ def print_batch_arithmetic(ctx):
               f"{updates} optimizer step(s) per rollout step ({cfg.rollout_batch_size // cfg.global_batch_size} "
               f"mini-batches x {cfg.ppo_epochs} epoch(s)) of {cfg.global_batch_size} prompts = "
               f"{cfg.global_batch_size * cfg.n // w} samples per rank, in micro-batches of <= "
-              f"{cfg.micro_batch_size_per_device} samples and <= {cfg.max_token_len_per_device} tokens; "
+              f"{cfg.micro_batch_size_per_device} samples and <= {cfg.max_token_len_per_device} tokens"
+              + (f" (log-prob passes: <= {cfg.logprob_max_token_len_per_device} tokens)"
+                 if cfg.logprob_max_token_len_per_device else "") + "; "
               f"old log-probs {'recomputed' if updates > 1 else 'taken from the first forward (on-policy)'}; "
               f"reference model {'on, kl_coef=' + str(cfg.kl_coef) if cfg.kl_coef > 0 else 'off'}")
 
