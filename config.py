@@ -130,6 +130,9 @@ class Config:
     lora_target_modules: str = "all-linear"  # comma-separated module names, or peft's "all-linear"
     lora_exclude_modules: str = r".*visual.*"  # regex of modules left without adapters (vLLM has no vision LoRA)
     lora_modules_to_save: str = ""  # comma-separated modules trained in full beside the adapters (peft's), e.g. lm_head
+    # MoE: LoRA on the experts' fused 3-D tensors too (peft's target_parameters, r per expert); off: attention only
+    # (the experts are not nn.Linear, so all-linear leaves them frozen). An error on a model without experts
+    lora_target_experts: bool = False
     gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~1/3 more compute
     # with gradient checkpointing: the share of the language model's decoder layers that recompute (the first ones,
     # rounded up); the others keep their activations for backward: less compute, more memory. 1 = all

@@ -28,7 +28,7 @@ import presets
 import varlen
 import video
 from common import UserError, _cpu_group, all_reduce_cpu  # noqa: F401 (all_reduce_cpu: the loop's actor.all_reduce_cpu)
-from tiny_moe import router_aux_loss, routers
+from tiny_moe import expert_wrappers, merged_expert, router_aux_loss, routers
 
 
 # ----------------------------------------------------------------------------------------------- distributed
@@ -582,19 +582,23 @@ def iter_full_params(model, dtype=None, lora_only=False):
     """Yield (hf_name, full tensor) one parameter at a time: each DTensor is all-gathered, handed over, then
     dropped, so the peak extra memory is one tensor, never a full state-dict copy. Every rank must iterate.
     With LoRA the engine gets the merged weight W + scale * B @ A under the base model's name; `lora_only`
-    yields only those (everything else never changes, so it goes to the engine once)."""
+    yields only those (everything else never changes, so it goes to the engine once). LoRA'd MoE experts: the
+    fused tensor + peft's per-expert delta (tiny_moe.merged_expert), in the fused layout, under the base name."""
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    scales = memory.lora_layers(model)
+    scales, experts = memory.lora_layers(model), expert_wrappers(model)
     sd = getattr(model, "hf", model).state_dict()
     for name, p in sd.items():
         if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:  # (modules_to_save: the copy)
             continue
         layer = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
-        if lora_only and not (layer in scales and name.endswith(".weight")) and ".modules_to_save." not in name:
+        if lora_only and not (layer in scales and name.endswith(".weight")) and ".modules_to_save." not in name \
+                and name not in experts:
             continue
-        name = name.replace(".modules_to_save.default.", ".")
-        t = full(p)
-        if layer in scales and name.endswith(".base_layer.weight"):  # [out, in] + scale * [out, r] @ [r, in]
+        name, t, (wn, w) = name.replace(".modules_to_save.default.", "."), full(p), experts.get(name, ("", None))
+        if w is not None:
+            t = merged_expert(w, t, full(sd[f"{wn}.lora_A.default.weight"]), full(sd[f"{wn}.lora_B.default.weight"]))
+        elif layer in scales and name.endswith(".base_layer.weight"):  # [out, in] + scale * [out, r] @ [r, in]
             a, b = full(sd[f"{layer}.lora_A.default.weight"]), full(sd[f"{layer}.lora_B.default.weight"])
             t = t.float() + scales[layer] * (b.float() @ a.float())
-        yield name.replace(".base_layer.", "."), (t.to(dtype) if dtype is not None else t).detach()
+        name = name.replace(".base_layer.", ".").replace(".base_layer.", ".")  # (twice: the nested expert wrappers)
+        yield name, (t.to(dtype) if dtype is not None else t).detach()

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 import presets
 import tiny_model
+import tiny_moe
 from common import UserError, all_reduce_cpu
 
 # bytes per parameter of the policy's state (weights, gradients, AdamW's two moments), per --precision; pure bf16
@@ -307,7 +308,8 @@ def dims_from_config(cfg):
     inter = t.num_experts_per_tok * t.moe_intermediate_size if E else t.intermediate_size
     mlp = 3 * H * t.moe_intermediate_size * E + H * E if E else 3 * H * t.intermediate_size
     layer = 2 * H * H * hd_frac(t) + 2 * H * H * kv * hd_frac(t) + mlp  # q, o: H x H; k, v: H x kv H; the MLP
-    return dict(params=params, hidden=t.hidden_size, inter=inter, layers=t.num_hidden_layers, moe=bool(E),
+    return dict(params=params, hidden=t.hidden_size, inter=inter, layers=t.num_hidden_layers, moe=bool(E), experts=E,
+                expert_inter=t.moe_intermediate_size if E else 0,
                 vocab=t.vocab_size, kv_frac=t.num_key_value_heads / t.num_attention_heads, layer_params=layer,
                 root_params=t.vocab_size * t.hidden_size * (1 if cfg.tie_word_embeddings else 2))
 
@@ -321,7 +323,7 @@ def hd_frac(t):
 
 def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offload_params=False,
                  offload_optimizer=False, kl_coef=1e-2, mb_tokens=16384, chunk=4096, engine_gb=0.0, lp_tokens=None,
-                 recompute=1.0):
+                 recompute=1.0, lora_experts=False):
     """GiB per GPU by phase, from bytes per parameter: the policy's sharded state (AMP: 4 + 4 + 8, fp32 master
     weights, gradients and moments; bf16: 2 + 2 + 4, + 2 for Kahan's compensation; LoRA: the frozen base's
     weights only, the adapters with the full state), the reference model (bf16, 2 bytes, when kl_coef > 0 without
@@ -341,6 +343,8 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
         # q, o: H + H; k, v: H + kv H; gate, up, down: H + I (MoE: attention only, its experts are not nn.Linear)
         adapters = lora_rank * L * (4 * H + 2 * H * (1 + dims["kv_frac"])
                                     + (0 if dims.get("moe") else 3 * (H + dims["inter"])))
+        if lora_experts:  # --lora-target-experts: per expert, gate_up [2I', H]: H + 2I'; down [H, I']: I' + H
+            adapters += lora_rank * L * dims["experts"] * (2 * H + 3 * dims["expert_inter"])
         train = adapters
         base = P * b["weights"]
     else:
@@ -409,6 +413,7 @@ def config_mode(c, world):
     lp = c.get("logprob_max_token_len_per_device")  # (.get: bench summaries written before these options)
     lp_fit = max(1, min(per_rank, lp // tokens)) if lp else fit  # (no sample cap: grpo.logprob_bounds)
     return dict(precision=c["precision"], lora_rank=c["lora_rank"], kahan=c["bf16_rounding"] == "kahan", world=world,
+                lora_experts=c.get("lora_target_experts", False),
                 offload_params=c["offload_params"], offload_optimizer=c["offload_optimizer"], kl_coef=c["kl_coef"],
                 mb_tokens=fit * tokens, chunk=c["logprob_chunk_size"], lp_tokens=lp_fit * tokens,
                 recompute=c.get("checkpoint_layers", 1.0) if c.get("gradient_checkpointing", True) else 0.0)
@@ -552,15 +557,21 @@ if __name__ == "__main__":  # python memory.py compare AMP_CKPT BF16_CKPT... (th
 
 
 # ----------------------------------------------------------------------------------------------- LoRA
-def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visual.*", modules_to_save=""):
+def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visual.*", modules_to_save="",
+             target_experts=False):
     """LoRA through peft, in place: the wrapped Linear layers keep their weight as `<name>.base_layer.weight`
     next to `<name>.lora_A/B.default.weight`, and every parameter outside the adapters is frozen (the vision
     tower too, unless targeted: vLLM takes no LoRA on the vision encoder, so it is excluded by default). The
     PeftModel wrapper is dropped: the trainer keeps calling the HF model, whose layers now carry the adapters.
-    `modules_to_save` (peft's): modules trained in full next to the adapters, e.g. lm_head."""
+    `modules_to_save` (peft's): modules trained in full next to the adapters, e.g. lm_head. `target_experts`: also
+    the MoE experts' fused 3-D tensors, through peft's target_parameters (tiny_moe.expert_parameters)."""
     from peft import LoraConfig, get_peft_model  # peft: slow to import (~3 s)
     targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
+    experts = tiny_moe.expert_parameters(hf) if target_experts else None
+    if target_experts and not experts:  # an error, not a silent no-op: the flag asks for adapters it cannot have
+        raise UserError(f"--lora-target-experts: {type(hf).__name__} has no MoE experts (fused 3-D expert tensors)")
     peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
+                                               target_parameters=experts,
                                                exclude_modules=exclude_modules or None,
                                                modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
     if not any(p.requires_grad for p in hf.parameters()):

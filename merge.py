@@ -63,7 +63,8 @@ def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
     lora = cfg.get("lora_rank", 0) > 0
     if lora:  # the checkpoint holds the adapters only: rebuild them on the base model, then read them in
         peft_model = memory.add_lora(hf, cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_target_modules"],
-                                cfg["lora_exclude_modules"], cfg.get("lora_modules_to_save", ""))
+                                cfg["lora_exclude_modules"], cfg.get("lora_modules_to_save", ""),
+                                cfg.get("lora_target_experts", False))
     elif adapter_only:
         raise ValueError(f"{checkpoint}: --adapter-only needs a LoRA checkpoint (trained with --lora-rank > 0)")
     # the saved names are those of the FSDP root, fsdp_actor.LogProbModel: "hf." + the HF names

@@ -1,9 +1,10 @@
 """The mixture-of-experts pieces of the demo models (tiny_model.py builds them): the tiny Qwen3-VL-MoE's expert
 settings, the real Qwen3-VL-30B-A3B's dimensions (a bench.py preset), the checkpoint layout of the experts as
 the hub's Qwen3-VL-MoE checkpoints hold them on disk, and the routers the trainer finds and balances
-(fsdp_actor.py)."""
+(fsdp_actor.py), and LoRA on the experts' fused tensors (--lora-target-experts: peft's target_parameters)."""
 import json
 import os
+from types import SimpleNamespace
 
 from safetensors.torch import load_file, save_file
 
@@ -66,3 +67,40 @@ def router_aux_loss(hf, logits, input_ids):
     cfg = hf.config.get_text_config()
     real = (input_ids != cfg.pad_token_id).long() if cfg.pad_token_id is not None else None  # [B, T]
     return load_balancing_loss_func(tuple(logits), cfg.num_experts, cfg.num_experts_per_tok, real)
+
+
+# LoRA on the experts (--lora-target-experts): peft's target_parameters wraps each fused 3-D expert tensor in a
+# ParamWrapper (two on one experts module: nested, the outer on the second tensor), whose adapters are per expert:
+# lora_A [E x r, in], lora_B [out, E x r]. The forward adds the delta to the tensor in place of the weight, so the
+# fused layout (and the engine's names) stay as they are.
+def expert_parameters(hf):
+    """peft's target_parameters for a model's fused expert tensors (`experts.gate_up_proj`, `experts.down_proj`:
+    the 3-D parameters of modules named experts, outside the vision tower); [] for a dense model."""
+    return sorted({f"experts.{n.rsplit('.', 1)[1]}" for n, p in hf.named_parameters()
+                   if p.dim() == 3 and n.rsplit(".", 2)[-2] == "experts" and ".visual." not in f".{n}"})
+
+
+def expert_wrappers(model):
+    """{the state-dict name of a LoRA-wrapped expert tensor (`...experts.base_layer.base_layer.down_proj`): (the
+    name of its peft ParamWrapper, the wrapper)}; {} without expert adapters."""
+    from peft.tuners.lora.layer import ParamWrapper  # peft: slow to import (~3 s)
+    hf = getattr(model, "hf", model)
+    out = {}
+    for name, m in hf.named_modules():
+        if isinstance(m, ParamWrapper):
+            depth, inner = 1, m.base_layer  # the tensor lives on the innermost module: one .base_layer per wrapper
+            while isinstance(inner, ParamWrapper):
+                depth, inner = depth + 1, inner.base_layer
+            out[f"{name}{'.base_layer' * depth}.{m.parameter_name}"] = (name, m)
+    return out
+
+
+def merged_expert(wrapper, w, a, b):
+    """W + delta of one fused expert tensor, fp32, by peft's own ParamWrapper.get_delta_weight (the merge its
+    merge_and_unload makes) on the full (all-gathered) tensors: under FSDP2 the wrapper's own lora_A/B are shards."""
+    from peft.tuners.lora.layer import ParamWrapper  # peft: slow to import (~3 s)
+    w = w.float()
+    view = SimpleNamespace(lora_A={"default": SimpleNamespace(weight=a.float())}, num_experts=wrapper.num_experts,
+                           lora_B={"default": SimpleNamespace(weight=b.float())}, scaling=wrapper.scaling,
+                           _did_swap_in_out_features=wrapper._did_swap_in_out_features, get_param=lambda: w)
+    return w + ParamWrapper.get_delta_weight(view, "default")

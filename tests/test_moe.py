@@ -201,7 +201,8 @@ def test_engine_gets_the_fused_expert_tensors_vllm_loads(moe):
 def test_lora_on_the_moe_trains_a_step_and_merges_to_base_plus_delta(moe):
     """LoRA (all-linear, the default) on the tiny MoE adapts the attention projections q/k/v/o of every decoder layer
     and nothing else: the experts are 3-D parameters and the router a plain parameter (no nn.Linear for peft's
-    all-linear; peft's target_parameters for them is not wired here), the vision tower is excluded. One optimizer
+    all-linear; peft's target_parameters on the experts is opt-in: tests/test_moe_lora.py), the vision tower is
+    excluded. One optimizer
     step moves the adapters only; the engine's merged weights are base + scale x B @ A, everything else the base."""
     import memory
     path, proc, samples = moe
