@@ -452,6 +452,8 @@ def check(cfg, world):
     for opt, v in positive.items():
         if not v > 0:
             raise UserError(f"--{opt} {v}: must be > 0" + " (greedy is for --val-temperature)" * (opt == "temperature"))
+    if cfg.lora_target_experts and cfg.lora_rank <= 0:
+        raise UserError("--lora-target-experts puts LoRA adapters on the experts: it needs --lora-rank > 0")
     for opt, v in {"rollout-n": cfg.n, "rollout-batch-size": cfg.rollout_batch_size,
                    "global-batch-size": cfg.global_batch_size, "ppo-epochs": cfg.ppo_epochs}.items():
         if v < 1:

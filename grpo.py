@@ -101,8 +101,6 @@ def setup(cfg: Config):
     pure_bf16 = cfg.precision == "bf16"
     use_bf16 = pure_bf16 or cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
-    if cfg.lora_target_experts and cfg.lora_rank <= 0:
-        raise UserError("--lora-target-experts puts LoRA adapters on the experts: it needs --lora-rank > 0")
     ctx.lora = dict(r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules, exclude_modules=
                     cfg.lora_exclude_modules, modules_to_save=cfg.lora_modules_to_save,
                     target_experts=cfg.lora_target_experts) if cfg.lora_rank > 0 else None

@@ -143,3 +143,13 @@ def test_memory_model_counts_the_expert_adapters(moe):
     grown = (memory.memory_model(dims, lora_experts=True, **kw)["parts"]["grads"]
              - memory.memory_model(dims, **kw)["parts"]["grads"])
     assert made > 0 and grown == pytest.approx(made * memory.STATE_BYTES["amp"]["grads"] / 2**30)
+
+
+def test_expert_adapters_need_a_lora_rank():
+    """The option checks (before anything loads) refuse --lora-target-experts without --lora-rank: one line."""
+    import easyr1_config
+    from common import UserError
+    from config import Config
+    with pytest.raises(UserError, match="--lora-target-experts .* needs --lora-rank > 0"):
+        easyr1_config.check(Config(lora_target_experts=True), 1)
+    easyr1_config.check(Config(lora_target_experts=True, lora_rank=8), 1)
