@@ -230,17 +230,20 @@ def table(docs):
         what = ROWS.get(name, ("", [], 0, name))[3]
         lines.append(
             f"| {name} | {what} | {_fmt(s['steps_to_target'], 'd')} ({s['target']}) of {s['steps']} | "
-            f"{_fmt(s['final_val'], '.3f')}{_worst_note(s)} | {_fmt(s['diff_mean'], '.1e')} / {_fmt(s['diff_max'], '.2f')} | "
+            f"{_fmt(s['final_val'], '.3f')}{_worst_note(s)} | "
+            f"{_fmt(s['diff_mean'], '.1e')} / {_fmt(s['diff_max'], '.2f')} | "
             f"{_fmt(s['sec_per_step'], '.2f')} | {_fmt(s['peak_gb'], '.1f')} | "
             f"{'pass' if not s['failures'] else 'FAIL: ' + '; '.join(s['failures'])}{_parity_note(s)} | "
             f"{s['doc']['date']} |")
-    lines += [f"| {name} | {ROWS[name][3]} | - | - | - | - | - | not yet run | - |" for name in ROWS if name not in latest]
+    lines += [f"| {name} | {ROWS[name][3]} | - | - | - | - | - | not yet run | - |"
+              for name in ROWS if name not in latest]
     ran = sorted({_ran(s["doc"]) for s in latest.values()})
     lines.insert(0, "Ran on: " + "; ".join(ran) + ".\n")
     for s in earlier:
         err = [ln for ln in s.get("log_tail", "").splitlines() if "Error" in ln]
         lines.append(f"\nEarlier attempt at {s['row']} ({s['doc']['date']}): {'; '.join(s['failures']) or 'passed'} "
-                     f"at step {s['steps']}" + (f", final val {s['final_val']:.3f}" if s["final_val"] is not None else "")
+                     f"at step {s['steps']}"
+                     + (f", final val {s['final_val']:.3f}" if s["final_val"] is not None else "")
                      + (f" ({err[-1].strip()[-120:]})" if err else "") + ".")
     return "\n".join(lines)
 
