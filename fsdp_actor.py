@@ -3,10 +3,8 @@ take optimizer steps, stream full weights out to the rollout engine, save and lo
 
 Everything here works the same with one process (CPU or GPU), with `torchrun` on CPU (gloo) and on GPU (NCCL).
 Sequences are laid out as one row per sample: prompt + response, right-padded:
-
     input_ids  [B, T]   p p p p r r r 0 0
     resp_mask  [B, T]   0 0 0 1 1 1 0 0 0   (position t predicts token t+1: marks the positions *before* response tokens)
-
 Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch.
 """
 import functools
@@ -579,11 +577,9 @@ def optimizer_step(model, opt, sched, max_grad_norm, offload_state=False):
 
 # ----------------------------------------------------------------------------------------------- weights out
 def iter_full_params(model, dtype=None, lora_only=False):
-    """Yield (hf_name, full tensor) one parameter at a time: each DTensor is all-gathered, handed over, then
-    dropped, so the peak extra memory is one tensor, never a full state-dict copy. Every rank must iterate.
-    With LoRA the engine gets the merged weight W + scale * B @ A under the base model's name; `lora_only`
-    yields only those (everything else never changes, so it goes to the engine once). LoRA'd MoE experts: the
-    fused tensor + peft's per-expert delta (tiny_moe.merged_expert), in the fused layout, under the base name."""
+    """Yield (hf_name, full tensor) one parameter at a time (each DTensor all-gathered, handed over, dropped: the
+    peak extra memory is one tensor). Every rank must iterate. LoRA: the merged W + scale * B @ A under the base
+    name (MoE experts: + peft's per-expert delta, tiny_moe.merged_expert); `lora_only` yields only those."""
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
     scales, experts = memory.lora_layers(model), expert_wrappers(model)
     sd = getattr(model, "hf", model).state_dict()

@@ -5,18 +5,15 @@ check before anything loads that the chosen GPUs can hold a run (grpo.setup and 
 
 Pure bf16: weights, gradients and AdamW state all in bf16 (8 bytes per parameter, 10 with Kahan's buffer, instead
 of AMP's 16: fp32 weights 4 + fp32 gradients 4 + fp32 moments 8), with an optimizer step that does not lose small
-updates.
-
-The trap: bf16 keeps 8 significant bits, so a weight w moves only if its update exceeds half an ulp, about
+updates. The trap: bf16 keeps 8 significant bits, so a weight w moves only if its update exceeds half an ulp, about
 |w| * 2^-9. At RL's lr ~1e-6 an AdamW update is ~lr (Adam normalises the gradient), while a typical weight of 0.02
 has a half-ulp of 6e-5: rounded to nearest, every update vanishes and the model never trains. Two ways out, both
 here (`rounding`):
 
   stochastic: compute the new weight in fp32, then round it *up or down at random*, up with probability equal to
       how far it lies towards the next bf16 value. Each single step still moves only a few percent of the
-      weights, by one ulp, but the expected weight equals the fp32 weight, so over many steps the weights follow the fp32 path.
-      Costs nothing extra in memory; the noise is seeded per (seed, step, parameter, rank), so a resumed run
-      draws the same noise: resume is exact without saving RNG state.
+      weights, by one ulp, but the expected weight equals the fp32 weight, so the weights follow the fp32 path.
+      No extra memory; the noise is seeded per (seed, step, parameter, rank): resume is exact without RNG state.
   kahan: keep the part of each update the bf16 weight could not absorb in a bf16 compensation buffer and add it
       to the next update (Kahan summation): weight + compensation tracks the fp32 weight to within bf16's
       rounding of the compensation itself. Deterministic; costs 2 more bytes per parameter.
@@ -25,7 +22,6 @@ here (`rounding`):
 The moments m and v are bf16 too and meet the same trap (v * 0.999 rounds back to v: v never decays), so they are
 rounded stochastically in the stochastic and kahan modes, to nearest in `nearest`. Which mode is the default
 (kahan), and why, is in README.md ("Memory modes"), with the measurements.
-
 FSDP2: parameters, gradients and state are DTensors sharded alike; the step works on each rank's local shard
 (`local`), element by element, so no communication is needed.
 """

@@ -72,8 +72,8 @@ def request_seed(prompt_seed):
 
 
 def _to_result(ids, logprobs, eos):
-    """Cut after the first EOS (kept) and build the result dict of the interface above. `finished` means "stopped by EOS", the same test
-    in both engines (vLLM's finish_reason would also say "stop" for stop strings, which we never set)."""
+    """Cut after the first EOS (kept): the result dict above; `finished` = stopped by EOS, the same test in both
+    engines (vLLM's finish_reason would also say "stop" for stop strings, which we never set)."""
     ids = list(ids)
     cut = next((i + 1 for i, t in enumerate(ids) if t in eos), None)
     if cut is not None:
@@ -89,8 +89,7 @@ def _forced(ids, logprobs, max_tokens):
 
 
 def _sampled_logprobs(c, ids):
-    """The sampled tokens' log-probs of one vLLM completion (logprobs=0: each position holds the sampled token's
-    alone), from FlatLogprobs' flat list or from the {token: Logprob} dict of each position."""
+    """The sampled tokens' log-probs of one vLLM completion (logprobs=0), from FlatLogprobs or per-position dicts."""
     lp = c.logprobs
     if hasattr(lp, "start_indices"):
         return [lp.logprobs[i] for i in lp.start_indices]
@@ -454,10 +453,9 @@ class VLLMRollout:
     @torch.no_grad()
     def sync_weights(self, named_tensors):
         """Stream (HF name, full tensor) pairs into vLLM's load_weights, one tensor at a time (each moves to the
-        GPU only as the loader consumes it; no state-dict copy). No renaming: the Qwen2-VL / Qwen2.5-VL /
-        Qwen3-VL hf_to_vllm_mapper maps transformers-5 in-memory names (model.language_model.*, model.visual.*,
-        lm_head.*) as well as checkpoint names, and text Qwen2/Qwen3 use HF names directly. Each TP rank gets the
-        full tensors and keeps its own shard; unknown names make vLLM's AutoWeightsLoader raise."""
+        GPU as the loader consumes it; no state-dict copy). No renaming: vLLM's hf_to_vllm_mapper maps transformers-5
+        in-memory names as well as checkpoint names (text models: HF names). Each TP rank gets the full tensors
+        and keeps its shard; unknown names make vLLM's AutoWeightsLoader raise."""
         if "weights" in self.asleep:
             self.wake(["weights"])  # load_weights writes into the weight memory: it must be mapped again
         model = self._inner_model()

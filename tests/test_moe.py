@@ -13,7 +13,7 @@ import fsdp_actor as actor
 import presets
 import tiny_model
 from test_actor import reference_logprobs
-from test_qwen3 import mixed_samples
+from test_qwen3 import hf_engine_matches_trainer, mixed_samples
 
 CPU = torch.device("cpu")
 
@@ -289,15 +289,5 @@ def test_grpo_adds_the_router_aux_loss_only_when_asked(tmp_path, launch):
 def test_moe_hf_engine_generates_what_the_trainer_scores(moe):
     """The HF engine samples the MoE with a KV cache (each new token routed on its own); the log-probs it reports
     are the trainer's full-forward recomputation of the same tokens, one- and two-image prompts."""
-    import rollout
     path, proc, samples = moe
-    eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
-    prompts = [samples[0]["prompt"], samples[1]["prompt"]]  # one image; two images
-    T = 0.25  # a peaked distribution: a wrong routing or position changes the numbers visibly
-    out = eng.generate(prompts, n=3, temperature=T, top_p=1.0, max_tokens=12, seeds=[1, 2])
-    model = actor.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
-    gen = [dict(prompt=p, response_ids=o["response_ids"]) for p, g in zip(prompts, out) for o in g]
-    assert all(len(s["response_ids"]) > 0 for s in gen)
-    lps, _ = actor.compute_logprobs(model, gen, proc.tokenizer.pad_token_id, CPU, T, max_tokens=10_000, max_samples=8)
-    for a, b in zip(lps, [torch.tensor(o["logprobs"]) for g in out for o in g], strict=True):
-        assert torch.allclose(a, b, atol=1e-4), (a, b)
+    hf_engine_matches_trainer(path, proc, [samples[0]["prompt"], samples[1]["prompt"]])  # one image; two images

@@ -95,21 +95,26 @@ def test_qwen3_vl_text_only_micro_batch(qwen3_vl):
     assert grads and all(g is not None and float(g.full_tensor().abs().sum()) == 0 for g in grads.values())
 
 
-def test_qwen3_vl_hf_engine_generates_what_the_trainer_scores(qwen3_vl):
-    """The HF engine samples with a KV cache (its positions continue from the image's 3-D ones); the log-probs it
-    reports must be the trainer's full-forward recomputation of the same tokens, single- and two-image prompts."""
-    path, proc, samples = qwen3_vl
+def hf_engine_matches_trainer(path, proc, prompts, T=0.25):
+    """The HF engine samples 3 answers per prompt at temperature T (peaked: a wrong position, feature or routing
+    changes the numbers visibly); its log-probs must equal the trainer's full-forward recomputation. Returns it."""
     eng = rollout.HFRollout(path, device="cpu", dtype=torch.float32)
-    prompts = [samples[0]["prompt"], samples[2]["prompt"]]  # one image; two images
-    T = 0.25  # a peaked distribution: wrong positions or features then change the numbers visibly
     out = eng.generate(prompts, n=3, temperature=T, top_p=1.0, max_tokens=12, seeds=[1, 2])
     model = actor.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False).eval()
     gen = [dict(prompt=p, response_ids=o["response_ids"]) for p, g in zip(prompts, out) for o in g]
     assert all(len(s["response_ids"]) > 0 for s in gen)
     lps, _ = actor.compute_logprobs(model, gen, proc.tokenizer.pad_token_id, CPU, T, max_tokens=10_000, max_samples=8)
-    eng_lp = [torch.tensor(o["logprobs"]) for g in out for o in g]
-    for a, b in zip(lps, eng_lp, strict=True):
+    for a, b in zip(lps, [torch.tensor(o["logprobs"]) for g in out for o in g], strict=True):
         assert torch.allclose(a, b, atol=1e-4), (a, b)
+    return eng
+
+
+def test_qwen3_vl_hf_engine_generates_what_the_trainer_scores(qwen3_vl):
+    """The HF engine samples with a KV cache (its positions continue from the image's 3-D ones); the log-probs it
+    reports must be the trainer's full-forward recomputation of the same tokens, single- and two-image prompts."""
+    path, proc, samples = qwen3_vl
+    prompts = [samples[0]["prompt"], samples[2]["prompt"]]  # one image; two images
+    eng = hf_engine_matches_trainer(path, proc, prompts)
     g = eng.generate(prompts[1:], n=2, temperature=0, top_p=1.0, max_tokens=8, seeds=[0])[0]
     assert g[0] == g[1] and len(g[0]["response_ids"]) > 0
 
