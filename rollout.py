@@ -88,6 +88,13 @@ def _forced(ids, logprobs, max_tokens):
     return {"response_ids": list(ids), "finished": len(ids) < max_tokens, "logprobs": logprobs}
 
 
+def unsent(named_params, loaded):
+    """The engine's parameters that load_weights did not report loaded. vLLM's MoE runner reports its experts without
+    their `routed_experts.` module (fused_moe/runner/moe_runner.py delegates load_weights to it): either name counts."""
+    loaded = set(loaded)
+    return sorted(n for n, _ in named_params if n not in loaded and n.replace(".routed_experts.", ".") not in loaded)
+
+
 def _sampled_logprobs(c, ids):
     """The sampled tokens' log-probs of one vLLM completion (logprobs=0), from FlatLogprobs or per-position dicts."""
     lp = c.logprobs
@@ -464,10 +471,10 @@ class VLLMRollout:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         if self.weights_lost and loaded is not None:  # after level-2 sleep (or dummy weights) every one is sent
-            missing = {n for n, _ in model.named_parameters()} - set(loaded)
+            missing = unsent(model.named_parameters(), loaded)
             if missing:
                 raise RuntimeError(f"after sleep(level=2) or a start without weights these were not sent: "
-                                   f"{sorted(missing)[:5]}...")
+                                   f"{missing[:5]}...")
         self.weights_lost = False
         self._reset_caches()
 

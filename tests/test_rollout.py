@@ -393,3 +393,15 @@ def test_per_prompt_seeds_option_reaches_the_requests(path, monkeypatch):
         assert [p.seed for p in eng.llm.calls[-1]["params"]] == want
     assert isinstance(rollout.make_rollout("hf", path, device="cpu", dtype=torch.float32, per_prompt_seeds=False),
                       rollout.HFRollout)
+
+
+def test_unsent_counts_vllm_moe_expert_names():
+    """After a level-2 sleep (or dummy weights) every engine parameter must be re-sent. vLLM's MoE runner reports its
+    experts as `experts.w13_weight` while the parameter is `experts.routed_experts.w13_weight` (the 30B-A3B's first
+    sync stopped on it); a parameter nobody sent is still reported."""
+    params = [(n, None) for n in ("lm.layers.0.mlp.experts.routed_experts.w13_weight",
+                                  "lm.layers.0.mlp.experts.routed_experts.w2_weight", "lm.layers.0.mlp.gate.weight")]
+    loaded = ["lm.layers.0.mlp.experts.w13_weight", "lm.layers.0.mlp.experts.w2_weight", "lm.layers.0.mlp.gate.weight"]
+    assert rollout.unsent(params, loaded) == []
+    assert rollout.unsent(params, loaded[1:]) == ["lm.layers.0.mlp.experts.routed_experts.w13_weight"]
+    assert rollout.unsent(params, loaded[:2]) == ["lm.layers.0.mlp.gate.weight"]
