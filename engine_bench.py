@@ -12,7 +12,7 @@ generate adds to a bare request (so no row is a copy of generate's request build
   bare            n, temperature, top_p, max_tokens, stop at EOS, detokenize off: nothing else (engine awake)
   logprobs        + the sampled tokens' processed log-probs, one dict and one Logprob object per token (vLLM's
                   default container: what generate asks for)
-  logprobs_flat   + the same log-probs in vLLM's FlatLogprobs (VLLMRollout.flat_logprobs: off until measured here)
+  logprobs_flat   + the same log-probs in vLLM's FlatLogprobs (VLLMRollout.flat_logprobs: off, measured slower)
   seeds           + a seed per prompt (rollout.request_seed)
   banned          + the image/video pad tokens banned (logit_bias)
   sleep_wake      bare, the engine woken before and put to sleep after it, as every training step does

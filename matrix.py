@@ -136,6 +136,7 @@ def run(names, out, timeout, runs_dir, with_parity=False):
             s["failures"].append(f"exit code {p.returncode}" + (" (cut by --timeout)" if p.returncode < 0 else ""))
         results.append(s)
         print(f"[matrix] {name}: {'PASS' if not s['failures'] else 'FAIL ' + '; '.join(s['failures'])}", flush=True)
+    write(out, results)  # kept if a cut comes during the parity checks
     if with_parity:  # every finished row's checkpoint at once, each engine with the row's fixed KV cache
         checks = {}
         for s in results:
@@ -155,14 +156,32 @@ def run(names, out, timeout, runs_dir, with_parity=False):
                 p.kill()
             s["parity"] = json.load(open(path)) if os.path.isfile(path) else None
             s["failures"] += s["parity"]["failures"] if s["parity"] else ["the parity check did not finish"]
-    doc = dict(date=time.strftime("%Y-%m-%d"), versions=versions(), rows=results)
-    with open(os.path.join(out, "matrix.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    md = table([doc])
-    with open(os.path.join(out, "matrix.md"), "w") as f:
-        f.write(md + "\n")
-    print(md)
+    print(write(out, results))
     return all(not s["failures"] for s in results)
+
+
+def write(out, results, vers=None):
+    """matrix.json and matrix.md in `out`; returns the table."""
+    doc = dict(date=time.strftime("%Y-%m-%d"), versions=vers or versions(), rows=results)
+    rundir.write_atomic(os.path.join(out, "matrix.json"), json.dumps(doc, indent=1))
+    md = table([doc])
+    rundir.write_atomic(os.path.join(out, "matrix.md"), md + "\n")
+    return md
+
+
+def collect(pairs, out, versions_from):
+    """Rows from kept metrics files (ROW=PATH, each beside its run's val_samples.jsonl if kept), for a matrix call
+    cut before it wrote matrix.json; the versions from a matrix.json of the same device image."""
+    results = []
+    for pair in pairs:
+        name, path = pair.split("=", 1)
+        s = summarize(name, path, ROWS[name][2])
+        if path.endswith("_metrics.jsonl"):  # kept as NAME_metrics.jsonl beside NAME_val_samples.jsonl
+            s["worst_class"] = worst_class(path[:-len("metrics.jsonl")] + "val_samples.jsonl")
+        s.update(command=" ".join([ROWS[name][0], *ENGINE, *ROWS[name][1]]), collected_from=os.path.basename(path))
+        results.append(s)
+    os.makedirs(out, exist_ok=True)
+    return write(out, results, json.load(open(versions_from))["versions"])
 
 
 def parity(run_dir, engine="vllm", samples=4):
@@ -275,6 +294,10 @@ def main(argv=None):
     r.add_argument("--parity", action="store_true", help="then each row's final checkpoint: engine = HF engine")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
+    c = sub.add_parser("collect", help="rows from kept metrics files, when a call was cut before matrix.json")
+    c.add_argument("pairs", nargs="+", metavar="ROW=METRICS_JSONL")
+    c.add_argument("--out", required=True)
+    c.add_argument("--versions-from", required=True, help="a matrix.json from the same device image")
     q = sub.add_parser("parity", help="one trained run folder: the engine's answers and log-probs against HF's")
     q.add_argument("run_dir")
     q.add_argument("--engine", default="vllm", help="vllm, or hf (compares the HF engine with itself: a CPU check)")
@@ -286,6 +309,9 @@ def main(argv=None):
         if a.json:
             rundir.write_atomic(a.json, json.dumps(res, indent=1))
         return 0 if not res["failures"] else 1
+    if a.cmd == "collect":
+        print(collect(a.pairs, a.out, a.versions_from))
+        return 0
     if a.cmd == "table":
         print(table([json.load(open(f)) for f in a.files]))
         return 0

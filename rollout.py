@@ -332,7 +332,7 @@ class VLLMRollout:
 
     # ---- generation
     per_prompt_seeds = True  # (class attributes: make_rollout sets them) --per-prompt-seeds, see _requests
-    flat_logprobs = False  # FlatLogprobs: off until a GPU run checks and bench.py engine-ablation measures it
+    flat_logprobs = False  # FlatLogprobs: measured slower than the dicts on an H200 (BENCHMARKS "Engine ablation")
 
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True,
                          flat=None):

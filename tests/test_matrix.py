@@ -57,6 +57,27 @@ def test_the_worst_class_of_the_last_validation(tmp_path):
     assert "(worst class white: 0.25)" in matrix.table([dict(date="d", versions={}, rows=[s])])
 
 
+def test_collect_rebuilds_a_cut_call_from_kept_metrics(tmp_path):
+    """A call cut before matrix.json was written: `collect` makes the rows from the kept NAME_metrics.jsonl files
+    (each row's own bars, its worst class from NAME_val_samples.jsonl) with the versions of the named matrix.json."""
+    good, bad = str(tmp_path / "qwen2vl_colour_metrics.jsonl"), str(tmp_path / "qwen3vl_video_metrics.jsonl")
+    write_metrics(good, [0.5, 0.96])
+    write_metrics(bad, [0.5, 0.9])
+    with open(tmp_path / "qwen3vl_video_val_samples.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": 20, "answer": a, "accuracy": float(a != "red")}) + "\n"
+                     for a in ("red", "blue"))
+    (tmp_path / "v.json").write_text(json.dumps({"versions": {"vllm": "0.26.0", "gpu": "G"}, "rows": []}))
+    text = matrix.collect([f"qwen2vl_colour={good}", f"qwen3vl_video={bad}"], str(tmp_path / "o"),
+                          str(tmp_path / "v.json"))
+    doc = json.load(open(tmp_path / "o" / "matrix.json"))
+    assert doc["versions"] == {"vllm": "0.26.0", "gpu": "G"} and "vLLM 0.26.0" in text
+    rows = {r["row"]: r for r in doc["rows"]}
+    assert rows["qwen2vl_colour"]["failures"] == [] and rows["qwen2vl_colour"]["steps_to_target"] == 20
+    assert "never reached" in rows["qwen3vl_video"]["failures"][0]
+    assert rows["qwen3vl_video"]["worst_class"] == ["red", 0.0]
+    assert "--demo-model qwen2_vl" in rows["qwen2vl_colour"]["command"]
+
+
 def test_run_fails_when_a_row_fails(tmp_path, monkeypatch):
     """Two stand-in rows (a script that writes a metrics file like a demo's): the run passes only if both do."""
     script = tmp_path / "fake_demo.py"
