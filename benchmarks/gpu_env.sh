@@ -7,7 +7,9 @@
 #   bash ../shared/gpu/fetch_wheels.sh .gpu/wheels   # tyro, datasets, math-verify: the device image lacks them
 # Then two device calls on the one-H200 kind (`nvidia-h200`), back to back (a machine stays warm 30 s after a call):
 #   1. carry .gpu/vllm026-slim.tar.xz.part-00:   mkdir -p /tmp/vparts && cp .gpu/*.part-00 /tmp/vparts/
-#   2. carry .gpu/vllm026-slim.tar.xz.part-01, .gpu/install_vllm.sh and .gpu/wheels:
+#   2. carry .gpu/vllm026-slim.tar.xz.part-01, .gpu/install_vllm.sh and .gpu/wheels (a call carries at most 64 MiB
+#      with the tracked tree, ~8 MB now: when it refuses, carry the part alone and copy it to /tmp/vparts, then
+#      install.sh and the wheels in the next call; the tool's README splits part-00 in two the same way):
 #      cp .gpu/*.part-01 /tmp/vparts/ && bash .gpu/install_vllm.sh && bash benchmarks/gpu_speed.sh bar
 # The install takes ~20 s; a later call on the same warm machine runs a recipe alone (`bash benchmarks/gpu_X.sh ...`).
 # One call may run 10 minutes: each recipe says how long its modes take. What a call leaves in $OUT comes back.
