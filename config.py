@@ -118,6 +118,10 @@ class Config:
     rollout_correction: Literal["none", "tis"] = "none"  # tis: weight each token's loss by pi_old / pi_engine, capped
     rollout_correction_level: Literal["token", "sequence"] = "token"  # one weight per token, or per sequence
     rollout_correction_cap: float = 2.0  # weights above it are truncated to it (veRL's rollout_is_threshold)
+    # the engine returns its log-probs for one training prompt in K (all its n samples): the agreement metric
+    # (rollout/logprob_diff_*) needs a sample of them, tis every one, and they cost ~20 % of the engine's generation
+    # time (BENCHMARKS "Engine ablation"); 0 = auto: 1 with --rollout-correction tis, else 8
+    rollout_logprobs_every: int = 0
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
     precision: Literal["amp", "bf16"] = "amp"  # amp: fp32 master weights, compute in --dtype; bf16: weights, gradients and AdamW state in bf16 (10 bytes per parameter against 16; README: Memory modes)

@@ -452,6 +452,9 @@ def check(cfg, world):
     for opt, v in positive.items():
         if not v > 0:
             raise UserError(f"--{opt} {v}: must be > 0" + " (greedy is for --val-temperature)" * (opt == "temperature"))
+    if cfg.rollout_logprobs_every < 0 or (cfg.rollout_correction == "tis" and cfg.rollout_logprobs_every > 1):
+        raise UserError(f"--rollout-logprobs-every {cfg.rollout_logprobs_every}: 0 (auto) or K >= 1, and 0 or 1 with "
+                        "--rollout-correction tis (it weights every sample by the engine's log-probs)")
     if cfg.lora_target_experts and cfg.lora_rank <= 0:
         raise UserError("--lora-target-experts puts LoRA adapters on the experts: it needs --lora-rank > 0")
     for opt, v in {"rollout-n": cfg.n, "rollout-batch-size": cfg.rollout_batch_size,

@@ -155,17 +155,25 @@ def by_prompt(samples, n):
     return [samples[i:i + n] for i in range(0, len(samples), n)]
 
 
-def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None):
+def logprobs_every(cfg):
+    """One training prompt in K gets the engine's log-probs (--rollout-logprobs-every; 0: all with tis, else 8)."""
+    return cfg.rollout_logprobs_every or (1 if cfg.rollout_correction == "tis" else 8)
+
+
+def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None, logprobs=True):
     """Sample n responses per prompt and score them. Returns the flat list of sample dicts (n per prompt).
-    lengths (bench.py's realistic workload): per prompt, n forced response lengths (EOS ignored)."""
+    lengths (bench.py's realistic workload): per prompt, n forced response lengths (EOS ignored). logprobs: the
+    engine's log-probs for the prompts at every logprobs_every-th position (validation and ReMax's greedy: none)."""
     cfg = ctx.cfg
     prompts = [rec for _, rec in drawn]
     seeds = [(cfg.seed * 1_000_003 + pos) % 2**31 for pos, _ in drawn]
+    want = [logprobs and pos % logprobs_every(cfg) == 0 for pos, _ in drawn]
     outs = ctx.rollout.generate(prompts, n=n, temperature=temperature, top_p=cfg.top_p if top_p is None else top_p,
-                                max_tokens=cfg.max_response_length, seeds=seeds,
+                                max_tokens=cfg.max_response_length, seeds=seeds, logprobs=want,
                                 **({"lengths": lengths} if lengths is not None else {}))
     samples = [dict(prompt=p, response_ids=list(o["response_ids"]), finished=o["finished"],
-                    rollout_logp=o.get("logprobs")) for p, group in zip(prompts, outs) for o in group]
+                    rollout_logp=o.get("logprobs") if w else None)
+               for p, w, group in zip(prompts, want, outs) for o in group]
     texts = ctx.tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
     items = [{"response": t, "response_length": len(s["response_ids"]), "ground_truth": s["prompt"]["answer"]}
              for t, s in zip(texts, samples)]
@@ -183,7 +191,7 @@ def sample(ctx, drawn, shape=None):
     samples = generate_and_score(ctx, drawn, cfg.n, cfg.temperature)
     samples = shape(samples, cfg) if shape else samples
     if cfg.adv_estimator == "remax":
-        greedy = generate_and_score(ctx, drawn, 1, 0.0, top_p=1.0)
+        greedy = generate_and_score(ctx, drawn, 1, 0.0, top_p=1.0, logprobs=False)
         greedy = shape(greedy, cfg) if shape else greedy  # the baseline's reward is shaped as the samples' are
         for i, s in enumerate(samples):
             s["reward_baseline"] = greedy[i // cfg.n]["reward"]
@@ -295,6 +303,8 @@ def update_policy(ctx, samples, step):
                                 f"skipped (gradient norm {grad_norm}); nothing of this step was saved. Check the data "
                                 "and reward, lower --lr, or raise --max-skipped-steps (0 = never stop)")
     out = log.reduce(dev, n_steps=n_mini * cfg.ppo_epochs)
+    if out.get("rollout/logprob_tokens") == 0:  # no sample of the step had the engine's log-probs: no agreement
+        del out["rollout/logprob_diff_mean"], out["rollout/logprob_diff_max"]
     ctx.skipped_total += skipped
     out["actor/skipped_steps"], out["actor/skipped_steps_total"] = skipped, ctx.skipped_total
     return out
@@ -319,9 +329,8 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
     tok_loss, clip = policy_loss(logp, old, adv, mask, cfg.loss_type, cfg.clip_ratio_low, cfg.clip_ratio_high,
                                  cfg.clip_ratio_dual, cfg.gspo_dual_clip, cfg.cispo_clip_low, cfg.tau_positive,
                                  cfg.tau_negative)  # [b, R]
-    roll = None
-    if all(s.get("rollout_logp") is not None for s in mb):
-        roll = actor.stack_padded([s["rollout_logp"] for s in mb], R, dev)  # [b, R] the engine's
+    has = [s.get("rollout_logp") is not None for s in mb]  # the engine's log-probs: one prompt in K has them
+    roll = actor.stack_padded([s["rollout_logp"] or [] for s in mb], R, dev) if any(has) else None  # [b, R]
     if cfg.rollout_correction == "tis":
         w, st = rollout.correction_weights(old, roll, mask, cfg.rollout_correction_level, cfg.rollout_correction_cap)
         tok_loss = tok_loss * w
@@ -339,9 +348,13 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
     log.add("actor/loss", loss, 0.0)
     log.add("actor/clipfrac", (clip["clipfrac"] * mask).sum(), mask.sum())
     log.add("actor/dual_clipfrac", (clip["dual_clipfrac"] * mask).sum(), mask.sum())
-    if first_pass and roll is not None:  # trainer/engine mismatch at the weights that generated the samples
-        diff = ((logp.detach() - roll).abs() * mask)
-        log.add("rollout/logprob_diff_mean", diff.sum(), mask.sum())
+    # trainer/engine mismatch at the weights that generated the samples; with K > 1 logged by every micro-batch, with
+    # or without such samples (0 of 0), so that every rank reduces the same keys
+    if first_pass and (roll is not None or logprobs_every(cfg) > 1):
+        m = mask & actor.to_device(torch.tensor(has), dev)[:, None]  # [b, R]
+        diff = (logp.detach() - roll).abs() * m if roll is not None else torch.zeros_like(logp)
+        log.add("rollout/logprob_diff_mean", diff.sum(), m.sum())
+        log.add("rollout/logprob_tokens", m.sum(), 0.0)  # (summed: the tokens the agreement was measured on)
         log.add_max("rollout/logprob_diff_max", diff.max())
     return loss, mask
 # ------------------------------------------------------------------------------------------ (end of the loss)
@@ -461,7 +474,7 @@ def validate(ctx):
     samples, per = [], max(1, 64 // cfg.val_n)
     for i in range(0, len(mine), per):  # bounded batches keep the HF engine's memory flat
         drawn = [(-1 - j, ctx.val[j]) for j in mine[i:i + per]]
-        samples += generate_and_score(ctx, drawn, cfg.val_n, cfg.val_temperature, cfg.val_top_p)
+        samples += generate_and_score(ctx, drawn, cfg.val_n, cfg.val_temperature, cfg.val_top_p, logprobs=False)
     ctx.rollout.sleep()
     out = rundir.sample_metrics(ctx, samples, "val")
     ctx.val_rows = rundir.gather_val_rows(samples)  # rank 0: every answer, for val_samples.jsonl (a mean hides a class)

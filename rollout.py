@@ -7,13 +7,10 @@ Two engines with one interface: generate(prompts, n, temperature, top_p, max_tok
   VLLMRollout  vLLM colocated with the trainer, SPMD under torchrun (one engine per rank, no Ray)
   make_rollout picks one ("auto": vLLM when it imports and CUDA is there, else HF).
 
-Log-prob convention, identical in both engines: the log-prob of each sampled token under the distribution it was
-actually sampled from, i.e. log_softmax over the *processed* scores: image/video pad tokens forbidden, logits divided
-by the temperature, then top-p truncation (renormalised over the nucleus). vLLM calls this
-logprobs_mode="processed_logprobs" (its default "raw_logprobs" ignores the temperature, which makes it useless for
-a trainer computing log_softmax(logits / T)). With top_p == 1 (the GRPO default) this equals the trainer's
-log_softmax(logits / T) with the same tokens forbidden (fsdp_actor masks them too); with top_p < 1 it is the
-nucleus-renormalised value. Greedy (temperature == 0): log_softmax of the untempered logits.
+Log-probs, alike in both engines: each sampled token's under the distribution it was sampled from, log_softmax of
+the *processed* scores (pad tokens forbidden, logits / temperature, top-p renormalised over the nucleus): vLLM's
+logprobs_mode="processed_logprobs" (its default "raw_logprobs" ignores the temperature). With top_p == 1 (GRPO's
+default) this is the trainer's log_softmax(logits / T), the same tokens forbidden. Greedy: untempered logits.
 """
 import dataclasses
 import os
@@ -105,9 +102,8 @@ def _sampled_logprobs(c, ids):
 
 # ------------------------------------------------------------------------------------------------ HF engine
 class _SampledLogprobs:
-    """Last logits processor: sees exactly the scores HF samples from (after suppression, temperature, top-p).
-    The token sampled at step t only appears in input_ids at step t+1, so each call gathers the previous step's
-    log-prob and keeps one [rows, V] log-softmax (not [T, rows, V] like output_scores would)."""
+    """Last logits processor: sees the scores HF samples from (after suppression, temperature, top-p). Step t's
+    token appears in input_ids at t+1: each call gathers the previous step's log-prob, keeping one [rows, V]."""
 
     def __init__(self):
         self.prev, self.out = None, []
@@ -147,8 +143,8 @@ class HFRollout:
                 prm.data.uniform_(-1e-3, 1e-3, generator=g)
 
     @torch.no_grad()
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None):
-        """lengths (benchmarks): per prompt, n forced response lengths; EOS is then ignored (see _forced)."""
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
+        """lengths (benchmarks): per prompt, n forced response lengths, EOS ignored (_forced). logprobs: all, always."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         lengths = lengths or [None] * len(prompts)
@@ -222,11 +218,9 @@ class HFRollout:
 # ------------------------------------------------------------------------------------------------ vLLM engine
 def _set_vllm_env():
     """Must run before `import vllm` (some settings are read at import or engine creation)."""
-    # In-process engine: sync_weights reaches the nn.Module directly (no tensor serialisation to a subprocess);
-    # external_launcher also requires it for deterministic SPMD execution.
+    # in-process engine: sync_weights reaches the nn.Module directly; external_launcher's SPMD needs it too
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # vLLM 0.26 builds the FlashInfer sampler by default and fails where flashinfer is not installed; our
-    # processed_logprobs mode and per-request seeds use the PyTorch sampler anyway.
+    # vLLM 0.26 builds FlashInfer's sampler by default (not installed here); processed log-probs and seeds skip it
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
@@ -378,23 +372,25 @@ class VLLMRollout:
             out["multi_modal_data"] = mm
         return out
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
         """lengths (benchmarks): per prompt, n forced response lengths; each sample is then its own request with
-        max_tokens = its length and EOS ignored, so every run generates exactly the same number of tokens."""
+        max_tokens = its length and EOS ignored, so every run generates exactly the same number of tokens.
+        logprobs: per prompt, whether its samples return their log-probs (None: all do)."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if self.weights_lost:
             raise RuntimeError("sleep(level=2) discarded the weights: call sync_weights() before generate()")
         self.wake()
-        items, mine = self._items(prompts, seeds, lengths)
+        items, mine = self._items(prompts, seeds, lengths, logprobs)
         reqs, params, per_item = self._requests(items, n, temperature, top_p, max_tokens)
         outs = self.llm.generate(reqs, params, use_tqdm=False)
         return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
 
-    def _items(self, prompts, seeds, lengths=None):
-        """(items, mine): (vLLM prompt, seed, lengths) of every prompt this engine generates for (a TP group's, in the
+    def _items(self, prompts, seeds, lengths=None, logprobs=None):
+        """(items, mine): (vLLM prompt, seed, lengths, wants log-probs) of every prompt this engine generates for (a TP group's, in the
         same order on every rank of it), and the slice of them that is this rank's."""
-        mine = [(self._vllm_prompt(p), s, L) for p, s, L in zip(prompts, seeds, lengths or [None] * len(prompts))]
+        mine = list(zip(map(self._vllm_prompt, prompts), seeds, lengths or [None] * len(prompts),
+                        [True] * len(prompts) if logprobs is None else logprobs))
         everyone, offset = [mine], 0
         if self.tp_group is not None:
             everyone = [None] * self.tp
@@ -408,9 +404,9 @@ class VLLMRollout:
         bare request, all on in generate (seeded: None = per_prompt_seeds); bench.py engine-ablation times each."""
         seeded = self.per_prompt_seeds if seeded is None else seeded
         rows = 1 if temperature == 0 else n  # vLLM rejects n > 1 with greedy sampling; greedy copies are identical
-        kw = dict(logprobs=logprobs, ban=ban, flat=flat)
         reqs, params, per_item = [], [], []
-        for pr, s, L in items:
+        for pr, s, L, want in items:
+            kw = dict(logprobs=logprobs and want, ban=ban, flat=flat)
             if L is None:  # the training path: one request, n samples
                 reqs.append(pr)
                 params.append(self._sampling_params(rows, temperature, top_p, max_tokens,
@@ -428,7 +424,7 @@ class VLLMRollout:
         want_lp = self.processed_logprobs or (temperature == 1.0 and top_p >= 1.0)
         greedy = temperature == 0
         results, at = [], sum(per_item[:mine.start])
-        for (_, _, L), k in zip(items[mine], per_item[mine]):
+        for (_, _, L, _), k in zip(items[mine], per_item[mine]):
             group = []
             for o in outs[at:at + k]:
                 for c in o.outputs:
@@ -497,10 +493,9 @@ class VLLMRollout:
         try:
             self.llm.sleep(level=self.sleep_level)
         except AssertionError as e:
-            # vLLM's worker compares the whole device's free memory before and after releasing its own: another
-            # process on this GPU allocating meanwhile (runs side by side, matrix.py) fails that check after the
-            # memory was released, and before the executor marks itself asleep; without that mark wake_up would
-            # leave the weights unmapped. (vllm/v1/worker/gpu_worker.py sleep, v1/executor/abstract.py sleep)
+            # vLLM's worker checks the whole device's free memory grew: another process allocating meanwhile
+            # (matrix.py's side-by-side rows) fails it after the release, before the executor marks itself asleep,
+            # and wake_up would then leave the weights unmapped (v1/worker/gpu_worker.py, v1/executor/abstract.py)
             if "Memory usage increased after sleeping" not in str(e):
                 raise
             executor = self.llm.llm_engine.model_executor

@@ -6,6 +6,7 @@ import pytest
 
 import bench
 import data
+import grpo
 import memory
 import tiny_model
 
@@ -237,10 +238,13 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
         if name != "all_ours":
             assert [diff(p, b) for p, b in zip(c["params"], bare)] == [ADDS[name]] * 3, name
     union = set().union(*(v for k, v in ADDS.items() if k not in OPTIONAL))
+    # step 1's prompts are stream positions 0, 1, 2: only position 0 is one of the K-th (grpo.logprobs_every: 8)
+    assert grpo.logprobs_every(cfg) == 8 and [o.logprobs for o in ours] == [0, None, None]
     for i, o in enumerate(ours):
-        assert diff(o, bare[i]) == union  # generate adds these and nothing else: no addition lacks its row
+        # generate adds these and nothing else: no addition lacks its row
+        assert diff(o, bare[i]) == (union if i == 0 else union - {"logprobs"})
         for name, added in ADDS.items():  # ... and each with the value its row has
-            if name in OPTIONAL:
+            if name in OPTIONAL or (name == "logprobs" and i > 0):
                 continue
             assert all(getattr(o, f) == getattr(by_row[name]["params"][i], f) for f in added), name
     # cold: every generate finds the caches emptied since the one before; the sleep rows wake, then sleep

@@ -122,7 +122,7 @@ def test_bench_trains_two_steps_without_weights_on_disk(tmp_path, launch):
     launch.run([sys.executable, "bench.py", "--preset", PRESET, "--random-init", "--max-steps", "2",
                 "--rollout-batch-size", "2", "--global-batch-size", "2", "--n", "4", "--max-response-length", "8",
                 "--min-pixels", "3136", "--max-pixels", "12544", "--lora-rank", "4", "--lr", "1e-3",
-                "--output-dir", out], tmp_path / "bench.log", BENCH_DIR=tmp_path / "bench")
+                "--rollout-logprobs-every", "1", "--output-dir", out], tmp_path / "bench.log", BENCH_DIR=tmp_path / "bench")
     folder = tmp_path / "bench" / "model-random"
     assert presets.random_init(str(folder)) and not list(folder.glob("*.safetensors"))
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]

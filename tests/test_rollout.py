@@ -405,3 +405,55 @@ def test_unsent_counts_vllm_moe_expert_names():
     assert rollout.unsent(params, loaded) == []
     assert rollout.unsent(params, loaded[1:]) == ["lm.layers.0.mlp.experts.routed_experts.w13_weight"]
     assert rollout.unsent(params, loaded[:2]) == ["lm.layers.0.mlp.gate.weight"]
+
+
+def test_engine_logprobs_for_one_prompt_in_k(path, monkeypatch):
+    """--rollout-logprobs-every (auto: 8, or 1 with tis): vLLM is asked for log-probs (logprobs=0) on the training
+    prompts at every K-th position only, the other samples carry none, validation and ReMax's greedy never ask; the
+    agreement metric is then the mean over the samples that have them, and is left out of a step that has none."""
+    import grpo
+    import rundir
+    standin_vllm(monkeypatch)
+    eng = rollout.make_rollout("vllm", path)
+    ctx = types.SimpleNamespace(rollout=eng, cfg=grpo.Config(max_response_length=3),
+                                tokenizer=types.SimpleNamespace(batch_decode=lambda ids, **k: ["x"] * len(ids)),
+                                reward_fn=lambda items: [{"overall": 0.0, "accuracy": 0.0} for _ in items])
+    drawn = [(pos, {"raw_prompt_ids": [3, 4 + pos], "answer": "a", "prompt_text": "p"}) for pos in range(16, 32)]
+
+    def asked(**kw):
+        samples = grpo.generate_and_score(ctx, drawn, 2, 1.0, **kw)
+        sent = [p.logprobs for p in eng.llm.calls[-1]["params"]]
+        return sent, [s["rollout_logp"] is not None for s in samples]
+
+    assert asked() == ([0 if p % 8 == 0 else None for p in range(16, 32)],
+                       [p % 8 == 0 for p in range(16, 32) for _ in range(2)])
+    assert asked(logprobs=False) == ([None] * 16, [False] * 32)
+    ctx.cfg = grpo.Config(max_response_length=3, rollout_correction="tis")
+    assert asked() == ([0] * 16, [True] * 32)
+    # the metric: |trainer - engine| over the tokens of the samples that have the engine's log-probs
+    ctx.cfg = grpo.Config(kl_coef=0.0)
+    logp = torch.tensor([[-1.0, -2.0], [-1.0, -1.0], [-3.0, -3.0]])  # [b, R]
+    mask = torch.tensor([[True, True], [True, False], [True, True]])
+    mb = [dict(adv=1.0, rollout_logp=[-1.5, -2.0]), dict(adv=0.0, rollout_logp=None),
+          dict(adv=-1.0, rollout_logp=[-3.0, -2.0])]
+    log = rundir.MetricSums()
+    grpo.micro_batch_loss(ctx.cfg, logp, mask, mb, {}, log, first_pass=True)
+    out = log.reduce(torch.device("cpu"), 1)
+    assert out["rollout/logprob_diff_mean"] == pytest.approx((0.5 + 0 + 0 + 1.0) / 4)
+    assert out["rollout/logprob_diff_max"] == 1.0 and out["rollout/logprob_tokens"] == 4
+    log = rundir.MetricSums()  # none of them: 0 of 0 tokens, logged so that every rank reduces the same keys
+    grpo.micro_batch_loss(ctx.cfg, logp, mask, [dict(s, rollout_logp=None) for s in mb], {}, log, first_pass=True)
+    assert log.reduce(torch.device("cpu"), 1)["rollout/logprob_tokens"] == 0
+
+
+def test_tis_needs_every_samples_engine_logprobs(tmp_path):
+    """The option checks refuse --rollout-correction tis with --rollout-logprobs-every K > 1 (it weights every sample
+    by the engine's log-probs), and a negative K: one line before anything loads."""
+    import easyr1_config
+    from common import UserError
+    from config import Config
+    for kw in (dict(rollout_correction="tis", rollout_logprobs_every=8), dict(rollout_logprobs_every=-1)):
+        with pytest.raises(UserError, match="--rollout-logprobs-every"):
+            easyr1_config.check(Config(output_dir=str(tmp_path), **kw), 1)
+    for k in (0, 1):
+        easyr1_config.check(Config(output_dir=str(tmp_path), rollout_correction="tis", rollout_logprobs_every=k), 1)
