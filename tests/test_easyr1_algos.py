@@ -286,20 +286,20 @@ def test_remax_generates_one_greedy_response_per_prompt(monkeypatch):
     that prompt's samples."""
     calls = []
 
-    def fake_generate(ctx, drawn, n, temperature, top_p=None):
-        calls.append((len(drawn), n, temperature))
+    def fake_generate(ctx, drawn, n, temperature, top_p=None, logprobs=True):
+        calls.append((len(drawn), n, temperature, logprobs))
         return [dict(reward=float(10 * p + (k if temperature else 0.5))) for p, _ in drawn for k in range(n)]
     monkeypatch.setattr(grpo, "generate_and_score", fake_generate)
     ctx = SimpleNamespace(cfg=Config(n=3, adv_estimator="remax", temperature=1.0))
     out = grpo.sample(ctx, [(0, {}), (1, {})])
-    assert calls == [(2, 3, 1.0), (2, 1, 0.0)]
+    assert calls == [(2, 3, 1.0, True), (2, 1, 0.0, False)]  # the baseline needs no engine log-probs
     assert [s["reward_baseline"] for s in out] == [0.5] * 3 + [10.5] * 3
     # a shaped reward (dapo.py's overlong penalty) is shaped in the baseline too, as EasyR1's reward function does
     out = grpo.sample(ctx, [(0, {})], shape=lambda ss, cfg: [dict(s, reward=s["reward"] - 1) for s in ss])
     assert [s["reward_baseline"] for s in out] == [-0.5] * 3
     calls.clear()
     grpo.sample(SimpleNamespace(cfg=Config(n=3)), [(0, {})])
-    assert calls == [(1, 3, 1.0)]  # no extra generation for the other estimators
+    assert calls == [(1, 3, 1.0, True)]  # no extra generation for the other estimators
 
 
 # ------------------------------------------------------------------------------------------------ KL in the reward
@@ -411,8 +411,8 @@ def test_validation_with_n_answers_reports_mean_and_pass_at_n(monkeypatch):
     acc = {0: [0, 0, 1, 0], 1: [0, 0, 0, 0], 2: [1, 1, 0, 1]}
     calls = []
 
-    def fake_generate(ctx, drawn, n, temperature, top_p=None):
-        calls.append((len(drawn), n, temperature, top_p))
+    def fake_generate(ctx, drawn, n, temperature, top_p=None, logprobs=True):
+        calls.append((len(drawn), n, temperature, top_p, logprobs))
         return [dict(scores={"overall": a + 0.1, "accuracy": float(a)}, response_ids=[1, 2], finished=True,
                      prompt=dict(prompt_ids=[0] * 5, answer=f"p{row}"), text="x", reward=a + 0.1)
                 for pos, row in drawn for a in acc[row]]
@@ -421,7 +421,7 @@ def test_validation_with_n_answers_reports_mean_and_pass_at_n(monkeypatch):
     cfg = Config(val_n=4, val_temperature=1.0, val_top_p=0.7)
     ctx = SimpleNamespace(cfg=cfg, rank=0, world=1, val=[0, 1, 2], rollout=rollout, engine_stale=False)
     out = grpo.validate(ctx)
-    assert calls == [(3, 4, 1.0, 0.7)]
+    assert calls == [(3, 4, 1.0, 0.7, False)]  # validation asks no engine log-probs
     assert out["val/accuracy"] == pytest.approx(4 / 12) and out["val/mean"] == pytest.approx(4 / 12 + 0.1)
     assert out["val/pass@4"] == pytest.approx(2 / 3)
     # every answer kept for val_samples.jsonl: the accuracy per class of prompt (here: per prompt)
