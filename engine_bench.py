@@ -16,6 +16,9 @@ generate adds to a bare request (so no row is a copy of generate's request build
   seeds           + a seed per prompt (rollout.request_seed)
   banned          + the image/video pad tokens banned (logit_bias)
   sleep_wake      bare, the engine woken before and put to sleep after it, as every training step does
+  sync_sleep1     sleep_wake at sleep level 1 with a step's weight sync first (the checkpoint's tensors, on the GPU)
+  sync_sleep2     the same at level 2: nothing copied to the host, every weight re-sent (the sync does that anyway
+                  in full fine-tuning; with LoRA only the adapted layers are, which level 1 makes possible)
   all_ours        VLLMRollout.generate itself, woken before and put to sleep after (memory.sleep): a step's engine time
   all_ours_scored the same run with grpo.generate_and_score's decoding and reward: bench.py's timing/gen, except that
                   its wake maps the weights too (a step's sync has mapped them, in timing/sync)
@@ -59,11 +62,16 @@ ROWS = {
     "seeds": ("+ a seed per prompt", dict(seeded=True, logprobs=False, ban=False)),
     "banned": ("+ the image/video pad tokens banned (logit_bias)", dict(seeded=False, logprobs=False, ban=True)),
     "sleep_wake": ("+ wake before and sleep after", dict(seeded=False, logprobs=False, ban=False)),
+    "sync_sleep1": ("+ a weight sync, asleep at level 1 before and after (weights copied to the host and back)",
+                    dict(seeded=False, logprobs=False, ban=False)),
+    "sync_sleep2": ("+ a weight sync, asleep at level 2 before and after (weights dropped, all re-sent)",
+                    dict(seeded=False, logprobs=False, ban=False)),
     "all_ours": ("VLLMRollout.generate, woken before and asleep after", None),
     "all_ours_scored": ("all_ours + decoding and reward (bench's timing/gen less the sync)", None),
     "memory_share": ("bare, at the bare engine's share of GPU memory", None),
 }
-ENGINE_ROWS = ("bare", "logprobs", "logprobs_flat", "seeds", "banned", "sleep_wake")
+ENGINE_ROWS = ("bare", "logprobs", "logprobs_flat", "seeds", "banned", "sleep_wake", "sync_sleep1", "sync_sleep2")
+SYNC_LEVEL = {"sync_sleep1": 1, "sync_sleep2": 2}
 
 _GC = {"seconds": 0.0, "start": 0.0}
 
@@ -85,25 +93,46 @@ def cold(eng):
         reset_mm()
 
 
-def engine_row(eng, call, switches, sleep_wake=False):
+def engine_row(eng, call, switches, sleep_wake=False, weights=None, level=1):
     """One engine-level row: the captured call's requests with `switches`, generated straight by vLLM; with
-    sleep_wake the engine sleeps first (untimed) and the timed span is wake, generate, sleep."""
+    sleep_wake the engine sleeps first (untimed) and the timed span is wake, generate, sleep. With `weights` (HF name
+    -> tensor on the GPU, as the trainer's gathered ones are) the sleeps are at `level` and the timed span starts with
+    a step's weight sync: at level 1 the weights go to the host and back although the sync re-sends every one."""
     eng.wake()
     cold(eng)
     items, _ = eng._items(call["prompts"], call["seeds"])
     reqs, params, _ = eng._requests(items, call["n"], call["temperature"], call["top_p"], call["max_tokens"],
                                     **switches)
-    if sleep_wake:
+    eng.sleep_level = level
+    if sleep_wake or weights is not None:
         eng.sleep()
     gc0, t = _GC["seconds"], time.perf_counter()
-    if sleep_wake:
+    if weights is not None:
+        eng.sync_weights(iter(weights.items()))
+    if sleep_wake or weights is not None:
         eng.wake()
     outs = eng.llm.generate(reqs, params, use_tqdm=False)
-    if sleep_wake:
+    if sleep_wake or weights is not None:
         eng.sleep()
     seconds = time.perf_counter() - t
+    eng.sleep_level = 1
+    if eng.weights_lost:  # (untimed) the next row needs them
+        eng.sync_weights(iter(weights.items()))
     return dict(seconds=seconds, gc_seconds=_GC["seconds"] - gc0, params=params_summary(params[0]),
                 tokens=sum(len(c.token_ids) for o in outs for c in o.outputs))
+
+
+def checkpoint_on_gpu(model_path, device):
+    """The model folder's weights (HF names) on `device`, what a step's sync streams; None for a preset written
+    without weights (presets.random_init)."""
+    from safetensors.torch import load_file
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not files:
+        return None
+    out = {}
+    for f in files:
+        out.update(load_file(os.path.join(model_path, f), device=str(device)))
+    return out
 
 
 def ours_row(ctx, drawn):
@@ -263,12 +292,22 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
     ctx, drawn = setup(cfg)
     eng = ctx.rollout.engine
     warm = replace(cfg, max_response_length=warmup_tokens)
+    weights = None
+    if any(r in SYNC_LEVEL for r in rows):
+        weights = checkpoint_on_gpu(cfg.model_path, next(eng._inner_model().parameters()).device)
+        if weights is None:
+            print("[engine-ablation] the model folder has no weights: no sync_sleep rows", flush=True)
+            rows = [r for r in rows if r not in SYNC_LEVEL]
+
+    def one(name, c):
+        return engine_row(eng, c, ROWS[name][1], sleep_wake=name == "sleep_wake",
+                          weights=weights if name in SYNC_LEVEL else None, level=SYNC_LEVEL.get(name, 1))
     ctx.cfg = warm  # the warm-up: every row once, short; it also records the step's call (prompts, seeds)
     ours_row(ctx, drawn)
     call = dict(ctx.rollout.calls[0], max_tokens=cfg.max_response_length)
     for name in ENGINE_ROWS:
         if name in rows:
-            engine_row(eng, dict(call, max_tokens=warmup_tokens), ROWS[name][1], sleep_wake=name == "sleep_wake")
+            one(name, dict(call, max_tokens=warmup_tokens))
     ctx.cfg = cfg
     runs = {}
     timed = [r for r in rows if r in ENGINE_ROWS or r == "all_ours"]
@@ -279,7 +318,7 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
             if name == "all_ours":
                 got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
             else:
-                got = {name: engine_row(eng, call, ROWS[name][1], sleep_wake=name == "sleep_wake")}
+                got = {name: one(name, call)}
             for key, r in got.items():
                 if key in rows:
                     runs.setdefault(key, []).append(r)

@@ -8,11 +8,13 @@
 #   realistic  (~7 min) the same prompts with seeded log-normal response lengths, padding-free training on, then off
 #   profile    (~4 min, no engine) the trainer alone on the 3B, 16 prompts x 8, 3 steps; the last step's kernel table
 #   8b         (~7 min) the Qwen3-VL-8B shape in pure bf16, 16 prompts x 8 x 1024, 2 steps (README: 37.5 s per step)
-#   ablation   (~8 min, estimated: not yet run) bench.py engine-ablation on the 3B shape: the bar's generation (64
+#   ablation   (measured 2026-12-01 at 32 prompts, before the two sync rows: 317 s with the model build; at 64 prompts
+#              estimated ~8 min) bench.py engine-ablation on the 3B shape: the bar's generation (64
 #              prompts x 8 x 1024 tokens, the same prompts and engine settings) with the engine alone, then with each
-#              of our additions (log-probs, seeds, banned tokens, sleep/wake, all of them, decoding and reward), and
+#              of our additions (log-probs, seeds, banned tokens, sleep/wake, a sync with sleep level 1 and with 2,
+#              all of them, decoding and reward), and
 #              bare in a second engine at the bare engine's memory share (0.6): one table (README Speed). Estimate:
-#              model build ~1.5 min, engine start ~1 min, warm-up ~20 s, 7 timed generations x ~20-25 s, the second
+#              model build ~1.5 min, engine start ~1 min, warm-up ~20 s, 9 timed generations x ~20-25 s, the second
 #              engine ~1.5 min. REPEATS=2 times each row twice (~3 min more: on a machine where the model is built
 #              already, with LIMIT=570; or with half the prompts, ARGS="--rollout-batch-size 32")
 #   knobs      (~8 min, estimated: not yet run) the trainer alone (--trainer-only, no engine) on the 3B, 16 prompts

@@ -194,7 +194,8 @@ def test_qwen3_vl_30b_a3b_preset_and_its_easyr1_script():
 
 # ------------------------------------------------------------------------------------------- engine-ablation
 ADDS = {"bare": set(), "logprobs": {"logprobs"}, "logprobs_flat": {"logprobs", "flat_logprobs"}, "seeds": {"seed"},
-        "banned": {"logit_bias"}, "sleep_wake": set()}  # what each engine-level row's requests add to bare's
+        "banned": {"logit_bias"}, "sleep_wake": set(), "sync_sleep1": set(), "sync_sleep2": set()}
+# (what each engine-level row's requests add to bare's)
 OPTIONAL = {"logprobs_flat"}  # rows of an option generate leaves off by default
 
 
@@ -254,10 +255,16 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
     for k, name in enumerate(names):
         at = gens[len(names) + k]
         span = ev[ev.index("reset_mm", gens[len(names) + k - 1]):at]  # from the reset to the timed generate
-        if name in ("sleep_wake", "all_ours"):
+        if name in ("sleep_wake", "all_ours", "sync_sleep1", "sync_sleep2"):
             assert "sleep" in span and span[-1] == "wake" and "sleep" in ev[at + 1:at + 5], (name, span)
+            assert ("load" in span) == name.startswith("sync"), (name, span)  # the sync rows sync first
         else:
             assert "sleep" not in span, (name, span)
+    # the sync rows stream the checkpoint's every weight; level 2's sleeps are level 2 and its row re-sends them after
+    # (untimed: the next row needs them): per round (the warm-up, one timed) 1 + 2 syncs, 2 level-2 sleeps
+    keys = sorted(engine_bench.checkpoint_on_gpu(path, "cpu"))
+    assert len(eng.llm.loaded) == 2 * 3 and all(sorted(x) == keys for x in eng.llm.loaded)
+    assert eng.llm.levels.count(2) == 2 * 2 and eng.sleep_level == 1 and not eng.weights_lost
     saved = json.load(open(tmp_path / "run" / "engine_ablation.json"))
     assert list(saved["rows"]) == rows and saved["rows"]["bare"]["tokens"] == 3 * 4 * 6
     assert saved["rows"]["all_ours_scored"]["seconds"] >= saved["rows"]["all_ours"]["seconds"]

@@ -294,6 +294,21 @@ class FlatLogprobs:
         return len(self.start_indices)
 
 
+class StandInModel(torch.nn.Module):
+    """The nn.Module inside the stand-in engine: load_weights records the names each sync streams (in the LLM's
+    .loaded, events "load") and reports its one parameter loaded when anything came."""
+
+    def __init__(self, llm):
+        super().__init__()
+        self.w, self.llm = torch.nn.Parameter(torch.zeros(1)), [llm]  # (a list: not a submodule)
+
+    def load_weights(self, weights):
+        names = [n for n, _ in weights]
+        self.llm[0].loaded.append(names)
+        self.llm[0].events.append("load")
+        return {"w"} if names else set()
+
+
 class StandInLLM:
     """vLLM's LLM as VLLMRollout and engine_bench use it. Records each generate call's prompts and SamplingParams
     and each cache reset, sleep and wake (in .events); answers deterministically from (prompt, seed + j) (a request
@@ -301,9 +316,12 @@ class StandInLLM:
     position, as asked. Tokens are drawn from 10..499 (the tiny model's EOS and pad ids lie above)."""
 
     def __init__(self):
-        self.calls, self.events = [], []
+        self.calls, self.events, self.levels, self.loaded = [], [], [], []
+        model = StandInModel(self)
         self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.events.append("reset_encoder"),
-                                                vllm_config=types.SimpleNamespace(use_v2_model_runner=True))
+                                                vllm_config=types.SimpleNamespace(use_v2_model_runner=True),
+                                                model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(
+                                                    get_model=lambda: model)))
 
     def generate(self, reqs, params, use_tqdm=False):
         self.calls.append(dict(reqs=list(reqs), params=list(params)))
@@ -330,6 +348,7 @@ class StandInLLM:
 
     def sleep(self, level=1):
         self.events.append("sleep")
+        self.levels.append(level)
 
     def wake_up(self, tags=None):
         self.events.append("wake")
