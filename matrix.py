@@ -121,41 +121,46 @@ def run(names, out, timeout, runs_dir, with_parity=False):
         log = open(os.path.join(out, f"{name}.log"), "w")
         procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log, cmd)
         time.sleep(3)  # engine start-ups a little apart
-    results = []
-    for name, (p, log, cmd) in procs.items():
+    # each row's parity check starts as soon as the row ends (its engine beside the rows still training), so the
+    # slowest row's training is not followed by every row's check
+    results, checks, pending = {}, {}, dict(procs)
+    while pending:
+        left = timeout - (time.time() - t0)
+        done = [n for n, (p, _, _) in pending.items() if p.poll() is not None or left <= 0]
+        if not done:
+            try:
+                next(iter(pending.values()))[0].wait(timeout=min(1.0, left))
+            except subprocess.TimeoutExpired:
+                pass
+            continue
+        for name in done:
+            p, log, cmd = pending.pop(name)
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            log.close()
+            s = summarize(name, os.path.join(runs_dir, name, "metrics.jsonl"), ROWS[name][2])
+            s.update(command=" ".join(cmd[1:]), returncode=p.returncode, seconds=round(time.time() - t0),
+                     log_tail=open(os.path.join(out, f"{name}.log"), errors="replace").read()[-1500:])
+            if p.returncode != 0:
+                s["failures"].append(f"exit code {p.returncode}" + (" (cut by --timeout)" if p.returncode < 0 else ""))
+            results[name] = s
+            print(f"[matrix] {name}: {'PASS' if not s['failures'] else 'FAIL ' + '; '.join(s['failures'])}", flush=True)
+            if with_parity and rundir.latest_checkpoint(os.path.join(runs_dir, name, "checkpoints")):
+                path = os.path.join(out, f"{name}_parity.json")
+                checks[name] = (launch_parity(os.path.join(runs_dir, name), path), path, time.time() - t0)
+    results = [results[n] for n in names]
+    write(out, results)  # kept if a cut comes during the parity checks
+    for s in results:
+        if s["row"] not in checks:
+            continue
+        p, path, s["parity_started"] = checks[s["row"]]
         try:
             p.wait(timeout=max(1, timeout - (time.time() - t0)))
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait()
-        log.close()
-        s = summarize(name, os.path.join(runs_dir, name, "metrics.jsonl"), ROWS[name][2])
-        s.update(command=" ".join(cmd[1:]), returncode=p.returncode, seconds=round(time.time() - t0),
-                 log_tail=open(os.path.join(out, f"{name}.log"), errors="replace").read()[-1500:])
-        if p.returncode != 0:
-            s["failures"].append(f"exit code {p.returncode}" + (" (cut by --timeout)" if p.returncode < 0 else ""))
-        results.append(s)
-        print(f"[matrix] {name}: {'PASS' if not s['failures'] else 'FAIL ' + '; '.join(s['failures'])}", flush=True)
-    write(out, results)  # kept if a cut comes during the parity checks
-    if with_parity:  # every finished row's checkpoint at once, each engine with the row's fixed KV cache
-        checks = {}
-        for s in results:
-            if rundir.latest_checkpoint(os.path.join(runs_dir, s["row"], "checkpoints")):
-                path = os.path.join(out, f"{s['row']}_parity.json")
-                cmd = [sys.executable, __file__, "parity", os.path.join(runs_dir, s["row"]), "--json", path]
-                checks[s["row"]] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                                     stderr=open(path + ".log", "w")), path)
-                time.sleep(3)
-        for s in results:
-            if s["row"] not in checks:
-                continue
-            p, path = checks[s["row"]]
-            try:
-                p.wait(timeout=max(1, timeout - (time.time() - t0)))
-            except subprocess.TimeoutExpired:
-                p.kill()
-            s["parity"] = json.load(open(path)) if os.path.isfile(path) else None
-            s["failures"] += s["parity"]["failures"] if s["parity"] else ["the parity check did not finish"]
+        s["parity"] = json.load(open(path)) if os.path.isfile(path) else None
+        s["failures"] += s["parity"]["failures"] if s["parity"] else ["the parity check did not finish"]
     print(write(out, results))
     return all(not s["failures"] for s in results)
 
@@ -182,6 +187,12 @@ def collect(pairs, out, versions_from):
         results.append(s)
     os.makedirs(out, exist_ok=True)
     return write(out, results, json.load(open(versions_from))["versions"])
+
+
+def launch_parity(run_dir, path):
+    """`matrix.py parity` on a finished row's folder, in the background: its summary to `path`, its log beside."""
+    return subprocess.Popen([sys.executable, __file__, "parity", run_dir, "--json", path], stdout=subprocess.DEVNULL,
+                            stderr=open(path + ".log", "w"))
 
 
 def parity(run_dir, engine="vllm", samples=4):

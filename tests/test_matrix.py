@@ -3,6 +3,7 @@ BENCHMARKS as generated (not hand-copied)."""
 import glob
 import json
 import os
+import subprocess
 import sys
 import types
 
@@ -135,3 +136,35 @@ def test_parity_of_a_trained_run_on_the_cpu(tmp_path):
     assert p["prompts"] == 6 and p["greedy_equal"] == 1.0 and p["failures"] == []
     assert 6 * 4 <= sum(c["tokens"] for c in p["classes"].values()) <= 6 * 4 * 4  # 4 samples, 1 to 4 tokens each
     assert p["worst_mean"] < 5e-2 and p["worst_class"] in p["classes"]
+
+
+def test_a_rows_parity_check_starts_when_the_row_ends(tmp_path, monkeypatch):
+    """With --parity, a fast row's check runs while a slow row still trains (run f lost every check when the
+    slowest row ended at the call's limit); each row gets its check's summary, and matrix.json exists before the
+    checks end."""
+    script = tmp_path / "fake_demo.py"
+    script.write_text("import json, os, sys, time\n"
+                      "out = sys.argv[sys.argv.index('--output-dir') + 1]\n"
+                      "time.sleep(float(sys.argv[sys.argv.index('--delay') + 1]))\n"
+                      "os.makedirs(os.path.join(out, 'checkpoints'))\n"
+                      "with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:\n"
+                      "    for s in (1, 2):\n"
+                      "        f.write(json.dumps({'step': s, 'timing/step': 1.0, 'rollout/logprob_diff_mean': 1e-3,\n"
+                      "                            'val/mean': 1.0}) + '\\n')\n")
+    check = tmp_path / "fake_parity.py"
+    check.write_text("import json, sys\n"
+                     "json.dump({'failures': [], 'greedy_equal': 1.0, 'mean': 1e-4, 'worst_class': 'red',\n"
+                     "           'worst_mean': 2e-4}, open(sys.argv[1], 'w'))\n")
+    monkeypatch.setattr(matrix, "ENGINE", [])
+    monkeypatch.setattr(matrix.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=""))
+    monkeypatch.setattr(matrix.time, "sleep", lambda s: None)
+    monkeypatch.setattr(matrix.rundir, "latest_checkpoint", lambda d: os.path.isdir(d) or None)
+    monkeypatch.setattr(matrix, "launch_parity", lambda run_dir, path: subprocess.Popen(
+        [sys.executable, str(check), path]))
+    monkeypatch.setattr(matrix, "ROWS", {"fast": (str(script), ["--delay", "0"], 0.95, "fast"),
+                                         "slow": (str(script), ["--delay", "4"], 0.95, "slow")})
+    out = tmp_path / "out"
+    assert matrix.run(["slow", "fast"], str(out), 60, str(tmp_path / "runs"), with_parity=True)
+    rows = {r["row"]: r for r in json.load(open(out / "matrix.json"))["rows"]}
+    assert rows["fast"]["parity_started"] < rows["slow"]["seconds"] - 1, rows
+    assert all(r["parity"]["greedy_equal"] == 1.0 and not r["failures"] for r in rows.values())
