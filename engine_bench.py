@@ -42,6 +42,7 @@ import types
 from dataclasses import replace
 
 import torch
+from safetensors.torch import load_file
 
 import data
 import fsdp_actor as actor
@@ -125,7 +126,6 @@ def engine_row(eng, call, switches, sleep_wake=False, weights=None, level=1):
 def checkpoint_on_gpu(model_path, device):
     """The model folder's weights (HF names) on `device`, what a step's sync streams; None for a preset written
     without weights (presets.random_init)."""
-    from safetensors.torch import load_file
     files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
     if not files:
         return None
