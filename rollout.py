@@ -350,12 +350,10 @@ class VLLMRollout:
                               max_tokens=max_tokens, seed=seed, logit_bias=bias, detokenize=False, **lp, **stop)
 
     def _vllm_prompt(self, p):
-        """One <|image_pad|> per image and <|video_pad|> per video: vLLM's own multimodal processor expands them.
-        Videos go as the trainer's frames ([T, H, W, 3] uint8, already sampled and resized: vLLM's HF processor
-        leaves them as they are) with their frame rate, which sets the time axis: Qwen3-VL's parser takes (frames,
-        metadata) pairs and writes the "<t seconds>" text from them; Qwen2(.5)-VL's drops pair metadata, so its HF
-        processor gets video_metadata as a call keyword (without it transformers assumes 24 frames per second and
-        second_per_grid_ts, hence the M-RoPE time positions, would differ from the trainer's)."""
+        """One <|image_pad|> per image and <|video_pad|> per video: vLLM's multimodal processor expands them. Videos
+        go as the trainer's frames ([T, H, W, 3] uint8, sampled and resized already) with their frame rate, the time
+        axis: Qwen3-VL's parser takes (frames, metadata) pairs (the "<t seconds>" text); Qwen2(.5)-VL's drops them,
+        so its HF processor gets video_metadata (else it assumes 24 fps: other M-RoPE time positions than ours)."""
         out = {"prompt_token_ids": list(p["raw_prompt_ids"])}
         mm = {}
         if p.get("images"):
@@ -387,8 +385,7 @@ class VLLMRollout:
         return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
 
     def _items(self, prompts, seeds, lengths=None, logprobs=None):
-        """(items, mine): (vLLM prompt, seed, lengths, wants log-probs) of every prompt this engine generates for (a TP group's, in the
-        same order on every rank of it), and the slice of them that is this rank's."""
+        """(items, mine): (vLLM prompt, seed, lengths, wants log-probs) of the TP group's prompts, same on its ranks."""
         mine = list(zip(map(self._vllm_prompt, prompts), seeds, lengths or [None] * len(prompts),
                         [True] * len(prompts) if logprobs is None else logprobs))
         everyone, offset = [mine], 0
