@@ -385,7 +385,7 @@ class VLLMRollout:
         return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
 
     def _items(self, prompts, seeds, lengths=None, logprobs=None):
-        """(items, mine): (vLLM prompt, seed, lengths, wants log-probs) of the TP group's prompts, same on its ranks."""
+        """(vLLM prompt, seed, lengths, wants log-probs) of the TP group's prompts; this rank's slice of them."""
         mine = list(zip(map(self._vllm_prompt, prompts), seeds, lengths or [None] * len(prompts),
                         [True] * len(prompts) if logprobs is None else logprobs))
         everyone, offset = [mine], 0
