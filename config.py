@@ -143,6 +143,9 @@ class Config:
     checkpoint_layers: float = 1.0
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     padding_free: Literal["auto", "on", "off"] = "auto"  # one packed row per micro-batch (varlen attention); auto: where a fast kernel runs
+    # padding-free rows hold each prompt once, its n samples' responses after it (exact: the n copies of the prompt
+    # computed the same thing); 26% fewer tokens per step on the 3B bar's 424-token prompts x 8 samples x 1024
+    share_prompts: bool = True
     vision_varlen: Literal["auto", "on", "off"] = "auto"  # the vision tower's windows in one attention call per layer
     torch_compile: Literal["auto", "on", "off"] = "auto"  # fused norm/MLP/rotary/log-prob kernels; auto: CUDA, bf16, hidden >= 1024
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)

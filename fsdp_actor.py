@@ -84,6 +84,7 @@ class LogProbModel(nn.Module):
         self.rope = ("mrope" if cfg.model_type in ("qwen2_vl", "qwen2_5_vl") else
                      "1d" if getattr(cfg, "vision_config", None) is None else None)
         self.packed = False  # build_actor: True when this model trains padding-free (one packed row per micro-batch)
+        self.share_prompts = False  # build_actor: True when such a row holds each prompt once for all its samples
         # MoE (build_actor with router_aux_loss_coef > 0): each forward's router logits, per layer [tokens, experts],
         # and the load-balancing loss made of them (aux_loss); None = off, the default for RL
         self.router_logits, self.aux_loss = None, None
@@ -285,7 +286,7 @@ def recompute_first_layers(hf, share):
 
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
                 trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto",
-                torch_compile="off", offload=False, router_aux_loss_coef=0.0, checkpoint_layers=1.0):
+                torch_compile="off", offload=False, router_aux_loss_coef=0.0, checkpoint_layers=1.0, share_prompts=True):
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
@@ -297,6 +298,8 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     step on the host (FSDP2 offers the three only together), each unit's shard copied in just before its
     all-gather; a frozen model is kept on the host whole instead. router_aux_loss_coef > 0 (MoE): every forward
     keeps its router logits and sets model.aux_loss (the caller adds coef x it); 0 = off. checkpoint_layers: above.
+    share_prompts: a packed row holds each prompt once for all its samples (collate); not with the MoE balancing loss,
+    whose token counts would change.
     MoE decoder layers are units like the dense ones (their _no_split_modules), so each layer's experts (the fused
     [experts, 2 x width, hidden] tensors) shard and all-gather with their layer; routers run in the model's own
     precision: logits in the compute dtype, their softmax and top-k in fp32, as transformers and vLLM have it."""
@@ -337,6 +340,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
             r.register_forward_hook(lambda m, args, out: model.router_logits.append(out[0])
                                     if torch.is_grad_enabled() else None)
     model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
+    model.share_prompts = model.packed and share_prompts and model.router_logits is None
     # auto: on a GPU in bf16/fp16, for a model wide enough that fused kernels pay for the compilation (~100 s at
     # 3B); a tiny model's steps are launch-bound and would only wait for the compiler
     wide = getattr(getattr(hf.config, "text_config", hf.config), "hidden_size", 0) >= 1024
@@ -370,25 +374,17 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
 def collate(samples, pad_id, device, model=None):
     """samples: dicts with prompt (a data.py prompt record) and response_ids. Returns (the model's inputs, resp_len).
     Padded (default): one row per sample, right-padded; packed (a `model` that trains padding-free): the samples
-    back to back in one row, no pads, with their boundaries (cu_seqlens) for the variable-length attention:
+    back to back in one row, no pads, with their boundaries (cu_seqlens) for the variable-length attention; with
+    `model.share_prompts`, each distinct prompt once in that row, its samples' responses after it (varlen.py):
 
-        padded  input_ids [B, T]  p p p r r 0 0      packed  input_ids [1, N]  p p p r r p p r r r r
-                                  p p r r r r 0
+        padded  input_ids [B, T]  p p p r r 0 0      packed  [1, N]  p p p r r p p p r r r    shared  p p p r r r r r
+                                  p p p r r r 0
     Position t predicts token t+1; resp_idx lists the flat positions that predict response tokens. With `model`,
     the rotary positions are computed here on the CPU (once per distinct prompt) instead of inside the forward."""
     packed = model is not None and model.packed
+    shared = packed and model.share_prompts
     seqs = [s["prompt"]["prompt_ids"] + list(s["response_ids"]) for s in samples]
     lens = [len(x) for x in seqs]
-    B, T = (1, sum(lens)) if packed else (len(seqs), max(lens) + 1)  # +1: a pad after the longest sample
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    resp_mask = torch.zeros(B, T, dtype=torch.bool)  # the positions before response tokens
-    starts = [(0, sum(lens[:i])) if packed else (i, 0) for i in range(len(seqs))]
-    for (r, c), x, s in zip(starts, seqs, samples):
-        lp, lr = len(s["prompt"]["prompt_ids"]), len(s["response_ids"])
-        input_ids[r, c:c + len(x)] = torch.tensor(x)
-        resp_mask[r, c + lp - 1:c + lp - 1 + lr] = True
-    targets = input_ids.flatten()[1:][resp_mask.flatten()[:-1]]  # [n] the token each of those positions predicts
-    resp_idx = resp_mask.flatten().nonzero().squeeze(1)  # [n]
     # the distinct prompts of the batch (the n samples of a prompt share its images) and which one each row shows
     index, prompts, owner = {}, [], []
     for s in samples:
@@ -396,30 +392,50 @@ def collate(samples, pad_id, device, model=None):
             index[id(s["prompt"])] = len(prompts)
             prompts.append(s["prompt"])
         owner.append(index[id(s["prompt"])])
+    varlen_kw = None
+    if shared:
+        pieces, resp_idx, varlen_kw = varlen.shared_prompt_layout([len(p["prompt_ids"]) for p in prompts],
+                                                                  [len(s["response_ids"]) for s in samples], owner)
+        input_ids = torch.tensor([[t for i, a, b in pieces for t in seqs[i][a:b]]])  # [1, N]
+        targets = torch.tensor([t for s in samples for t in s["response_ids"]], dtype=torch.long)  # [n]
+    else:
+        B, T = (1, sum(lens)) if packed else (len(seqs), max(lens) + 1)  # +1: a pad after the longest sample
+        input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+        resp_mask = torch.zeros(B, T, dtype=torch.bool)  # the positions before response tokens
+        starts = [(0, sum(lens[:i])) if packed else (i, 0) for i in range(len(seqs))]
+        for (r, c), x, s in zip(starts, seqs, samples):
+            lp, lr = len(s["prompt"]["prompt_ids"]), len(s["response_ids"])
+            input_ids[r, c:c + len(x)] = torch.tensor(x)
+            resp_mask[r, c + lp - 1:c + lp - 1 + lr] = True
+        targets = input_ids.flatten()[1:][resp_mask.flatten()[:-1]]  # [n] the token each of those positions predicts
+        resp_idx = resp_mask.flatten().nonzero().squeeze(1)  # [n]
+        if packed:
+            cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)  # [B + 1]
+            varlen_kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
     mm = {}
     keys = {k for p in prompts for k in p["mm_inputs"]}  # Qwen-VL: pixel_values [P, D], image_grid_thw [I, 3]
     for key in keys:
         mm[key] = to_device(torch.cat([p["mm_inputs"][key] for p in prompts if key in p["mm_inputs"]]), device)
     counts = [len(p["mm_inputs"].get("image_grid_thw", ())) for p in prompts]  # images per distinct prompt
     vcounts = [len(p["mm_inputs"].get("video_grid_thw", ())) for p in prompts]  # videos per distinct prompt
-    position_ids, varlen = None, None
+    position_ids = None
     if model is not None and model.rope is not None:
         pos = _positions(model.hf, samples, prompts, owner, model.rope)  # per sample [3, L] (M-RoPE) or [L]
         if packed:
+            pos = [pos[i][..., a:b] for i, a, b in pieces] if shared else pos
             position_ids = torch.cat(pos, dim=-1)[..., None, :]  # [3, 1, N] or [1, N]
         elif model.rope == "mrope":  # (a text LLM's padded rows keep the model's own 0..T-1)
             position_ids = torch.zeros(3, B, T, dtype=torch.long)  # [3, B, T]; pads' positions are never read
             for i, p in enumerate(pos):
                 position_ids[:, i, :p.shape[-1]] = p
         position_ids = to_device(position_ids, device) if position_ids is not None else None
-    if packed:
-        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)  # [B + 1]
-        cu = to_device(cu, device)
-        varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
+    if varlen_kw is not None:
+        varlen_kw = {k: to_device(v, device) if torch.is_tensor(v) else v for k, v in varlen_kw.items()}
     resp_len = torch.tensor([len(s["response_ids"]) for s in samples])
     return dict(input_ids=to_device(input_ids, device), resp_idx=to_device(resp_idx, device),
-                targets=to_device(targets, device), mm_inputs=mm, owner=(owner, counts, vcounts),
-                position_ids=position_ids, varlen=varlen), resp_len
+                targets=to_device(targets, device), mm_inputs=mm,
+                owner=(list(range(len(prompts))) if shared else owner, counts, vcounts),  # whom each row shows
+                position_ids=position_ids, varlen=varlen_kw), resp_len
 
 
 def _positions(hf, samples, prompts, owner, rope):
@@ -484,9 +500,10 @@ def stack_padded(rows, R, device):
     return to_device(out, device)
 
 
-def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=False):
+def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=False, prompt_lens=None):
     """Group sample indices so that each micro-batch holds at most `max_tokens` tokens (padded: samples x the
-    longest; packed: the sum of the real lengths) and `max_samples` samples. Sorting by length keeps padding small;
+    longest; packed: the sum of the real lengths, each prompt counted once when `prompt_lens` are given: rows that
+    share prompts) and `max_samples` samples. Sorting by length keeps padding small;
     with `groups` (the prompt of each sample) the samples of a prompt stay together, so its image goes through the
     vision tower once per micro-batch. Every rank must run the same number of micro-batches (each forward
     all-gathers weights collectively), so the count is agreed on and the largest micro-batches split to match."""
@@ -497,34 +514,44 @@ def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=Fal
     order = sorted(range(len(lengths)), key=lambda i: (-top[groups[i]], str(groups[i]), -lengths[i]))
 
     def size(mb):  # tokens the micro-batch costs (its first sample is its longest)
-        return sum(lengths[i] for i in mb) if packed else len(mb) * lengths[mb[0]]
+        if not packed:
+            return len(mb) * lengths[mb[0]]
+        if prompt_lens is None:
+            return sum(lengths[i] for i in mb)
+        prompts = {groups[i]: prompt_lens[i] for i in mb}  # each distinct prompt once, then every response
+        return sum(prompts.values()) + sum(lengths[i] - prompt_lens[i] for i in mb)
 
-    groups, cur = [], []
+    mbs, cur = [], []
     for i in order:
         if cur and (size(cur + [i]) > max_tokens or len(cur) >= max_samples):
-            groups.append(cur)
+            mbs.append(cur)
             cur = []
         cur.append(i)
     if cur:
-        groups.append(cur)
-    n = torch.tensor([len(groups)])
+        mbs.append(cur)
+    n = torch.tensor([len(mbs)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=_cpu_group())
-    while len(groups) < int(n):  # split the largest group in two (a rank always has >= n samples)
-        j = max(range(len(groups)), key=lambda k: size(groups[k]))
-        g = groups.pop(j)
-        groups[j:j] = [g[:len(g) // 2], g[len(g) // 2:]]
-    return groups
+    while len(mbs) < int(n):  # split the largest group in two (a rank always has >= n samples)
+        j = max(range(len(mbs)), key=lambda k: size(mbs[k]))
+        g = mbs.pop(j)
+        mbs[j:j] = [g[:len(g) // 2], g[len(g) // 2:]]
+    return mbs
+
+
+def plan_micro_batches(model, samples, max_tokens, max_samples):
+    """make_micro_batches for `model`'s rows (padded, packed, or packed with shared prompts)."""
+    lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    return make_micro_batches(lengths, max_tokens, max_samples, [id(s["prompt"]) for s in samples], model.packed,
+                              [len(s["prompt"]["prompt_ids"]) for s in samples] if model.share_prompts else None)
 
 
 @torch.no_grad()
 def compute_logprobs(model, samples, pad_id, device, temperature, max_tokens, max_samples, chunk_size=4096):
     """Per-sample 1-D log-probs (and entropies) of the response tokens under `model`, no gradients (CPU tensors,
     copied back once at the end: a copy per micro-batch would stall the GPU queue each time)."""
-    lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples]
     order, lps, ents, lens = [], [], [], []
-    for idx in make_micro_batches(lengths, max_tokens, max_samples, [id(s["prompt"]) for s in samples],
-                                  packed=model.packed):
+    for idx in plan_micro_batches(model, samples, max_tokens, max_samples):
         batch, resp_len = collate([samples[i] for i in idx], pad_id, device, model)
         lp, ent = model(**batch, temperature=temperature, chunk_size=chunk_size)  # [n], [n]
         order += idx

@@ -110,13 +110,14 @@ def setup(cfg: Config):
                                   padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
                                   torch_compile=cfg.torch_compile, offload=cfg.offload_params,
                                   router_aux_loss_coef=cfg.router_aux_loss_coef,
-                                  checkpoint_layers=cfg.checkpoint_layers)
+                                  checkpoint_layers=cfg.checkpoint_layers, share_prompts=cfg.share_prompts)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = actor.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
                                     attn_implementation=cfg.attn_implementation, trainable=False,
                                     padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
-                                    torch_compile=cfg.torch_compile, offload=cfg.offload_params)
+                                    torch_compile=cfg.torch_compile, offload=cfg.offload_params,
+                                    share_prompts=cfg.share_prompts)
     # the schedule counts optimizer steps: rollout_batch_size / global_batch_size x ppo_epochs per training step
     total = cfg.max_steps * cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs
     warmup = cfg.lr_warmup_steps or int(cfg.lr_warmup_ratio * total)  # EasyR1's rounding of the ratio
@@ -273,13 +274,13 @@ def update_policy(ctx, samples, step):
             num_tokens, num_seqs = actor.all_reduce_cpu([sum(len(s["response_ids"]) * k for s, k in zip(mini, live)),
                                                          sum(live)]).clamp(min=1).tolist()
             norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
-            lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in mini]
-            for idx in actor.make_micro_batches(lengths, cfg.max_token_len_per_device, cfg.micro_batch_size_per_device,
-                                                [id(s["prompt"]) for s in mini], packed=ctx.model.packed):
+            for idx in actor.plan_micro_batches(ctx.model, mini, cfg.max_token_len_per_device,
+                                                cfg.micro_batch_size_per_device):
                 mb = [mini[i] for i in idx]
                 batch, resp_len = actor.collate(mb, ctx.pad_id, dev, ctx.model)
-                log.add("perf/pad_fraction", batch["input_ids"].numel() - sum(lengths[i] for i in idx),
-                        batch["input_ids"].numel())
+                pads = 0 if ctx.model.packed else batch["input_ids"].numel() - sum(  # (a packed row has none)
+                    len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in mb)
+                log.add("perf/pad_fraction", pads, batch["input_ids"].numel())
                 lp, ent = ctx.model(**batch, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)  # [N]
                 logp, mask = actor.pad_responses(lp, resp_len)  # [b, R]
                 loss, mask = micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass=epoch == 0 and m == 0)

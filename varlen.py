@@ -29,31 +29,45 @@ import torch.nn.functional as F
 VARLEN_TEXT, VARLEN_VISION = "vlm_rl_varlen", "vlm_rl_flash_varlen"
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_len, causal, scale=None):
+def varlen_attention(q, k, v, cu_seqlens, max_len, causal, scale=None, cu_k=None, max_k=None):
     """q [N, H, D], k/v [N, Hkv, D] (Hkv divides H), sequences back to back as cu_seqlens says -> [N, H, D]. A
-    fast kernel on CUDA in bf16/fp16 when one works here (probed once), else the plain reference below."""
+    fast kernel on CUDA in bf16/fp16 when one works here (probed once), else the plain reference below. With cu_k
+    (and max_k) the keys have their own boundaries: sequence i's queries see its keys, causally aligned at the end
+    (a query's own position is the last key it may see: a shared prompt's keys come before a response's own)."""
+    cu_k, max_k = (cu_seqlens, max_len) if cu_k is None else (cu_k, max_k)
     kernel = _fast_varlen_kernel(q.device.index) if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
     if kernel is not None:
-        return kernel(q, k, v, cu_seqlens, max_len, causal, scale)
-    return reference_varlen_attention(q, k, v, cu_seqlens, causal, scale)
+        return kernel(q, k, v, cu_seqlens, cu_k, max_len, max_k, causal, scale)
+    return reference_varlen_attention(q, k, v, cu_seqlens, causal, scale, cu_k)
 
 
-def reference_varlen_attention(q, k, v, cu_seqlens, causal, scale=None):
-    """Plain PyTorch, mathematically the same: one SDPA call with a block-diagonal (and causal) boolean mask, so a
-    token only sees its own sequence (O(N^2) memory: the CPU path and the tests' reference). Past 8192 tokens, one
-    SDPA call per sequence instead, as transformers' own path does."""
+def reference_varlen_attention(q, k, v, cu_seqlens, causal, scale=None, cu_k=None):
+    """Plain PyTorch, mathematically the same: one SDPA call with a block-diagonal (and causal, aligned at each
+    sequence's end) boolean mask, so a token only sees its own sequence (O(N^2) memory: the CPU path and the tests'
+    reference). Past 8192 tokens, one SDPA call per sequence instead, as transformers' own path does."""
+    cu_k = cu_seqlens if cu_k is None else cu_k
+    gqa = k.shape[1] != q.shape[1]
     if q.shape[0] > 8192:
-        bounds, gqa = cu_seqlens.tolist(), k.shape[1] != q.shape[1]
-        return torch.cat([F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)),
-                                                         is_causal=causal, scale=scale, enable_gqa=gqa).transpose(0, 1)
-                          for a, b in zip(bounds[:-1], bounds[1:])])
-    seg = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=q.device),
-                                  (cu_seqlens[1:] - cu_seqlens[:-1]).to(q.device))  # [N] sequence of each token
-    mask = seg[:, None] == seg[None, :]  # [N, N]
-    if causal:
-        mask = mask.tril()
+        out = []
+        for a, b, c, d in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+            mask = torch.ones(b - a, d - c, dtype=torch.bool, device=q.device).tril(d - c - (b - a)) if causal else None
+            out.append(F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[c:d].transpose(0, 1),
+                                                      v[c:d].transpose(0, 1), attn_mask=mask, scale=scale,
+                                                      enable_gqa=gqa).transpose(0, 1))
+        return torch.cat(out)
+
+    def segments(cu):  # [n] each token's sequence, and its place in it
+        lens = (cu[1:] - cu[:-1]).to(q.device)
+        seg = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens)
+        return seg, torch.arange(len(seg), device=q.device) - cu.to(q.device)[seg], lens
+
+    sq, pq, lq = segments(cu_seqlens)
+    sk, pk, lk = segments(cu_k)
+    mask = sq[:, None] == sk[None, :]  # [Nq, Nk]
+    if causal:  # query j of a sequence sees its first j + 1 + (keys - queries) keys
+        mask &= pk[None, :] <= (pq + (lk - lq)[sq])[:, None]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])  # [H, N, D]
+                                         scale=scale, enable_gqa=gqa)  # [H, N, D]
     return out.transpose(0, 1)
 
 
@@ -63,7 +77,7 @@ def _torch_varlen_kernel():
     from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10 only (the caller skips a kernel that fails)
     params = inspect.signature(varlen_attn).parameters
 
-    def kernel(q, k, v, cu, max_len, causal, scale):
+    def kernel(q, k, v, cu, cu_k, max_len, max_k, causal, scale):
         kw = {"scale": scale}
         if causal:
             kw.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
@@ -72,15 +86,15 @@ def _torch_varlen_kernel():
                 kw["enable_gqa"] = True
             else:  # query head h reads kv head h // (H / Hkv), as transformers' repeat_kv lays them out
                 k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+        return varlen_attn(q, k, v, cu, cu_k, max_len, max_k, **kw)
     return kernel
 
 
 def _flash_attn_kernel():
     from flash_attn import flash_attn_varlen_func  # flash-attn 2 (GQA built in)
 
-    def kernel(q, k, v, cu, max_len, causal, scale):
-        return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=causal)
+    def kernel(q, k, v, cu, cu_k, max_len, max_k, causal, scale):
+        return flash_attn_varlen_func(q, k, v, cu, cu_k, max_len, max_k, softmax_scale=scale, causal=causal)
     return kernel
 
 
@@ -103,15 +117,17 @@ def _fast_varlen_kernel(device_index):
 
 
 def _check_kernel(kernel, device):
-    """Three sequences (5, 11, 31 tokens): output and input gradients within bf16 rounding of the fp32 reference."""
+    """Three sequences (5, 11, 31 queries): output and input gradients within bf16 rounding of the fp32 reference,
+    causal and not, GQA, an odd head size, and keys of their own lengths (a shared prompt: causal from the end)."""
     g = torch.Generator(device=device).manual_seed(0)
     cu = torch.tensor([0, 5, 16, 47], dtype=torch.int32, device=device)
-    for causal, hkv, dim in ((True, 2, 128), (False, 4, 80)):  # the LM (GQA) and the vision tower's head size
-        x = [torch.randn(47, h, dim, device=device, generator=g) for h in (4, hkv, hkv)]
+    cu_k = torch.tensor([0, 5, 23, 63], dtype=torch.int32, device=device)  # 0, 7 and 9 keys before the queries
+    for causal, hkv, dim, ck in ((True, 2, 128, cu), (False, 4, 80, cu), (True, 2, 128, cu_k)):
+        x = [torch.randn(int(c[-1]), h, dim, device=device, generator=g) for h, c in ((4, cu), (hkv, ck), (hkv, ck))]
         fast = [t.to(torch.bfloat16).requires_grad_() for t in x]
         ref = [t.clone().requires_grad_() for t in x]
-        out = kernel(*fast, cu, 31, causal, dim ** -0.5)
-        want = reference_varlen_attention(*ref, cu, causal, dim ** -0.5)
+        out = kernel(*fast, cu, ck, 31, int((ck[1:] - ck[:-1]).max()), causal, dim ** -0.5)
+        want = reference_varlen_attention(*ref, cu, causal, dim ** -0.5, ck)
         w = torch.randn(want.shape, device=device, generator=g)
         (out.float() * w).sum().backward()
         (want * w).sum().backward()
@@ -119,7 +135,8 @@ def _check_kernel(kernel, device):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, exp):
             err = float((a.float() - b).norm() / b.norm())
             if not err < 2e-2:
-                raise RuntimeError(f"{name} differs from the reference by {err:.3g} (relative; causal={causal})")
+                raise RuntimeError(f"{name} differs from the reference by {err:.3g} (relative; causal={causal}, "
+                                   f"{'own' if ck is cu_k else 'shared'} key boundaries)")
 
 
 def use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free="auto", vision_varlen="auto"):
@@ -172,8 +189,54 @@ def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     max_len = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, H, D]
-    out = varlen_attention(q, k, v, cu.to(torch.int32), int(max_len), causal, scaling)
+    kv = kwargs.get("kv_index")  # a shared-prompt row (fsdp_actor.collate): each response's keys are its prompt's
+    if kv is not None:           # and its own, gathered into a sequence of their own
+        k, v = k.index_select(0, kv), v.index_select(0, kv)  # [Nk, Hkv, D]
+        out = varlen_attention(q, k, v, cu.to(torch.int32), int(max_len), causal, scaling,
+                               kwargs["cu_seq_lens_k"].to(torch.int32), int(kwargs["max_length_k"]))
+    elif kwargs.get("max_length_k", max_len) != max_len:  # keys of their own boundaries, but no index to gather them
+        raise RuntimeError("a shared-prompt row reached the attention without its kv_index (did this transformers "
+                           "version drop the keyword?); train with --no-share-prompts")
+    else:
+        out = varlen_attention(q, k, v, cu.to(torch.int32), int(max_len), causal, scaling)
     return out[None], None
+
+
+def shared_prompt_layout(plens, rlens, owner):
+    """A packed row that holds each distinct prompt once, then the responses of its samples:
+
+        unshared  p p p r r p p p r r r        shared  p p p r r r r r      (one prompt, two samples)
+    plens: per distinct prompt its length; rlens, owner: per sample its response length and its prompt. The n
+    samples of a prompt then cost its tokens once instead of n times, exactly: a response's queries attend to its
+    prompt's keys (gathered, kv_index) and to its own, causally from the end (varlen_attention's cu_k). Returns
+    (pieces: (sample, start, end) slices of the samples' own prompt + response sequences, laid back to back;
+    resp_idx [n]: per sample, the row positions that predict its response tokens: the prompt's last, then its own;
+    the attention's keywords: cu_seq_lens_q/k, max_length_q/k, kv_index)."""
+    by_prompt = {}
+    for i, g in enumerate(owner):
+        by_prompt.setdefault(g, []).append(i)
+    pieces, q_lens, k_lens, kv, resp, at = [], [], [], [], [[] for _ in owner], 0
+    for g, members in by_prompt.items():  # (a dict keeps the prompts in order of first appearance)
+        p0, lp = at, plens[g]
+        pieces.append((members[0], 0, lp))
+        q_lens.append(lp)
+        k_lens.append(lp)
+        kv.append(torch.arange(p0, p0 + lp))
+        at += lp
+        for i in members:
+            lr = rlens[i]
+            if lr == 0:
+                continue
+            resp[i] = [p0 + lp - 1] + list(range(at, at + lr - 1))
+            pieces.append((i, lp, lp + lr))
+            q_lens.append(lr)
+            k_lens.append(lp + lr)
+            kv += [torch.arange(p0, p0 + lp), torch.arange(at, at + lr)]
+            at += lr
+    cu = lambda lens: torch.tensor([0] + lens).cumsum(0).to(torch.int32)  # noqa: E731
+    attn = dict(cu_seq_lens_q=cu(q_lens), cu_seq_lens_k=cu(k_lens), max_length_q=max(q_lens),
+                max_length_k=max(k_lens), kv_index=torch.cat(kv))
+    return pieces, torch.tensor([j for r in resp for j in r], dtype=torch.long), attn
 
 
 # ----------------------------------------------------------------------------------------------- fused elementwise

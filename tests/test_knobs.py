@@ -29,7 +29,8 @@ def test_a_4x_logprob_bound_gives_the_same_logprobs_in_fewer_micro_batches(packe
     path = tiny_model.build_tiny_model(str(tmp_path / "m"))
     samples, pad = _samples(path)
     model = actor.build_actor(path, CPU, torch.float32, torch.float32, gradient_checkpointing=False,
-                              padding_free="on" if packed else "off", vision_varlen="on" if packed else "off").eval()
+                              padding_free="on" if packed else "off", vision_varlen="on" if packed else "off",
+                              share_prompts=False).eval()  # (each sample's own tokens: the counts below)
     assert model.packed == packed
     counts, real = [], actor.make_micro_batches
 

@@ -84,15 +84,15 @@ def _samples(path, seed=0):
             for i in range(6)], proc.tokenizer.pad_token_id
 
 
-def _grads(path, samples, pad, packed, dtype):
+def _grads(path, samples, pad, packed, dtype, share=False):
     torch.manual_seed(0)
     model = actor.build_actor(path, torch.device("cpu"), dtype, dtype, gradient_checkpointing=True,
-                              padding_free="on" if packed else "off", vision_varlen="on" if packed else "off")
-    assert model.packed == packed
+                              padding_free="on" if packed else "off", vision_varlen="on" if packed else "off",
+                              share_prompts=share)
+    assert model.packed == packed and model.share_prompts == (packed and share)
     w = torch.Generator().manual_seed(1)
     lps = []
-    for idx in actor.make_micro_batches([len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples],
-                                        10_000, 64, [id(s["prompt"]) for s in samples], packed=packed):
+    for idx in actor.plan_micro_batches(model, samples, 10_000, 64):
         batch, resp_len = actor.collate([samples[i] for i in idx], pad, torch.device("cpu"), model)
         assert batch["input_ids"].shape[0] == (1 if packed else len(idx))
         lp, _ = model(**batch)
@@ -139,6 +139,15 @@ def test_packed_logprobs_and_gradients_equal_padded_and_hf(arch, tmp_path):
         assert g_pad.keys() == g_pack.keys() and len(g_pad) > 10
         for n in g_pad:
             assert torch.allclose(g_pad[n], g_pack[n], atol=1e-9, rtol=1e-7), n
+        # each prompt once in the row (its two samples' responses after it): the same log-probs, and the same
+        # gradients up to transformers' RMSNorm, which rounds to fp32 inside even in float64: there the prompt's
+        # gradient is rounded once as a sum instead of once per copy
+        lp_share, g_share = _grads(path, subset, pad, True, torch.float64, share=True)
+        for a, b in zip(lp_share, lp_pad, strict=True):
+            assert torch.allclose(a, b, atol=1e-10), (a, b)
+        assert g_share.keys() == g_pad.keys()
+        for n in g_pad:
+            assert (g_share[n] - g_pad[n]).abs().max() <= 1e-6 * g_pad[n].abs().max(), n
 
 
 def test_positions_are_the_models_own_on_the_padded_batch():
@@ -170,24 +179,77 @@ def test_packed_micro_batches_count_real_tokens():
     assert len(actor.make_micro_batches([10, 30, 30], 70, 64)) == 2
 
 
+def test_shared_prompt_row_layout():
+    """Two prompts (3 and 2 tokens), three samples; responses of 2, 0 and 3 tokens, the empty one skipped."""
+    pieces, resp_idx, kw = V.shared_prompt_layout([3, 2], [2, 0, 3], [0, 1, 0])
+    # row: p0 p0 p0 | r0 r0 | r2 r2 r2 | p1 p1
+    assert pieces == [(0, 0, 3), (0, 3, 5), (2, 3, 6), (1, 0, 2)]
+    assert resp_idx.tolist() == [2, 3, 2, 5, 6]  # sample 0: p0's last, its own first; sample 2: p0's last, then its own
+    assert kw["cu_seq_lens_q"].tolist() == [0, 3, 5, 8, 10]
+    assert kw["cu_seq_lens_k"].tolist() == [0, 3, 8, 14, 16]  # p0 | p0 + r0 | p0 + r2 | p1
+    assert kw["kv_index"].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, 9]
+    assert (kw["max_length_q"], kw["max_length_k"]) == (3, 6)
+    mbs = actor.make_micro_batches([13, 13, 12, 12], 20, 64, ["a", "a", "b", "b"], packed=True, prompt_lens=[10] * 4)
+    assert mbs == [[0, 1], [2, 3]]  # 10 + 3 + 3 = 16 tokens each (unshared: 26 and 24, over the 20 allowed)
+
+
+def test_keys_of_their_own_length_are_causal_from_the_end():
+    """reference_varlen_attention with cu_k: each sequence's queries against an explicit mask per sequence (query j
+    sees keys up to j + keys - queries), in one masked call and in the per-sequence path past 8192 tokens."""
+    g = torch.Generator().manual_seed(0)
+    cu_q, cu_k = torch.tensor([0, 4, 7], dtype=torch.int32), torch.tensor([0, 4, 13], dtype=torch.int32)
+    q, k, v = torch.randn(7, 4, 8, generator=g, dtype=torch.float64), *(torch.randn(13, 2, 8, generator=g,
+                                                                                     dtype=torch.float64) for _ in "kv")
+    want = []
+    for a, b, c, d in ((0, 4, 0, 4), (4, 7, 4, 13)):
+        mask = torch.tensor([[kk <= qq + (d - c) - (b - a) for kk in range(d - c)] for qq in range(b - a)])
+        want.append(F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[c:d].transpose(0, 1),
+                                                   v[c:d].transpose(0, 1), attn_mask=mask, enable_gqa=True))
+    want = torch.cat(want, 1).transpose(0, 1)
+    assert torch.allclose(V.reference_varlen_attention(q, k, v, cu_q, True, None, cu_k), want, atol=1e-12)
+    big = [torch.cat([x] * 1200) for x in (q, k, v)]  # 1200 copies of each sequence: 8400 queries
+    cq = torch.cat([cu_q[:-1] + 7 * i for i in range(1200)] + [torch.tensor([8400], dtype=torch.int32)])
+    ck = torch.cat([cu_k[:-1] + 13 * i for i in range(1200)] + [torch.tensor([15600], dtype=torch.int32)])
+    out = V.reference_varlen_attention(*big, cq, True, None, ck)
+    assert torch.allclose(out[-7:], want, atol=1e-12) and torch.allclose(out[:7], want, atol=1e-12)
+
+
+def test_kernel_check_refuses_a_kernel_that_aligns_causality_at_the_start():
+    """A kernel whose causal mask starts at each sequence's first key (SDPA's is_causal on unequal lengths) would
+    hide the prompt from the responses of a shared-prompt row: _check_kernel must refuse it."""
+    def top_left(q, k, v, cu, cu_k, max_len, max_k, causal, scale):
+        return torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[c:d].transpose(0, 1),
+                                                         v[c:d].transpose(0, 1), is_causal=causal, scale=scale,
+                                                         enable_gqa=True).transpose(0, 1)
+                          for a, b, c, d in zip(cu[:-1].tolist(), cu[1:].tolist(), cu_k[:-1].tolist(),
+                                                cu_k[1:].tolist())])
+
+    def bottom_right(q, k, v, cu, cu_k, max_len, max_k, causal, scale):
+        return V.reference_varlen_attention(q.float(), k.float(), v.float(), cu, causal, scale, cu_k)
+
+    V._check_kernel(bottom_right, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="own key boundaries"):
+        V._check_kernel(top_left, torch.device("cpu"))
+
+
 def _fake_varlen(style):
     """Stand-ins with the signatures torch's varlen_attn had (2.10: is_causal; 2.11: window_size, no GQA flag;
     2.13: window_size and enable_gqa), computing through the reference on the CPU."""
-    def run(q, k, v, cu, causal, scale, gqa):
+    def run(q, k, v, cu, cu_k, causal, scale, gqa):
         assert gqa or k.shape[1] == q.shape[1], "GQA heads passed to a varlen_attn without enable_gqa"
-        return V.reference_varlen_attention(q, k, v, cu, causal, scale)
+        return V.reference_varlen_attention(q, k, v, cu, causal, scale, cu_k)
 
     if style == "2.10":
         def f(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, is_causal=False, scale=None):
-            return run(query, key, value, cu_seq_q, is_causal, scale, False)
+            return run(query, key, value, cu_seq_q, cu_seq_k, is_causal, scale, False)
     elif style == "2.11":
         def f(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
               window_size=(-1, -1)):
-            return run(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale, False)
+            return run(query, key, value, cu_seq_q, cu_seq_k, tuple(window_size) == (-1, 0), scale, False)
     else:
         def f(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
               window_size=(-1, -1), enable_gqa=False):
-            return run(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale, enable_gqa)
+            return run(query, key, value, cu_seq_q, cu_seq_k, tuple(window_size) == (-1, 0), scale, enable_gqa)
     return f
 
 
@@ -201,7 +263,11 @@ def test_torch_varlen_keywords_follow_the_installed_signature(style, monkeypatch
     q, k, v = (torch.randn(20, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     for causal in (True, False):
         want = V.reference_varlen_attention(q, k, v, cu, causal, 0.5)
-        assert torch.allclose(kernel(q, k, v, cu, 11, causal, 0.5), want)
+        assert torch.allclose(kernel(q, k, v, cu, cu, 11, 11, causal, 0.5), want)
+    cu_k = torch.tensor([0, 4, 9, 20], dtype=torch.int32)  # keys of their own boundaries reach the kernel
+    want = V.reference_varlen_attention(q[:11], k, v, torch.tensor([0, 2, 5, 11], dtype=torch.int32), True, 0.5, cu_k)
+    assert torch.allclose(kernel(q[:11], k, v, torch.tensor([0, 2, 5, 11], dtype=torch.int32), cu_k, 6, 11, True,
+                                 0.5), want)
 
 
 def test_reference_past_8192_tokens_is_per_sequence_and_equal():

@@ -17,19 +17,23 @@ def _rel(a, b):
 
 def test_fast_kernel_at_the_3b_shapes():
     """Some fast kernel passes the probe here, and matches the fp32 reference (forward and backward) on the 3B
-    model's shapes: 4 packed samples with GQA 16/2 heads of 128 (causal); 25 windows of 64 patches and one
+    model's shapes: 4 packed samples with GQA 16/2 heads of 128 (causal); a shared-prompt row (a 424-token prompt,
+    then 8 responses of 1024 tokens, each seeing the prompt's keys and its own); 25 windows of 64 patches and one
     1296-patch image with 16 heads of 80 (the vision tower)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     kernel = V._fast_varlen_kernel(dev.index)
     assert kernel is not None, "no usable varlen kernel: padding-free and vision varlen would be off (see warnings)"
     g = torch.Generator(device=dev).manual_seed(0)
-    for lens, H, Hkv, D, causal in (([1470, 900, 1201, 33], 16, 2, 128, True), ([64] * 25 + [1296], 16, 16, 80, False)):
-        cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
-        x = [torch.randn(sum(lens), h, D, device=dev, generator=g) for h in (H, Hkv, Hkv)]
+    packed, shared = [1470, 900, 1201, 33], [424] + [1024] * 8
+    for lens, klens, H, Hkv, D, causal in ((packed, packed, 16, 2, 128, True),
+                                           (shared, [424] + [1448] * 8, 16, 2, 128, True),
+                                           ([64] * 25 + [1296], [64] * 25 + [1296], 16, 16, 80, False)):
+        cu, cu_k = (torch.tensor([0] + x, device=dev).cumsum(0).to(torch.int32) for x in (lens, klens))
+        x = [torch.randn(sum(n), h, D, device=dev, generator=g) for n, h in ((lens, H), (klens, Hkv), (klens, Hkv))]
         fast = [t.bfloat16().requires_grad_() for t in x]
         ref = [t.clone().requires_grad_() for t in x]
-        out = kernel(*fast, cu, max(lens), causal, D ** -0.5)
-        want = V.reference_varlen_attention(*ref, cu, causal, D ** -0.5)
+        out = kernel(*fast, cu, cu_k, max(lens), max(klens), causal, D ** -0.5)
+        want = V.reference_varlen_attention(*ref, cu, causal, D ** -0.5, cu_k)
         w = torch.randn(want.shape, device=dev, generator=g)
         (out.float() * w).sum().backward()
         (want * w).sum().backward()
@@ -80,7 +84,7 @@ def test_padding_free_auto_on_cuda_matches_padded():
     for mode in ("auto", "off"):
         torch.manual_seed(0)
         model = actor.build_actor(path, dev, torch.float32, torch.bfloat16, padding_free=mode, vision_varlen=mode)
-        assert model.packed == (mode == "auto")
+        assert model.packed == model.share_prompts == (mode == "auto")  # (the two samples of a prompt: one copy)
         lps, _ = actor.compute_logprobs(model, samples, pad, dev, 1.0, 10_000, 64)
         err = torch.cat([(a.double() - b).abs() for a, b in zip(lps, ref, strict=True)])
         batch, _ = actor.collate(samples, pad, dev, model)
