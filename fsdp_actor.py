@@ -23,9 +23,9 @@ import memory
 import presets
 import varlen
 import video
-from varlen import ChunkLogProbs  # (LogProbModel.forward's argument `varlen` hides the module there)
 from common import UserError, _cpu_group, all_reduce_cpu  # noqa: F401 (all_reduce_cpu: the loop's actor.all_reduce_cpu)
 from tiny_moe import expert_wrappers, merged_expert, router_aux_loss, routers
+from varlen import ChunkLogProbs  # (LogProbModel.forward's argument `varlen` hides the module there)
 
 
 # ----------------------------------------------------------------------------------------------- distributed

@@ -278,20 +278,22 @@ def _plain_chunk_logprobs(h, targets, weight, temperature, forbidden=()):
     return logp, ent
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
-def test_chunk_logprobs_equal_plain_autograd(compiled):
+@pytest.mark.parametrize("compiled,dtype", [(False, torch.float64), (False, torch.bfloat16), (True, torch.float64)],
+                         ids=["plain", "plain-bf16", "compiled"])
+def test_chunk_logprobs_equal_plain_autograd(compiled, dtype):
     """ChunkLogProbs against autograd through the plain formula: log-probs, entropies and the gradients wrt the hidden
-    states and the head (temperature 0.7, two forbidden ids, the last vocabulary id among the targets; float64):
-    the same bits with the plain kernels, within rounding compiled; and no [n, V] tensor kept for backward."""
+    states and the head (temperature 0.7, two forbidden ids, the last vocabulary id among the targets): the same bits
+    with the plain kernels (float64, and bf16: the matmuls in bf16 and the roundings where autograd has them), within
+    rounding compiled (float64); and no [n, V] tensor kept for backward."""
     kernels = tuple(torch.compile(k, dynamic=True) for k in V.LOGPROB_KERNELS) if compiled else V.LOGPROB_KERNELS
     g = torch.Generator().manual_seed(0)
     n, H, vocab, forbidden = 37, 16, 50, [3, 7]
-    h0 = torch.randn(n, H, generator=g, dtype=torch.float64)
-    w0 = torch.randn(vocab, H, generator=g, dtype=torch.float64) * 0.5
+    h0 = torch.randn(n, H, generator=g, dtype=torch.float64).to(dtype)
+    w0 = (torch.randn(vocab, H, generator=g, dtype=torch.float64) * 0.5).to(dtype)
     targets = torch.randint(0, vocab, (n,), generator=g)
     targets[torch.isin(targets, torch.tensor(forbidden))] = 11
     targets[[0, 5]] = vocab - 1
-    up = torch.randn(n, generator=g, dtype=torch.float64)  # d loss / d logp
+    up = torch.randn(n, generator=g, dtype=torch.float64).to(torch.promote_types(dtype, torch.float32))  # dloss/dlogp
     same = torch.equal if not compiled else (lambda a, b: torch.allclose(a, b, rtol=1e-12, atol=1e-13))
     for h_grad, w_grad in ((True, True), (True, False), (False, True)):
         h, w = h0.clone().requires_grad_(h_grad), w0.clone().requires_grad_(w_grad)
