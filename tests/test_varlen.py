@@ -282,9 +282,9 @@ def _plain_chunk_logprobs(h, targets, weight, temperature, forbidden=()):
                          ids=["plain", "plain-bf16", "compiled"])
 def test_chunk_logprobs_equal_plain_autograd(compiled, dtype):
     """ChunkLogProbs against autograd through the plain formula: log-probs, entropies and the gradients wrt the hidden
-    states and the head (temperature 0.7, two forbidden ids, the last vocabulary id among the targets): the same bits
-    with the plain kernels (float64, and bf16: the matmuls in bf16 and the roundings where autograd has them), within
-    rounding compiled (float64); and no [n, V] tensor kept for backward."""
+    states and the head (temperature 0.7, two forbidden ids, the last vocabulary id and a forbidden one among the
+    targets): the same bits with the plain kernels (float64, and bf16: the matmuls in bf16 and the roundings where
+    autograd has them), within rounding compiled (float64); and no [n, V] tensor kept for backward."""
     kernels = tuple(torch.compile(k, dynamic=True) for k in V.LOGPROB_KERNELS) if compiled else V.LOGPROB_KERNELS
     g = torch.Generator().manual_seed(0)
     n, H, vocab, forbidden = 37, 16, 50, [3, 7]
@@ -293,6 +293,7 @@ def test_chunk_logprobs_equal_plain_autograd(compiled, dtype):
     targets = torch.randint(0, vocab, (n,), generator=g)
     targets[torch.isin(targets, torch.tensor(forbidden))] = 11
     targets[[0, 5]] = vocab - 1
+    targets[9] = forbidden[0]  # never sampled, but if it were: log-prob -inf, and still no gradient in its column
     up = torch.randn(n, generator=g, dtype=torch.float64).to(torch.promote_types(dtype, torch.float32))  # dloss/dlogp
     same = torch.equal if not compiled else (lambda a, b: torch.allclose(a, b, rtol=1e-12, atol=1e-13))
     for h_grad, w_grad in ((True, True), (True, False), (False, True)):
