@@ -18,8 +18,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import memory
 import presets
@@ -27,6 +25,7 @@ import varlen
 import video
 from common import UserError, _cpu_group, all_reduce_cpu  # noqa: F401 (all_reduce_cpu: the loop's actor.all_reduce_cpu)
 from tiny_moe import expert_wrappers, merged_expert, router_aux_loss, routers
+from varlen import ChunkLogProbs  # (LogProbModel.forward's argument `varlen` hides the module there)
 
 
 # ----------------------------------------------------------------------------------------------- distributed
@@ -88,14 +87,15 @@ class LogProbModel(nn.Module):
         # MoE (build_actor with router_aux_loss_coef > 0): each forward's router logits, per layer [tokens, experts],
         # and the load-balancing loss made of them (aux_loss); None = off, the default for RL
         self.router_logits, self.aux_loss = None, None
-        self.chunk_logprobs = _chunk_logprobs  # build_actor: its compiled twin with --torch-compile
+        self.chunk_kernels = varlen.LOGPROB_KERNELS  # build_actor: their compiled twins with --torch-compile
 
     def forward(self, input_ids, resp_idx, targets, mm_inputs, owner=None, position_ids=None, varlen=None,
-                temperature=1.0, chunk_size=4096):
+                temperature=1.0, chunk_size=4096, entropy=True):
         """As collate() builds them: input_ids [B, T] (or [1, N] packed), resp_idx [n] the flat positions that
         predict response tokens, targets [n] those tokens, mm_inputs the processor outputs of the *distinct*
         prompts of the batch, owner (for each row the distinct prompt it shows, for each distinct prompt its number
-        of images), position_ids the rotary positions, varlen the packed row's sequence boundaries."""
+        of images), position_ids the rotary positions, varlen the packed row's sequence boundaries. Returns the
+        log-probs [n] and, with `entropy`, the entropies [n] (else None)."""
         if self.router_logits is not None:
             self.router_logits.clear()
         hidden = self.hidden_states(input_ids, mm_inputs, owner, position_ids, varlen)  # [B, T, H]
@@ -104,15 +104,11 @@ class LogProbModel(nn.Module):
         h = hidden.flatten(0, 1).index_select(0, resp_idx)  # [n, H] (an index, not a boolean mask: no host sync)
         head = self.hf.get_output_embeddings()
         logps, ents = [], []
-        for hc, tc in zip(h.split(chunk_size), targets.split(chunk_size)):
-            if torch.is_grad_enabled():  # recompute the chunk's logits in backward instead of keeping them
-                lp, ent = checkpoint(self.chunk_logprobs, hc, tc, head.weight, temperature, self.forbidden,
-                                     use_reentrant=False)
-            else:
-                lp, ent = self.chunk_logprobs(hc, tc, head.weight, temperature, self.forbidden)
+        for hc, tc in zip(h.split(chunk_size), targets.split(chunk_size)):  # backward recomputes each chunk's logits
+            lp, ent = ChunkLogProbs.apply(hc, tc, head.weight, temperature, self.forbidden, entropy, self.chunk_kernels)
             logps.append(lp)
             ents.append(ent)
-        return torch.cat(logps), torch.cat(ents)  # [n], [n]
+        return torch.cat(logps), torch.cat(ents) if entropy else None  # [n], [n]
 
     def hidden_states(self, input_ids, mm_inputs, owner, position_ids=None, varlen=None):
         # No attention mask: padded rows are right-padded and attention is causal, so no real token ever sees a pad
@@ -258,19 +254,6 @@ def _takes_mm_token_types(model_cls):  # once per class: this runs on every forw
     return "mm_token_type_ids" in inspect.signature(model_cls.forward).parameters
 
 
-def _chunk_logprobs(h, targets, weight, temperature, forbidden=()):
-    logits = F.linear(h, weight) / temperature  # [n, V] at least fp32: log_softmax in bf16 loses ~2 digits
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if forbidden:
-        logits[:, forbidden] = float("-inf")
-    logz = torch.logsumexp(logits, dim=-1)  # [n]
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # [n]
-    with torch.no_grad():  # entropy is a metric, not a loss term: no graph for it
-        p = torch.softmax(logits, dim=-1)
-        ent = logz - (p * logits.masked_fill(p == 0, 0)).sum(-1)  # 0 * -inf would be NaN
-    return logp, ent
-
-
 def recompute_first_layers(hf, share):
     """Only the first ceil(share x L) of the language model's L decoder layers recompute (vision blocks all do: a
     small share of the compute), the rest keep their activations. The first, not every k-th (Megatron's "block"
@@ -346,7 +329,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     wide = getattr(getattr(hf.config, "text_config", hf.config), "hidden_size", 0) >= 1024
     if torch_compile == "on" or (torch_compile == "auto" and device.type == "cuda" and wide
                                  and param_dtype in (torch.bfloat16, torch.float16)):
-        model.chunk_logprobs, _ = varlen.compile_elementwise(hf, _chunk_logprobs)
+        model.chunk_kernels, _ = varlen.compile_elementwise(hf)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     # a frozen reference is not offloaded by FSDP2: it waits whole on the host and visits the GPU for its pass
@@ -547,19 +530,21 @@ def plan_micro_batches(model, samples, max_tokens, max_samples):
 
 
 @torch.no_grad()
-def compute_logprobs(model, samples, pad_id, device, temperature, max_tokens, max_samples, chunk_size=4096):
-    """Per-sample 1-D log-probs (and entropies) of the response tokens under `model`, no gradients (CPU tensors,
-    copied back once at the end: a copy per micro-batch would stall the GPU queue each time)."""
+def compute_logprobs(model, samples, pad_id, device, temperature, max_tokens, max_samples, chunk_size=4096,
+                     entropy=True):
+    """Per-sample 1-D log-probs and entropies (None each without `entropy`) of the response tokens under `model`, no
+    gradients (CPU tensors, copied back once at the end: a copy per micro-batch would stall the GPU queue each time)."""
     order, lps, ents, lens = [], [], [], []
     for idx in plan_micro_batches(model, samples, max_tokens, max_samples):
         batch, resp_len = collate([samples[i] for i in idx], pad_id, device, model)
-        lp, ent = model(**batch, temperature=temperature, chunk_size=chunk_size)  # [n], [n]
+        lp, ent = model(**batch, temperature=temperature, chunk_size=chunk_size, entropy=entropy)  # [n], [n] or None
         order += idx
         lps.append(lp.float())
-        ents.append(ent.float())
+        ents += [ent.float()] if entropy else []
         lens += resp_len.tolist()
     out_lp, out_ent = [None] * len(samples), [None] * len(samples)
-    for i, a, b in zip(order, torch.cat(lps).cpu().split(lens), torch.cat(ents).cpu().split(lens)):
+    for i, a, b in zip(order, torch.cat(lps).cpu().split(lens), torch.cat(ents).cpu().split(lens) if entropy else
+                       [None] * len(order)):
         out_lp[i], out_ent[i] = a, b
     return out_lp, out_ent
 

@@ -380,7 +380,7 @@ def train_step(ctx, step, collect=collect_rollouts):
                  **logprob_bounds(cfg))
     if cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs > 1 or kl_in_reward(cfg):
         t = time.time()
-        old, _ = actor.compute_logprobs(ctx.model, samples, **mb_kw)
+        old, _ = actor.compute_logprobs(ctx.model, samples, **mb_kw, entropy=False)
         for s, o in zip(samples, old):
             s["old_logp"] = o
         T["old_logprob"] = time.time() - t
@@ -390,7 +390,7 @@ def train_step(ctx, step, collect=collect_rollouts):
         ref_model = memory.adapters_disabled(ctx.model) if ctx.lora else memory.resident(ctx.ref, ctx.device,
                                                                                      cfg.offload_params)
         with ref_model as m:
-            ref, _ = actor.compute_logprobs(m, samples, **mb_kw)
+            ref, _ = actor.compute_logprobs(m, samples, **mb_kw, entropy=False)
         for s, r in zip(samples, ref):
             s["ref_logp"] = r
         T["ref_logprob"] = time.time() - t

@@ -1,6 +1,7 @@
 """varlen.py -- the trainer's fast kernels, used by fsdp_actor.py: variable-length attention for transformers' Qwen-VL
 models (and text LLMs): the vision tower's windows in one attention call per layer, and padding-free (packed) rows
-for the language model; and the norms, MLPs, rotary and log-prob functions compiled into fused kernels (the end).
+for the language model; the per-chunk log-probs of the target tokens with their own backward (ChunkLogProbs); and
+the norms, MLPs, rotary and log-prob functions compiled into fused kernels (the end).
 
 Every fast path has a plain fallback chosen automatically: a CUDA kernel (torch's varlen_attn, else flash-attn 2)
 only if it imports and matches the plain reference on this device (probed once), else the reference itself (one
@@ -239,6 +240,90 @@ def shared_prompt_layout(plens, rlens, owner):
     return pieces, torch.tensor([j for r in resp for j in r], dtype=torch.long), attn
 
 
+# ----------------------------------------------------------------------------------------------- chunk log-probs
+# The log-probs of the targets come from the [n, V] logits of one chunk of n tokens (fp32: 2.5 GB at 4096 tokens and a
+# 152k vocabulary). torch.utils.checkpoint would rerun the whole chunk in backward, entropy included, and autograd's
+# logsumexp and gather backward would add several more fp32 [n, V] tensors; ChunkLogProbs keeps only logz [n] and
+# turns one recomputed matmul into the logits' gradient in one elementwise pass. The numbers are the plain
+# formula's through autograd: the same ops on the same dtypes, in the same order.
+def _logits(mm, temperature, forbidden):
+    """The head's output mm [n, V] (in the matmul's dtype) -> logits [n, V] in fp32 at least (log_softmax in bf16
+    loses ~2 digits), the forbidden token ids at -inf."""
+    logits = (mm / temperature).to(torch.promote_types(mm.dtype, torch.float32))
+    return _set_columns(logits, forbidden, float("-inf")) if forbidden else logits
+
+
+# Eager and compiled want different ops for the same numbers: eager writes only the few columns it changes (a mask
+# would be one more pass over [n, V]); under torch.compile a mask of column ids fuses into the elementwise kernel,
+# whereas an index_put or scatter makes inductor store the fp32 [n, V] input first.
+def _set_columns(x, ids, value):
+    """x [n, V] (a fresh tensor: eager writes into it) with the columns `ids` set to value."""
+    if torch.compiler.is_compiling():
+        cols = torch.arange(x.shape[-1], device=x.device)  # [V]
+        return x.masked_fill(functools.reduce(torch.logical_or, [cols == i for i in ids]), value)
+    x[:, ids] = value
+    return x
+
+
+def _add_at_targets(x, targets, g):
+    """x [n, V] (fresh) plus g [n] at each row's target column: x + g * onehot(targets)."""
+    if torch.compiler.is_compiling():
+        cols = torch.arange(x.shape[-1], device=x.device)  # [V]
+        return x + torch.where(cols == targets[:, None], g[:, None], 0.0)
+    return x.scatter_add_(1, targets[:, None], g[:, None])
+
+
+def logprob_stats(mm, targets, temperature, forbidden, entropy):
+    """-> log-probs of the targets [n], logz [n] (all that backward keeps) and, if `entropy`, entropies [n], else
+    None (a metric, not a loss term: the log-prob passes that discard it skip a softmax over [n, V])."""
+    logits = _logits(mm, temperature, forbidden)  # [n, V]
+    logz = torch.logsumexp(logits, dim=-1)  # [n]
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # [n]
+    if not entropy:
+        return logp, logz, None
+    p = torch.softmax(logits, dim=-1)
+    return logp, logz, logz - (p * logits.masked_fill(p == 0, 0)).sum(-1)  # 0 * -inf would be NaN
+
+
+def logits_grad(mm, logz, targets, g, temperature, forbidden):
+    """The gradient of sum(g * logp) wrt mm [n, V], in mm's dtype: (g * onehot(target) - g * softmax) / temperature,
+    0 at the forbidden ids (their probability is 0). Autograd's order: the fp32 terms summed, cast, then divided."""
+    grad = _logits(mm, temperature, forbidden).sub_(logz[:, None]).exp_().mul_(-g[:, None])  # [n, V] -g p
+    grad = _add_at_targets(grad, targets, g)
+    if forbidden:  # (-g x 0 is -0.0; and a forbidden target gets none, as autograd's index_put has it)
+        grad = _set_columns(grad, forbidden, 0.0)
+    return grad.to(mm.dtype).div_(temperature)
+
+
+LOGPROB_KERNELS = (logprob_stats, logits_grad)  # compile_elementwise returns their compiled twins
+
+
+class ChunkLogProbs(torch.autograd.Function):
+    """apply(h [n, H], targets [n], weight [V, H], temperature, forbidden, entropy, kernels) -> (log-probs [n],
+    entropies [n] or None). The matmuls run in h's dtype (bf16 under FSDP2's mixed precision), as F.linear in the
+    plain formula; kernels: LOGPROB_KERNELS or their compiled twins. The weight's gradient is an ordinary input
+    gradient: FSDP2's reduce-scatter sees it, and tied embeddings add it to the embedding's."""
+
+    @staticmethod
+    def forward(ctx, h, targets, weight, temperature, forbidden, entropy, kernels):
+        logp, logz, ent = kernels[0](F.linear(h, weight), targets, temperature, forbidden, entropy)  # [n] each
+        ctx.save_for_backward(h, weight, targets, logz)  # not the [n, V] logits: backward recomputes them
+        ctx.args = temperature, forbidden, kernels
+        if ent is not None:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g, _):
+        h, weight, targets, logz = ctx.saved_tensors
+        temperature, forbidden, kernels = ctx.args
+        grad = kernels[1](F.linear(h, weight), logz, targets, g, temperature, forbidden)  # [n, V] in h's dtype
+        gh = grad.mm(weight) if ctx.needs_input_grad[0] else None  # [n, H]  (autograd's mm backward: the same
+        gw = grad.t().mm(h) if ctx.needs_input_grad[2] else None  # [V, H]   operand order, the same bits)
+        return gh, None, gw, None, None, None, None
+
+
 # ----------------------------------------------------------------------------------------------- fused elementwise
 # A profile of the 3B update put ~35% of the GPU's time in memory-bound elementwise kernels: transformers' RMSNorm
 # is 6 kernels (fp32 cast, square, mean, rsqrt, scale, cast back), the gated MLP's act(gate) * up 2 more, the
@@ -246,9 +331,9 @@ def shared_prompt_layout(plens, rlens, owner):
 # from memory. torch.compile turns each of these modules or functions into one or two fused kernels (the matmuls
 # stay cuBLAS calls), forward and backward. It wraps them in place: the same modules, the same math, the same
 # parameters (FSDP2 still shards them; the decoder layers stay FSDP units, outside the compiled regions).
-def compile_elementwise(hf, log_probs_fn):
-    """Compile hf's norms, gated MLPs and its modeling module's rotary functions in place, and return the
-    compiled version of `log_probs_fn` (the per-chunk log-prob and entropy, also elementwise over [n, vocab])."""
+def compile_elementwise(hf):
+    """Compile hf's norms, gated MLPs and its modeling module's rotary functions in place, and return the compiled
+    twins of LOGPROB_KERNELS (the per-chunk log-probs' forward and backward, also elementwise over [n, vocab])."""
     n = 0
     for m in hf.modules():
         name = type(m).__name__
@@ -263,4 +348,4 @@ def compile_elementwise(hf, log_probs_fn):
         f = getattr(mod, fn, None)
         if f is not None and not hasattr(f, "_torchdynamo_orig_callable"):  # a module-level function, read at
             setattr(mod, fn, torch.compile(f, dynamic=True))               # call time by attention: swap it once
-    return torch.compile(log_probs_fn, dynamic=True), n
+    return tuple(torch.compile(k, dynamic=True) for k in LOGPROB_KERNELS), n

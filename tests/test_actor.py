@@ -71,6 +71,24 @@ def test_logprobs_match_plain_hf_forward(setup):
         assert torch.allclose(a.double(), b, atol=2e-5)
 
 
+def test_logprobs_without_entropy_are_the_same(setup):
+    """compute_logprobs(entropy=False) (grpo.py's old and reference passes): the same log-probs, no entropy, none
+    computed (the kernel is told)."""
+    path, proc, samples = setup
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
+    kw = dict(pad_id=proc.tokenizer.pad_token_id, device=torch.device("cpu"), temperature=0.7, max_tokens=40,
+              max_samples=4, chunk_size=3)
+    lps, ents = actor.compute_logprobs(model.eval(), samples, **kw)
+    stats, seen = model.chunk_kernels[0], []
+    model.chunk_kernels = (lambda *a: (seen.append(a[-1]), stats(*a))[1], model.chunk_kernels[1])
+    lps2, ents2 = actor.compute_logprobs(model, samples, **kw, entropy=False)
+    assert seen and not any(seen)  # every chunk asked for no entropy
+    assert all(e is not None and e.shape == a.shape for e, a in zip(ents, lps, strict=True))
+    assert ents2 == [None] * len(samples)
+    for a, b in zip(lps, lps2, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_mrope_positions_are_used(setup):
     """Without the image-token types the model would use 1-D positions: the log-probs must differ."""
     path, proc, samples = setup

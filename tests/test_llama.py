@@ -72,6 +72,33 @@ def test_llama_logprobs_engine_and_merge(llama, tmp_path):
     assert not torch.equal(trained["model.embed_tokens.weight"], actor.load_hf_model(llama).model.embed_tokens.weight)
 
 
+def test_tied_head_gradient_adds_to_the_embeddings(llama):
+    """The head's gradient (ChunkLogProbs: an ordinary input gradient of the all-gathered weight) adds to the tied
+    embedding's under FSDP2: every gradient equals autograd through the plain HF model's full logits (float64,
+    temperature 0.7, chunks of 3 tokens)."""
+    tok = data.load_processor(llama)
+    g = torch.Generator().manual_seed(0)
+    prompt = data.encode_prompt({"problem": "Name a number.", "answer": "7", "images": []}, tok)
+    samples = [dict(prompt=prompt, response_ids=torch.randint(3, 200, (k,), generator=g).tolist()) for k in (4, 7)]
+    up = [torch.randn(len(s["response_ids"]), generator=g, dtype=torch.float64) for s in samples]  # d loss / d logp
+    model = actor.build_actor(llama, CPU, torch.float64, torch.float64)
+    batch, _ = actor.collate(samples, tok.pad_token_id, CPU, model)
+    lp, _ = model(**batch, temperature=0.7, chunk_size=3)
+    (lp * torch.cat(up)).sum().backward()
+    got = {n.removeprefix("hf."): p.grad.full_tensor() for n, p in model.named_parameters()}
+    hf = actor.load_hf_model(llama, dtype=torch.float64)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    for s, u in zip(samples, up):
+        ids = torch.tensor([s["prompt"]["prompt_ids"] + s["response_ids"]])
+        Lp, Lr = len(s["prompt"]["prompt_ids"]), len(s["response_ids"])
+        logp = torch.log_softmax(hf(input_ids=ids).logits[0, Lp - 1:Lp - 1 + Lr] / 0.7, -1)  # [Lr, V]
+        (logp.gather(-1, torch.tensor(s["response_ids"])[:, None]).squeeze(-1) * u).sum().backward()
+    want = {n: p.grad for n, p in hf.named_parameters()}
+    assert got.keys() == want.keys() and "model.embed_tokens.weight" in want
+    for n in want:  # (transformers' RMSNorm rounds to fp32 inside even in float64: ~5e-8 apart)
+        assert (got[n] - want[n]).abs().max() <= 1e-6 * want[n].abs().max(), n
+
+
 def test_demo_model_llama_is_the_text_demo(tmp_path):
     import grpo
     from easyr1_config import cli

@@ -96,6 +96,7 @@ def _grads(path, samples, pad, packed, dtype, share=False):
         batch, resp_len = actor.collate([samples[i] for i in idx], pad, torch.device("cpu"), model)
         assert batch["input_ids"].shape[0] == (1 if packed else len(idx))
         lp, _ = model(**batch)
+        assert type(lp.grad_fn.next_functions[0][0]).__name__ == "ChunkLogProbsBackward"  # (not a checkpoint)
         (lp * torch.rand(lp.shape, generator=w, dtype=lp.dtype)).sum().backward()
         lps += list(zip(idx, lp.detach().split(resp_len.tolist())))
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
@@ -312,10 +313,70 @@ def test_compiled_elementwise_kernels_equal_the_plain_modules(tmp_path, monkeypa
     model = actor.build_actor(path, torch.device("cpu"), torch.float64, torch.float64)
     compiled = [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
     assert any(n.endswith("mlp") for n in compiled) and any(n.endswith("norm") for n in compiled), compiled
-    assert model.chunk_logprobs is not actor._chunk_logprobs
+    assert model.chunk_kernels != V.LOGPROB_KERNELS
+    assert all(hasattr(k, "_torchdynamo_orig_callable") for k in model.chunk_kernels)
     assert hasattr(mod.apply_rotary_pos_emb, "_torchdynamo_orig_callable")
+    (stats, grad), seen = model.chunk_kernels, []  # and the forward and backward call them
+    model.chunk_kernels = (lambda *a: (seen.append("stats"), stats(*a))[1],
+                           lambda *a: (seen.append("grad"), grad(*a))[1])
+    lp, _ = model(**actor.collate(samples[:2], pad, torch.device("cpu"), model)[0])
+    lp.sum().backward()
+    assert seen == ["stats", "grad"]
     for a, b in zip(lp0, lp1, strict=True):
         assert torch.allclose(a, b, atol=1e-10), (a, b)
     assert g0.keys() == g1.keys()
     for n in g0:  # transformers' RMSNorm rounds to fp32 inside even in float64: fused, it rounds elsewhere
         assert (g0[n] - g1[n]).abs().max() <= 1e-6 * g0[n].abs().max(), n
+
+
+# ------------------------------------------------------------------------------------------- per-chunk log-probs
+def _plain_chunk_logprobs(h, targets, weight, temperature, forbidden=()):
+    """The formula through autograd, as fsdp_actor.py had it under torch.utils.checkpoint: the reference."""
+    logits = F.linear(h, weight) / temperature  # [n, V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if forbidden:
+        logits[:, forbidden] = float("-inf")
+    logz = torch.logsumexp(logits, dim=-1)  # [n]
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # [n]
+    with torch.no_grad():
+        p = torch.softmax(logits, dim=-1)
+        ent = logz - (p * logits.masked_fill(p == 0, 0)).sum(-1)
+    return logp, ent
+
+
+@pytest.mark.parametrize("compiled,dtype", [(False, torch.float64), (False, torch.bfloat16), (True, torch.float64)],
+                         ids=["plain", "plain-bf16", "compiled"])
+def test_chunk_logprobs_equal_plain_autograd(compiled, dtype):
+    """ChunkLogProbs against autograd through the plain formula: log-probs, entropies and the gradients wrt the hidden
+    states and the head (temperature 0.7, two forbidden ids, the last vocabulary id and a forbidden one among the
+    targets): the same bits with the plain kernels (float64, and bf16: the matmuls in bf16 and the roundings where
+    autograd has them), within rounding compiled (float64); and no [n, V] tensor kept for backward."""
+    kernels = tuple(torch.compile(k, dynamic=True) for k in V.LOGPROB_KERNELS) if compiled else V.LOGPROB_KERNELS
+    g = torch.Generator().manual_seed(0)
+    n, H, vocab, forbidden = 37, 16, 50, [3, 7]
+    h0 = torch.randn(n, H, generator=g, dtype=torch.float64).to(dtype)
+    w0 = (torch.randn(vocab, H, generator=g, dtype=torch.float64) * 0.5).to(dtype)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[torch.isin(targets, torch.tensor(forbidden))] = 11
+    targets[[0, 5]] = vocab - 1
+    targets[9] = forbidden[0]  # never sampled, but if it were: log-prob -inf, and still no gradient in its column
+    up = torch.randn(n, generator=g, dtype=torch.float64).to(torch.promote_types(dtype, torch.float32))  # dloss/dlogp
+    same = torch.equal if not compiled else (lambda a, b: torch.allclose(a, b, rtol=1e-12, atol=1e-13))
+    for h_grad, w_grad in ((True, True), (True, False), (False, True)):
+        h, w = h0.clone().requires_grad_(h_grad), w0.clone().requires_grad_(w_grad)
+        ref_h, ref_w = h0.clone().requires_grad_(h_grad), w0.clone().requires_grad_(w_grad)
+        want, want_ent = _plain_chunk_logprobs(ref_h, targets, ref_w, 0.7, forbidden)
+        (want * up).sum().backward()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.shape), t)[1], lambda t: t):
+            got, ent = V.ChunkLogProbs.apply(h, targets, w, 0.7, forbidden, True, kernels)
+        assert sorted(saved) == sorted([h.shape, w.shape, targets.shape, (n,)])  # h, weight, targets, logz
+        (got * up).sum().backward()
+        assert same(got, want) and same(ent, want_ent)
+        assert (h.grad is None) == (not h_grad) and (w.grad is None) == (not w_grad)
+        for a, b in ((h.grad, ref_h.grad), (w.grad, ref_w.grad)):
+            assert a is None or same(a, b)
+        assert w.grad is None or w.grad[forbidden].abs().max() == 0  # forbidden ids: probability 0, no gradient
+    with torch.no_grad():  # without entropy: the same log-probs
+        got, ent = V.ChunkLogProbs.apply(h0, targets, w0, 0.7, forbidden, False, kernels)
+    assert ent is None and same(got, want.detach())
