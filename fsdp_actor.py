@@ -281,8 +281,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     step on the host (FSDP2 offers the three only together), each unit's shard copied in just before its
     all-gather; a frozen model is kept on the host whole instead. router_aux_loss_coef > 0 (MoE): every forward
     keeps its router logits and sets model.aux_loss (the caller adds coef x it); 0 = off. checkpoint_layers: above.
-    share_prompts: a packed row holds each prompt once for all its samples (collate); not with the MoE balancing loss,
-    whose token counts would change.
+    share_prompts: packed rows hold each prompt once (collate); not with the MoE balancing loss (its token counts).
     MoE decoder layers are units like the dense ones (their _no_split_modules), so each layer's experts (the fused
     [experts, 2 x width, hidden] tensors) shard and all-gather with their layer; routers run in the model's own
     precision: logits in the compute dtype, their softmax and top-k in fp32, as transformers and vLLM have it."""
@@ -356,9 +355,8 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
 # ----------------------------------------------------------------------------------------------- batches
 def collate(samples, pad_id, device, model=None):
     """samples: dicts with prompt (a data.py prompt record) and response_ids. Returns (the model's inputs, resp_len).
-    Padded (default): one row per sample, right-padded; packed (a `model` that trains padding-free): the samples
-    back to back in one row, no pads, with their boundaries (cu_seqlens) for the variable-length attention; with
-    `model.share_prompts`, each distinct prompt once in that row, its samples' responses after it (varlen.py):
+    Padded (default): one row per sample, right-padded; packed (a `model` that trains padding-free): one row, no
+    pads, with the boundaries for the variable-length attention; `model.share_prompts`: each prompt once in it:
 
         padded  input_ids [B, T]  p p p r r 0 0      packed  [1, N]  p p p r r p p p r r r    shared  p p p r r r r r
                                   p p p r r r 0
@@ -367,7 +365,6 @@ def collate(samples, pad_id, device, model=None):
     packed = model is not None and model.packed
     shared = packed and model.share_prompts
     seqs = [s["prompt"]["prompt_ids"] + list(s["response_ids"]) for s in samples]
-    lens = [len(x) for x in seqs]
     # the distinct prompts of the batch (the n samples of a prompt share its images) and which one each row shows
     index, prompts, owner = {}, [], []
     for s in samples:
@@ -375,26 +372,22 @@ def collate(samples, pad_id, device, model=None):
             index[id(s["prompt"])] = len(prompts)
             prompts.append(s["prompt"])
         owner.append(index[id(s["prompt"])])
-    varlen_kw = None
-    if shared:
-        pieces, resp_idx, varlen_kw = varlen.shared_prompt_layout([len(p["prompt_ids"]) for p in prompts],
-                                                                  [len(s["response_ids"]) for s in samples], owner)
+    varlen_kw = None  # packed: the attention's boundaries (varlen.packed_layout)
+    if packed:
+        pieces, resp_idx, varlen_kw = varlen.packed_layout([len(p["prompt_ids"]) for p in prompts],
+                                                           [len(s["response_ids"]) for s in samples], owner, shared)
         input_ids = torch.tensor([[t for i, a, b in pieces for t in seqs[i][a:b]]])  # [1, N]
         targets = torch.tensor([t for s in samples for t in s["response_ids"]], dtype=torch.long)  # [n]
     else:
-        B, T = (1, sum(lens)) if packed else (len(seqs), max(lens) + 1)  # +1: a pad after the longest sample
+        B, T = len(seqs), max(map(len, seqs)) + 1  # +1: a pad after the longest sample
         input_ids = torch.full((B, T), pad_id, dtype=torch.long)
         resp_mask = torch.zeros(B, T, dtype=torch.bool)  # the positions before response tokens
-        starts = [(0, sum(lens[:i])) if packed else (i, 0) for i in range(len(seqs))]
-        for (r, c), x, s in zip(starts, seqs, samples):
+        for r, (x, s) in enumerate(zip(seqs, samples)):
             lp, lr = len(s["prompt"]["prompt_ids"]), len(s["response_ids"])
-            input_ids[r, c:c + len(x)] = torch.tensor(x)
-            resp_mask[r, c + lp - 1:c + lp - 1 + lr] = True
+            input_ids[r, :len(x)] = torch.tensor(x)
+            resp_mask[r, lp - 1:lp - 1 + lr] = True
         targets = input_ids.flatten()[1:][resp_mask.flatten()[:-1]]  # [n] the token each of those positions predicts
         resp_idx = resp_mask.flatten().nonzero().squeeze(1)  # [n]
-        if packed:
-            cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)  # [B + 1]
-            varlen_kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
     mm = {}
     keys = {k for p in prompts for k in p["mm_inputs"]}  # Qwen-VL: pixel_values [P, D], image_grid_thw [I, 3]
     for key in keys:
@@ -405,15 +398,13 @@ def collate(samples, pad_id, device, model=None):
     if model is not None and model.rope is not None:
         pos = _positions(model.hf, samples, prompts, owner, model.rope)  # per sample [3, L] (M-RoPE) or [L]
         if packed:
-            pos = [pos[i][..., a:b] for i, a, b in pieces] if shared else pos
-            position_ids = torch.cat(pos, dim=-1)[..., None, :]  # [3, 1, N] or [1, N]
+            position_ids = torch.cat([pos[i][..., a:b] for i, a, b in pieces], dim=-1)[..., None, :]  # [3, 1, N] / [1, N]
         elif model.rope == "mrope":  # (a text LLM's padded rows keep the model's own 0..T-1)
             position_ids = torch.zeros(3, B, T, dtype=torch.long)  # [3, B, T]; pads' positions are never read
             for i, p in enumerate(pos):
                 position_ids[:, i, :p.shape[-1]] = p
         position_ids = to_device(position_ids, device) if position_ids is not None else None
-    if varlen_kw is not None:
-        varlen_kw = {k: to_device(v, device) if torch.is_tensor(v) else v for k, v in varlen_kw.items()}
+    varlen_kw = {k: to_device(v, device) if torch.is_tensor(v) else v for k, v in (varlen_kw or {}).items()} or None
     resp_len = torch.tensor([len(s["response_ids"]) for s in samples])
     return dict(input_ids=to_device(input_ids, device), resp_idx=to_device(resp_idx, device),
                 targets=to_device(targets, device), mm_inputs=mm,
@@ -484,11 +475,10 @@ def stack_padded(rows, R, device):
 
 
 def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=False, prompt_lens=None):
-    """Group sample indices so that each micro-batch holds at most `max_tokens` tokens (padded: samples x the
-    longest; packed: the sum of the real lengths, each prompt counted once when `prompt_lens` are given: rows that
-    share prompts) and `max_samples` samples. Sorting by length keeps padding small;
-    with `groups` (the prompt of each sample) the samples of a prompt stay together, so its image goes through the
-    vision tower once per micro-batch. Every rank must run the same number of micro-batches (each forward
+    """Group sample indices so that each micro-batch holds at most `max_tokens` tokens (padded: samples x the longest;
+    packed: the real lengths, with `prompt_lens` each prompt once) and `max_samples` samples. Sorting by length keeps
+    padding small; with `groups` (the prompt of each sample) the samples of a prompt stay together, so its image goes
+    through the vision tower (and, shared, its tokens through the model) once per micro-batch. Every rank must run the same number of micro-batches (each forward
     all-gathers weights collectively), so the count is agreed on and the largest micro-batches split to match."""
     groups = groups if groups is not None else list(range(len(lengths)))
     top = {}
@@ -497,10 +487,8 @@ def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=Fal
     order = sorted(range(len(lengths)), key=lambda i: (-top[groups[i]], str(groups[i]), -lengths[i]))
 
     def size(mb):  # tokens the micro-batch costs (its first sample is its longest)
-        if not packed:
-            return len(mb) * lengths[mb[0]]
-        if prompt_lens is None:
-            return sum(lengths[i] for i in mb)
+        if not packed or prompt_lens is None:
+            return sum(lengths[i] for i in mb) if packed else len(mb) * lengths[mb[0]]
         prompts = {groups[i]: prompt_lens[i] for i in mb}  # each distinct prompt once, then every response
         return sum(prompts.values()) + sum(lengths[i] - prompt_lens[i] for i in mb)
 
@@ -572,8 +560,7 @@ def optimizer_step(model, opt, sched, max_grad_norm, offload_state=False):
     the step, out after it. Returns the pre-clip grad norm (float)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    norm = float(norm)
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if math.isfinite(norm):
         if offload_state:
             memory.move_optimizer_state(opt, memory.local(params[0]).device)

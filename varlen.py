@@ -134,7 +134,7 @@ def _check_kernel(kernel, device):
         (want * w).sum().backward()
         got, exp = [out] + [t.grad for t in fast], [want] + [t.grad for t in ref]
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, exp):
-            err = float((a.float() - b).norm() / b.norm())
+            err = float((a.float() - b).detach().norm() / b.detach().norm())
             if not err < 2e-2:
                 raise RuntimeError(f"{name} differs from the reference by {err:.3g} (relative; causal={causal}, "
                                    f"{'own' if ck is cu_k else 'shared'} key boundaries)")
@@ -203,40 +203,43 @@ def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None
     return out[None], None
 
 
-def shared_prompt_layout(plens, rlens, owner):
-    """A packed row that holds each distinct prompt once, then the responses of its samples:
+def packed_layout(plens, rlens, owner, share=True):
+    """The samples of a micro-batch in one packed row, each after the other; with `share`, each distinct prompt once,
+    then the responses of its samples:
 
         unshared  p p p r r p p p r r r        shared  p p p r r r r r      (one prompt, two samples)
-    plens: per distinct prompt its length; rlens, owner: per sample its response length and its prompt. The n
-    samples of a prompt then cost its tokens once instead of n times, exactly: a response's queries attend to its
+    plens: per distinct prompt its length; rlens, owner: per sample its response length and its prompt. Shared, the n
+    samples of a prompt cost its tokens once instead of n times, exactly: a response's queries attend to its
     prompt's keys (gathered, kv_index) and to its own, causally from the end (varlen_attention's cu_k). Returns
     (pieces: (sample, start, end) slices of the samples' own prompt + response sequences, laid back to back;
-    resp_idx [n]: per sample, the row positions that predict its response tokens: the prompt's last, then its own;
-    the attention's keywords: cu_seq_lens_q/k, max_length_q/k, kv_index)."""
+    resp_idx [n]: per sample, the row positions that predict its response tokens: its prompt's last, then its own;
+    the attention's keywords: cu_seq_lens_q/k, max_length_q/k, and kv_index when shared)."""
     by_prompt = {}
     for i, g in enumerate(owner):
-        by_prompt.setdefault(g, []).append(i)
+        by_prompt.setdefault(g if share else -1 - i, []).append(i)
     pieces, q_lens, k_lens, kv, resp, at = [], [], [], [], [[] for _ in owner], 0
     for g, members in by_prompt.items():  # (a dict keeps the prompts in order of first appearance)
-        p0, lp = at, plens[g]
-        pieces.append((members[0], 0, lp))
-        q_lens.append(lp)
-        k_lens.append(lp)
-        kv.append(torch.arange(p0, p0 + lp))
-        at += lp
+        p0, lp = at, plens[owner[members[0]]]
+        if share:  # the prompt, a sequence of its own
+            pieces.append((members[0], 0, lp))
+            q_lens.append(lp)
+            k_lens.append(lp)
+            kv.append(torch.arange(p0, p0 + lp))
+            at += lp
         for i in members:
             lr = rlens[i]
-            if lr == 0:
+            if share and lr == 0:
                 continue
-            resp[i] = [p0 + lp - 1] + list(range(at, at + lr - 1))
-            pieces.append((i, lp, lp + lr))
-            q_lens.append(lr)
+            first = at if share else at + lp  # where the response starts in the row
+            resp[i] = ([p0 + lp - 1] if lr else []) + list(range(first, first + lr - 1))
+            pieces.append((i, lp, lp + lr) if share else (i, 0, lp + lr))
+            q_lens.append(first + lr - at)
             k_lens.append(lp + lr)
-            kv += [torch.arange(p0, p0 + lp), torch.arange(at, at + lr)]
-            at += lr
+            kv += [torch.arange(p0, p0 + lp), torch.arange(at, at + lr)] if share else []
+            at += q_lens[-1]
     cu = lambda lens: torch.tensor([0] + lens).cumsum(0).to(torch.int32)  # noqa: E731
     attn = dict(cu_seq_lens_q=cu(q_lens), cu_seq_lens_k=cu(k_lens), max_length_q=max(q_lens),
-                max_length_k=max(k_lens), kv_index=torch.cat(kv))
+                max_length_k=max(k_lens), **({"kv_index": torch.cat(kv)} if share else {}))
     return pieces, torch.tensor([j for r in resp for j in r], dtype=torch.long), attn
 
 

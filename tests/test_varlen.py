@@ -182,7 +182,7 @@ def test_packed_micro_batches_count_real_tokens():
 
 def test_shared_prompt_row_layout():
     """Two prompts (3 and 2 tokens), three samples; responses of 2, 0 and 3 tokens, the empty one skipped."""
-    pieces, resp_idx, kw = V.shared_prompt_layout([3, 2], [2, 0, 3], [0, 1, 0])
+    pieces, resp_idx, kw = V.packed_layout([3, 2], [2, 0, 3], [0, 1, 0])
     # row: p0 p0 p0 | r0 r0 | r2 r2 r2 | p1 p1
     assert pieces == [(0, 0, 3), (0, 3, 5), (2, 3, 6), (1, 0, 2)]
     assert resp_idx.tolist() == [2, 3, 2, 5, 6]  # sample 0: p0's last, its own first; sample 2: p0's last, then its own
