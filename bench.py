@@ -10,6 +10,8 @@
     python bench.py --preset qwen2_5_vl_7b --lora-rank 64 --gpu-memory-cap-gb 40   # as if on a 40 GB card
     python bench.py engine-ablation --preset qwen2_5_vl_3b            # a step's generation: the engine alone, then
                                                                      # each of our additions (engine_bench.py)
+    python bench.py --sample-stacks 5                                # + where each step's generation loop spends
+                                                                     # its time (gen_stacks.json; also for the above)
     bash benchmarks/gpu_moe30b.sh                                    # Qwen3-VL-30B-A3B on one H200: no weights on disk
 
 Random weights with the real dimensions (presets.build_random_model: no download) and geo3k-like prompts: one
@@ -27,6 +29,7 @@ Two workloads, each the same work on every run:
 Any flag of grpo.Config can be given; the defaults below are the benchmark's. Writes <output_dir>/metrics.jsonl
 and prints a summary line per phase (mean over the steps after the first, which pays for warm-up).
 """
+import collections
 import json
 import math
 import os
@@ -171,9 +174,11 @@ def synthetic_collect(ctx, step, metrics, realistic=False):
     return samples
 
 
-def run(cfg, trainer_only=False, profile=False, workload="forced"):
+def run(cfg, trainer_only=False, profile=False, workload="forced", sample_ms=0.0):
     """Train cfg.max_steps steps; with `profile`, the last step runs under torch.profiler and its kernel table
-    (sorted by device time) goes to <output_dir>/profile.txt. Returns the summary (steady-state means)."""
+    (sorted by device time) goes to <output_dir>/profile.txt; with `sample_ms` (--sample-stacks), each step's
+    generation phase has the engine loop's stack looked at every sample_ms ms (engine_bench.sampled_stacks), the
+    counts per step in <output_dir>/gen_stacks.json. Returns the summary (steady-state means)."""
     if workload not in ("forced", "realistic"):
         raise ValueError(f"--workload {workload}: choose forced or realistic")
     if trainer_only:
@@ -195,12 +200,20 @@ def run(cfg, trainer_only=False, profile=False, workload="forced"):
 
     t_prof = []
 
+    stacks = []
+
     def collect(ctx, step, metrics):  # the profiled span's wall time too: the GPU's busy share
         if prof is not None and step == cfg.max_steps - 1:
             torch.cuda.synchronize() if torch.cuda.is_available() else None
             t_prof.append(time.perf_counter())
             prof.start()  # from here to the end of train(): the last step's collect, log-probs and update
-        return base(ctx, step, metrics)
+        with engine_bench.sampled_stacks(collections.Counter(), sample_ms / 1e3) as counts:
+            out = base(ctx, step, metrics)
+        if counts and ctx.rank == 0:
+            stacks.append(dict(step=step + 1, stacks=dict(counts.most_common(40))))
+            with open(os.path.join(cfg.output_dir, "gen_stacks.json"), "w") as f:
+                json.dump(stacks, f, indent=1)
+        return out
 
     grpo.train(cfg, collect=collect)
     wall = 0.0
@@ -319,7 +332,8 @@ def main():
     flags = {f: f in argv for f in ("--trainer-only", "--profile", "--prepare-only", "--random-init")}
     argv = [a for a in argv if a not in flags]
     opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced", "--gpu-memory-cap-gb": "",  # bench.py's own
-            "--rows": "", "--repeats": "1", "--warmup-tokens": "32", "--bare-memory-share": "0.6"}  # engine-ablation's
+            "--rows": "", "--repeats": "1", "--warmup-tokens": "32", "--bare-memory-share": "0.6",
+            "--sample-stacks": "0"}  # engine-ablation's (--sample-stacks: both)
     for flag in opts:
         if flag in argv:
             i = argv.index(flag)
@@ -353,10 +367,12 @@ def main():
         cfg = cap_gpu_memory(cfg, float(opts["--gpu-memory-cap-gb"]))
     if ablation:
         engine_bench.run(cfg, [r for r in opts["--rows"].split(",") if r], int(opts["--repeats"]),
-                         int(opts["--warmup-tokens"]), float(opts["--bare-memory-share"]), sys.argv[1:])
+                         int(opts["--warmup-tokens"]), float(opts["--bare-memory-share"]), sys.argv[1:],
+                         float(opts["--sample-stacks"]))
         dist.destroy_process_group()
         return
-    summary = run(replace(cfg, resume="never"), flags["--trainer-only"], flags["--profile"], workload)
+    summary = run(replace(cfg, resume="never"), flags["--trainer-only"], flags["--profile"], workload,
+                  float(opts["--sample-stacks"]))
     if rank == 0:
 
         summary.update(preset=preset, workload=workload, padding_free=cfg.padding_free, config=asdict(cfg),

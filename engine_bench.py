@@ -32,11 +32,14 @@ training does: a random model emits it in ~1 % of samples) and the seconds Pytho
 (a process without a trainer holds fewer objects for it to walk than bench.py's). Writes
 <output_dir>/engine_ablation.json and prints the table.
 """
+import collections
+import contextlib
 import gc
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 from dataclasses import replace
@@ -83,6 +86,53 @@ def _gc_timer(phase, info):
         _GC["start"] = time.perf_counter()
     else:
         _GC["seconds"] += time.perf_counter() - _GC["start"]
+
+
+@contextlib.contextmanager
+def sampled_stacks(counts, interval):
+    """While the block runs, a daemon thread looks at the calling thread's Python stack every `interval` seconds
+    (0: never) and counts its innermost three frames in `counts`, a Counter ("*": the number of looks). With vLLM in
+    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) that thread runs the engine's loop: the counts say whether a
+    slow generation waited on the GPU (a synchronising call innermost) or on Python (scheduling, output handling)."""
+    if not interval:
+        yield counts
+        return
+    tid, stop = threading.get_ident(), threading.Event()
+
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def where(f):  # vllm/v1/engine/llm_engine.py:301 step (a package's path from its top folder; ours bare)
+        path = f.f_code.co_filename.split("site-packages" + os.sep)[-1].replace(here, "")
+        return f"{path}:{f.f_lineno} {f.f_code.co_name}"
+
+    def look():
+        while not stop.wait(interval):
+            f, chain = sys._current_frames().get(tid), []
+            while f is not None and len(chain) < 3:
+                chain.append(where(f))
+                f = f.f_back
+            counts[" < ".join(chain) or "?"] += 1
+            counts["*"] += 1
+    t = threading.Thread(target=look, daemon=True)
+    t.start()
+    try:
+        yield counts
+    finally:
+        stop.set()
+        t.join()
+
+
+def stack_table(result, top=12):
+    """Per row that was sampled (--sample-stacks): its most frequent innermost frames, as shares of the looks."""
+    out = []
+    for name, r in result["rows"].items():
+        st = r.get("stacks") or {}
+        total = st.get("*", 0)
+        if total:
+            out += [f"{name} ({total} looks):"] + [f"  {c / total:6.1%}  {k}" for k, c in
+                                                   collections.Counter({k: v for k, v in st.items() if k != "*"})
+                                                   .most_common(top)]
+    return "\n".join(out)
 
 
 def cold(eng):
@@ -280,9 +330,10 @@ def setup(cfg):
     return ctx, drawn
 
 
-def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv=()):
+def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv=(), sample_ms=0.0):
     """The ablation (README Speed): `rows` (default all) of ROWS, each `repeats` times (every other round in reverse
-    order), after a warm-up. Returns the result dict, also written to <output_dir>/engine_ablation.json."""
+    order), after a warm-up; with sample_ms, the engine loop's stack looked at every sample_ms ms in the timed rows
+    (sampled_stacks). Returns the result dict, also written to <output_dir>/engine_ablation.json."""
     rows = list(rows or ROWS)
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
@@ -309,16 +360,17 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
         if name in rows:
             one(name, dict(call, max_tokens=warmup_tokens))
     ctx.cfg = cfg
-    runs = {}
+    runs, stacks = {}, collections.defaultdict(collections.Counter)
     timed = [r for r in rows if r in ENGINE_ROWS or r == "all_ours"]
     if "all_ours_scored" in rows and "all_ours" not in timed:
         timed.append("all_ours")
     for k in range(repeats):
         for name in (timed if k % 2 == 0 else timed[::-1]):
-            if name == "all_ours":
-                got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
-            else:
-                got = {name: one(name, call)}
+            with sampled_stacks(stacks[name], sample_ms / 1e3):
+                if name == "all_ours":
+                    got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
+                else:
+                    got = {name: one(name, call)}
             for key, r in got.items():
                 if key in rows:
                     runs.setdefault(key, []).append(r)
@@ -333,7 +385,8 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
             rs = runs[name]
             result["rows"][name] = dict(seconds=sum(r["seconds"] for r in rs) / len(rs),
                                         runs=[r["seconds"] for r in rs], tokens=rs[-1]["tokens"],
-                                        gc_seconds=sum(r["gc_seconds"] for r in rs) / len(rs), params=rs[-1]["params"])
+                                        gc_seconds=sum(r["gc_seconds"] for r in rs) / len(rs), params=rs[-1]["params"],
+                                        **({"stacks": dict(stacks[name])} if stacks[name] else {}))
     write(cfg, result)
     if "memory_share" in rows and bare_memory_share and bare_memory_share != cfg.gpu_memory_utilization:
         eng.sleep()  # (level 1: the weights to the host, the KV cache released) room for the second engine
@@ -350,4 +403,5 @@ def write(cfg, result):
     with open(os.path.join(cfg.output_dir, "engine_ablation.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(table(result), flush=True)
+    print(stack_table(result), flush=True)
     print("ENGINE_ABLATION " + json.dumps({k: round(r["seconds"], 3) for k, r in result["rows"].items()}), flush=True)

@@ -42,5 +42,6 @@ run_bench() {  # run_bench NAME GPUS LIMIT_S BENCH_ARGS...: bench.py on GPUS ("0
   cp "/tmp/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2> /dev/null
   cp "/tmp/$name/bench_summary.json" "$OUT/${name}_summary.json" 2> /dev/null
   cp "/tmp/$name/profile.txt" "$OUT/${name}_profile.txt" 2> /dev/null
+  cp "/tmp/$name/gen_stacks.json" "$OUT/${name}_gen_stacks.json" 2> /dev/null  # (--sample-stacks)
   grep -o 'BENCH_RESULT.*' "$OUT/$name.log" | head -c 1200; echo
 }

@@ -4,11 +4,13 @@
 # ../shared/gpu/README.md): `bash benchmarks/gpu_speed.sh bar`. Modes, with the time each takes there:
 #   bar        (default; ~8 min: vLLM's start ~1 min, step 1 with the compilation ~2.5 min, steps 2 and 3 ~70 s each)
 #              the speed bar: the Qwen2.5-VL-3B shape, 64 prompts x 8 samples x 1024 forced tokens, one 512x512
-#              image and ~100 text tokens per prompt, 3 steps (README: 68.8 s per step, the mean of steps 2 and 3)
+#              image and ~100 text tokens per prompt, 3 steps (README: 66.3 s per step, the mean of steps 2 and 3;
+#              491 s for the call on 2026-12-01 with the model build)
 #   realistic  (~7 min) the same prompts with seeded log-normal response lengths, padding-free training on, then off
 #   profile    (~4 min, no engine) the trainer alone on the 3B, 16 prompts x 8, 3 steps; the last step's kernel table
 #   8b         (~7 min) the Qwen3-VL-8B shape in pure bf16, 16 prompts x 8 x 1024, 2 steps (README: 37.5 s per step)
-#   ablation   (measured 2026-12-01 at 32 prompts, before the two sync rows: 317 s with the model build; at 64 prompts
+#   ablation   (measured 2026-12-01 at 32 prompts: 317 s with the model build; with 5 rows and REPEATS=2, 345 s
+#              with the vLLM install; at 64 prompts
 #              estimated ~8 min) bench.py engine-ablation on the 3B shape: the bar's generation (64
 #              prompts x 8 x 1024 tokens, the same prompts and engine settings) with the engine alone, then with each
 #              of our additions (log-probs, seeds, banned tokens, sleep/wake, a sync with sleep level 1 and with 2,
@@ -17,7 +19,7 @@
 #              model build ~1.5 min, engine start ~1 min, warm-up ~20 s, 9 timed generations x ~20-25 s, the second
 #              engine ~1.5 min. REPEATS=2 times each row twice (~3 min more: on a machine where the model is built
 #              already, with LIMIT=570; or with half the prompts, ARGS="--rollout-batch-size 32")
-#   knobs      (~8 min, estimated: not yet run) the trainer alone (--trainer-only, no engine) on the 3B, 16 prompts
+#   knobs      (measured 2026-12-01: 449 s for three runs, the first with --profile and 3 steps) the trainer alone (--trainer-only, no engine) on the 3B, 16 prompts
 #              x 8 x 1024, 2 steps (step 1 pays torch.compile, step 2 is timed): today's defaults (64k-token
 #              micro-batches, every layer recomputed), then both issue-23 knobs in one run (they act on different
 #              phases: the reference pass and the update): --logprob-max-token-len-per-device 262144 (4 x 64k) with
@@ -27,6 +29,10 @@
 #              and update seconds and MFU (report.md) and the memory model against the measured peaks. Estimate
 #              (BENCHMARKS.md session 4, trainer-only 3B 16x8 runs: ~100 s of compilation in step 1, ~14 s a step,
 #              <= 200 s for 3 steps): model build ~1.5 min on a fresh machine, ~2.8 min per run
+#   spread     (~5 min, estimated: not yet run) where the generation's time and its step-to-step spread go (24.6 and
+#              30.1 s in two steps of one bar run): bare and all of ours at 32 prompts, 4 rounds each, with the
+#              engine loop's stack looked at every 5 ms (--sample-stacks: the share of looks per innermost frames, a
+#              GPU wait or Python work). The bar itself with ARGS="--sample-stacks 5" leaves <run>_gen_stacks.json.
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
@@ -85,6 +91,8 @@ case "$MODE" in
   ablation) ablation 0; exit ;;  # (no metrics.jsonl: no report.md)
   realistic) realistic 0 ;;
   knobs) knobs 0 ;;
+  spread) REPEATS=${REPEATS:-4} ARGS="--rollout-batch-size 32 --rows bare,all_ours --sample-stacks 5 \
+    --bare-memory-share 0 ${ARGS:-}" ablation 0; exit ;;
   profile)  # the trainer alone (random responses instead of generation): where the 3B step's time goes
     prepare qwen2_5_vl_3b
     run_bench trainer3b_profile 0 "${LIMIT:-240}" --preset qwen2_5_vl_3b --trainer-only --profile \
@@ -101,7 +109,7 @@ case "$MODE" in
     prepare qwen2_5_vl_3b
     bar 0 & realistic 1
     wait ;;
-  *) echo "usage: bash benchmarks/gpu_speed.sh [bar | realistic | profile | knobs | 8b | ablation | 8b_x2 | two]"
+  *) echo "usage: bash benchmarks/gpu_speed.sh [bar | realistic | profile | knobs | 8b | ablation | spread | 8b_x2 | two]"
      exit 2 ;;
 esac
 python bench.py report "$OUT"/*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"

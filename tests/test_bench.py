@@ -1,6 +1,8 @@
 """bench.py's workload is the one the speed bar names: one 512x512 image and about 100 text tokens per prompt."""
+import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -27,15 +29,16 @@ def test_geo_prompts_have_one_512px_image_and_about_100_text_tokens(tmp_path):
         assert image_tokens + 100 <= len(rec["prompt_ids"]) <= image_tokens + 150  # + the chat template
 
 
-def _trainer_only(launch, tmp_path, out, cfg_kw, run_kw):
+def _trainer_only(launch, tmp_path, out, cfg_kw, run_kw, pre=""):
     """bench.run(trainer_only=True) on the tiny model and 4 geo prompts (2 prompts x 4 samples, 2 steps) in a child
-    process, with cfg_kw / run_kw (Python keyword text) on top; returns the rows of its metrics.jsonl."""
+    process, with cfg_kw / run_kw (Python keyword text) on top and `pre` (code) first; returns the rows of its
+    metrics.jsonl."""
     import json
     path = tiny_model.build_tiny_model()
     proc = data.load_processor(path)
     parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 4, proc.tokenizer, size=112, text_tokens=20)
     script = (
-        "import bench, dataclasses, torch.distributed as dist\n"
+        "import bench, dataclasses, torch.distributed as dist\n" + pre +
         f"cfg = bench.defaults({str(tmp_path)!r}, {path!r}, {parquet!r})\n"
         "cfg = dataclasses.replace(cfg, rollout_batch_size=2, global_batch_size=2, n=4, min_pixels=56 * 56,\n"
         f"    max_pixels=112 * 112, max_steps=2, lr=1e-3, output_dir={str(out)!r}, {cfg_kw})\n"
@@ -49,8 +52,16 @@ def test_trainer_only_profile_run(tmp_path, launch):
     """`bench.py --trainer-only --profile` on the tiny model: random full-length responses instead of an engine, the
     phases timed, the last step's kernel table written."""
     out = tmp_path / "run"
-    rows = _trainer_only(launch, tmp_path, out, "max_response_length=8", "profile=True")
+    # --sample-stacks 2: the generation phase (here the random responses, made slow) has its thread's stack counted
+    slow = ("import time\nreal = bench.synthetic_collect\n"
+            "def slow_collect(*a, **k):\n    time.sleep(0.2)\n    return real(*a, **k)\n"
+            "bench.synthetic_collect = slow_collect\n")
+    rows = _trainer_only(launch, tmp_path, out, "max_response_length=8", "profile=True, sample_ms=2", pre=slow)
     assert [r["step"] for r in rows] == [1, 2]
+    stacks = json.load(open(out / "gen_stacks.json"))
+    assert [s["step"] for s in stacks] == [1, 2]
+    for s in stacks:
+        assert s["stacks"]["*"] >= 20 and any("slow_collect" in k for k in s["stacks"]), s
     for r in rows:
         assert r["response_length/mean"] == 8 and r["response_length/clip_ratio"] == 1.0
         assert r["timing/update"] > 0 and r["timing/ref_logprob"] > 0
@@ -299,13 +310,44 @@ def test_bench_main_passes_the_engine_ablation_options(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_bench, "run", lambda cfg, *a: got.update(cfg=cfg, args=a))
     monkeypatch.setattr(bench.dist, "destroy_process_group", lambda: None)
     argv = ["engine-ablation", "--preset", "qwen2_5_vl_3b", "--rows", "bare,seeds", "--repeats", "2",
-            "--bare-memory-share", "0.7", "--n", "4", "--output-dir", str(tmp_path / "o")]
+            "--bare-memory-share", "0.7", "--sample-stacks", "5", "--n", "4", "--output-dir", str(tmp_path / "o")]
     monkeypatch.setattr(sys, "argv", ["bench.py"] + argv)
     bench.main()
-    assert got["args"] == (["bare", "seeds"], 2, 32, 0.7, argv)
+    assert got["args"] == (["bare", "seeds"], 2, 32, 0.7, argv, 5.0)
     cfg = got["cfg"]
     assert (cfg.n, cfg.output_dir, cfg.rollout_batch_size, cfg.max_response_length) == (4, str(tmp_path / "o"), 64,
                                                                                          1024)
+
+
+def test_sampled_stacks_say_where_the_calling_thread_spends_its_time():
+    """--sample-stacks: the looks at the engine loop's thread land in the function that held it (here a Python busy
+    loop, then a sleep, the stand-ins for the engine's Python work and a wait on the GPU); 0 looks never."""
+    import collections
+    import engine_bench
+
+    def busy_python(t):
+        end = time.perf_counter() + t
+        while time.perf_counter() < end:
+            pass
+
+    def wait_on_gpu(t):
+        time.sleep(t)
+
+    counts = collections.Counter()
+    with engine_bench.sampled_stacks(counts, 0.005):
+        busy_python(0.3)
+        wait_on_gpu(0.3)
+    total = counts.pop("*")
+    assert total >= 40, total
+    mine = {k.split(" < ")[0].rsplit(" ", 1)[1]: c for k, c in counts.items()}  # innermost function -> looks
+    assert mine.get("busy_python", 0) > 0.3 * total and mine.get("wait_on_gpu", 0) > 0.3 * total, counts
+    assert all(" < " in k and "test_bench.py" in k for k in counts if "busy_python" in k)
+    none = collections.Counter()
+    with engine_bench.sampled_stacks(none, 0):
+        busy_python(0.05)
+    assert not none
+    table = engine_bench.stack_table({"rows": {"bare": {"stacks": {"*": 4, "a.py:1 f < b.py:2 g": 3, "c:3 h": 1}}}})
+    assert table.splitlines() == ["bare (4 looks):", "   75.0%  a.py:1 f < b.py:2 g", "   25.0%  c:3 h"]
 
 
 def test_engine_ablation_memory_share_row_runs_bare_alone_in_a_second_engine():
