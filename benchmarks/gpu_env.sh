@@ -30,15 +30,31 @@ prepare() {  # prepare PRESET: build the random model and the data set once, bef
     || { echo "prepare $1 failed:"; tail -5 "$OUT/prepare_$1.log"; }
 }
 
+smi_start() {  # smi_start NAME: the GPUs' clocks, temperature, power and throttle reasons once a second into
+  # $OUT/NAME_gpu.csv while a run lasts (a phase that slows down between steps: is the GPU clocked down?)
+  SMI_PID=
+  command -v nvidia-smi > /dev/null || return 0
+  local why=clocks_event_reasons.active  # (older drivers: clocks_throttle_reasons.active)
+  nvidia-smi --query-gpu=$why --format=csv > /dev/null 2>&1 || why=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu,$why \
+    --format=csv -l 1 > "$OUT/$1_gpu.csv" 2> /dev/null &
+  SMI_PID=$!
+}
+
+smi_stop() { [ -n "${SMI_PID:-}" ] && kill "$SMI_PID" 2> /dev/null; SMI_PID=; }
+
 run_bench() {  # run_bench NAME GPUS LIMIT_S BENCH_ARGS...: bench.py on GPUS ("0", or "0,1" under torchrun); its log,
   # metrics.jsonl and bench_summary.json in $OUT as NAME.log, NAME_metrics.jsonl, NAME_summary.json. A run cut by
   # its limit keeps the metrics of its finished steps.
   local name=$1 gpus=$2 limit=$3; shift 3
   local launch=(python)
   [[ $gpus == *,* ]] && launch=(torchrun --standalone --nproc_per_node "$(tr ',' '\n' <<< "$gpus" | wc -l)")
+  smi_start "$name"
   CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "${launch[@]}" bench.py --output-dir "/tmp/$name" "$@" ${ARGS:-} \
     > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? ($(cat "/tmp/$name/metrics.jsonl" 2> /dev/null | grep -c '"timing/step"') steps)"
+  local rc=$?
+  smi_stop
+  echo "$name: exit $rc ($(cat "/tmp/$name/metrics.jsonl" 2> /dev/null | grep -c '"timing/step"') steps)"
   cp "/tmp/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2> /dev/null
   cp "/tmp/$name/bench_summary.json" "$OUT/${name}_summary.json" 2> /dev/null
   cp "/tmp/$name/profile.txt" "$OUT/${name}_profile.txt" 2> /dev/null

@@ -37,7 +37,8 @@
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
 # ARGS: more bench.py flags for every run (e.g. ARGS="--torch-compile off"); STEPS and LIMIT (seconds per run)
-# override a mode's. Results in $OUT: <run>.log, <run>_metrics.jsonl, <run>_summary.json, report.md.
+# override a mode's. Results in $OUT: <run>.log, <run>_metrics.jsonl, <run>_summary.json, <run>_gpu.csv (clocks,
+# temperature, power, throttle reasons each second: nvidia-smi), report.md.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
@@ -59,9 +60,11 @@ realistic() {  # realistic GPU
 ablation() {  # ablation GPU
   prepare qwen2_5_vl_3b
   local name=engine3b_ablation
+  smi_start "$name"
   CUDA_VISIBLE_DEVICES=$1 timeout "${LIMIT:-500}" python bench.py engine-ablation --preset qwen2_5_vl_3b \
     --repeats "${REPEATS:-1}" --output-dir "/tmp/$name" ${ARGS:-} > "$OUT/$name.log" 2>&1
   echo "$name: exit $?"
+  smi_stop
   cp "/tmp/$name/engine_ablation.json" "$OUT/$name.json" 2> /dev/null
   cp "/tmp/$name/memory_share/child.log" "$OUT/${name}_memory_share.log" 2> /dev/null
   python -c "import json, sys, engine_bench; print(engine_bench.table(json.load(open(sys.argv[1]))))" \
