@@ -136,8 +136,8 @@ def _check_kernel(kernel, device):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, exp):
             err = float((a.float() - b).detach().norm() / b.detach().norm())
             if not err < 2e-2:
-                raise RuntimeError(f"{name} differs from the reference by {err:.3g} (relative; causal={causal}, "
-                                   f"{'own' if ck is cu_k else 'shared'} key boundaries)")
+                keys = "own key boundaries" if ck is cu_k else "the queries' boundaries"
+                raise RuntimeError(f"{name} differs from the reference by {err:.3g} (relative; causal={causal}, {keys})")
 
 
 def use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free="auto", vision_varlen="auto"):
