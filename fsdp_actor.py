@@ -78,8 +78,8 @@ class LogProbModel(nn.Module):
                           if isinstance(i, int) and i >= 0]
         self.has_vision = getattr(cfg, "vision_config", None) is not None and hasattr(hf_model.model,
                                                                                        "get_image_features")
-        # who computes the rotary positions: collate() for Qwen2-VL/2.5-VL (3-D M-RoPE) and text LLMs (1-D), on the
-        # CPU; None = the model itself (other VLMs, which cannot be packed)
+        # who computes the rotary positions: collate() for Qwen2-VL/2.5-VL (3-D M-RoPE), text LLMs (1-D) and packed
+        # Qwen3-VL rows, on the CPU; None = the model itself (other VLMs, and Qwen3-VL's padded rows)
         self.rope = ("mrope" if cfg.model_type in ("qwen2_vl", "qwen2_5_vl") else
                      "1d" if getattr(cfg, "vision_config", None) is None else None)
         self.packed = False  # build_actor: True when this model trains padding-free (one packed row per micro-batch)
@@ -139,7 +139,7 @@ class LogProbModel(nn.Module):
                      zip(grids.items(), [counts if k == "image_grid_thw" else vcounts for k in grids])}
         if self.hf.config.model_type in ("qwen3_vl", "qwen3_vl_moe"):
             types = mm_token_types(self.hf, input_ids, mm_inputs).get("mm_token_type_ids")
-            return self._deepstack_hidden(input_ids, mm_inputs, owner, counts, vcounts, row_grids, types)
+            return self._deepstack_hidden(input_ids, mm_inputs, owner, counts, vcounts, row_grids, types, kw)
         if position_ids is None:  # the model derives the 3-D positions from the vision tokens and grids
             kw.update(input_ids=input_ids, **row_grids, **mm_token_types(self.hf, input_ids, mm_inputs))
         if self.rope == "mrope":
@@ -186,7 +186,7 @@ class LogProbModel(nn.Module):
             base += sum(c)
         return out
 
-    def _deepstack_hidden(self, input_ids, mm_inputs, owner, counts, vcounts, row_grids, types):
+    def _deepstack_hidden(self, input_ids, mm_inputs, owner, counts, vcounts, row_grids, types, kw):
         """Qwen3-VL: the vision tower once per distinct image and video, as for Qwen2.5-VL. Its deepstack features (the
         outputs of a few vision blocks, each added to one of the first LLM layers' outputs at the vision positions)
         are scattered per row the same way and handed to the language model, whose forward takes them as arguments;
@@ -213,9 +213,10 @@ class LogProbModel(nn.Module):
             for (tid, _), x in zip(kinds, per_kind):
                 joint[(input_ids == tid)[visual]] = x
             deep_rows[layer] = joint
-        pos, _ = m.get_rope_index(input_ids, mm_token_type_ids=types, **row_grids)  # [3, B, T]
-        return m.language_model(inputs_embeds=embeds, position_ids=pos, attention_mask=None, use_cache=False,
-                                visual_pos_masks=visual, deepstack_visual_embeds=deep_rows).last_hidden_state
+        if kw["position_ids"] is None:  # (a packed row brings its own, and its boundaries: kw)
+            kw["position_ids"], _ = m.get_rope_index(input_ids, mm_token_type_ids=types, **row_grids)  # [3, B, T]
+        return m.language_model(inputs_embeds=embeds, visual_pos_masks=visual, deepstack_visual_embeds=deep_rows,
+                                **kw).last_hidden_state
 
     def _idle_vision(self, like):
         """0 x (the vision tower's output for one blank image of the smallest grid): a zero that is in the graph."""
@@ -269,7 +270,8 @@ def recompute_first_layers(hf, share):
 
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
                 trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto",
-                torch_compile="off", offload=False, router_aux_loss_coef=0.0, checkpoint_layers=1.0, share_prompts=True):
+                torch_compile="off", offload=False, router_aux_loss_coef=0.0, checkpoint_layers=1.0,
+                share_prompts=True):
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
@@ -322,6 +324,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
             r.register_forward_hook(lambda m, args, out: model.router_logits.append(out[0])
                                     if torch.is_grad_enabled() else None)
     model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
+    model.rope = "mrope" if model.packed and model.rope is None else model.rope  # (Qwen3-VL: positions from collate)
     model.share_prompts = model.packed and share_prompts and model.router_logits is None
     # auto: on a GPU in bf16/fp16, for a model wide enough that fused kernels pay for the compilation (~100 s at
     # 3B); a tiny model's steps are launch-bound and would only wait for the compiler
@@ -358,12 +361,10 @@ def collate(samples, pad_id, device, model=None):
     Padded (default): one row per sample, right-padded; packed (a `model` that trains padding-free): one row, no
     pads, with the boundaries for the variable-length attention; `model.share_prompts`: each prompt once in it:
 
-        padded  input_ids [B, T]  p p p r r 0 0      packed  [1, N]  p p p r r p p p r r r    shared  p p p r r r r r
-                                  p p p r r r 0
+        padded [B, T]  p p p r r 0 0 / p p p r r r 0    packed [1, N]  p p p r r p p p r r r    shared  p p p r r r r r
     Position t predicts token t+1; resp_idx lists the flat positions that predict response tokens. With `model`,
     the rotary positions are computed here on the CPU (once per distinct prompt) instead of inside the forward."""
-    packed = model is not None and model.packed
-    shared = packed and model.share_prompts
+    packed, shared = model is not None and model.packed, model is not None and model.packed and model.share_prompts
     seqs = [s["prompt"]["prompt_ids"] + list(s["response_ids"]) for s in samples]
     # the distinct prompts of the batch (the n samples of a prompt share its images) and which one each row shows
     index, prompts, owner = {}, [], []
@@ -398,7 +399,7 @@ def collate(samples, pad_id, device, model=None):
     if model is not None and model.rope is not None:
         pos = _positions(model.hf, samples, prompts, owner, model.rope)  # per sample [3, L] (M-RoPE) or [L]
         if packed:
-            position_ids = torch.cat([pos[i][..., a:b] for i, a, b in pieces], dim=-1)[..., None, :]  # [3, 1, N] / [1, N]
+            position_ids = torch.cat([pos[i][..., a:b] for i, a, b in pieces], dim=-1)[..., None, :]  # [3,1,N] / [1,N]
         elif model.rope == "mrope":  # (a text LLM's padded rows keep the model's own 0..T-1)
             position_ids = torch.zeros(3, B, T, dtype=torch.long)  # [3, B, T]; pads' positions are never read
             for i, p in enumerate(pos):
@@ -452,9 +453,7 @@ def _params(fn):
 def to_device(t, device):
     """Host -> GPU copy that does not wait: a plain .to(cuda) synchronizes with the GPU's queue (the host then
     idles until the previous micro-batch's backward is done, and the GPU until the host launches the next)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def pad_responses(values, resp_len):
@@ -478,8 +477,9 @@ def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=Fal
     """Group sample indices so that each micro-batch holds at most `max_tokens` tokens (padded: samples x the longest;
     packed: the real lengths, with `prompt_lens` each prompt once) and `max_samples` samples. Sorting by length keeps
     padding small; with `groups` (the prompt of each sample) the samples of a prompt stay together, so its image goes
-    through the vision tower (and, shared, its tokens through the model) once per micro-batch. Every rank must run the same number of micro-batches (each forward
-    all-gathers weights collectively), so the count is agreed on and the largest micro-batches split to match."""
+    through the vision tower (and, shared, its tokens through the model) once per micro-batch. Every rank runs the
+    same number of micro-batches (each forward all-gathers weights collectively): the count is agreed on and the
+    largest micro-batches split to match."""
     groups = groups if groups is not None else list(range(len(lengths)))
     top = {}
     for g, n in zip(groups, lengths):

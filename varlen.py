@@ -137,7 +137,8 @@ def _check_kernel(kernel, device):
             err = float((a.float() - b).detach().norm() / b.detach().norm())
             if not err < 2e-2:
                 keys = "own key boundaries" if ck is cu_k else "the queries' boundaries"
-                raise RuntimeError(f"{name} differs from the reference by {err:.3g} (relative; causal={causal}, {keys})")
+                raise RuntimeError(f"{name} differs from the reference by {err:.3g} (relative; causal={causal}; "
+                                   f"{keys})")
 
 
 def use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free="auto", vision_varlen="auto"):
@@ -147,16 +148,18 @@ def use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_f
             raise ValueError(f"{name}={v!r}: choose auto, on or off")
     mt = hf.config.model_type
     has_vision = getattr(hf.config, "vision_config", None) is not None
-    can = {"text": mt in ("qwen2_vl", "qwen2_5_vl") or not has_vision, "vision": mt in ("qwen2_vl", "qwen2_5_vl")}
+    qwen3 = mt in ("qwen3_vl", "qwen3_vl_moe")  # packed only when asked ("on"): not yet run on a GPU
+    can = {"text": mt in ("qwen2_vl", "qwen2_5_vl") or qwen3 or not has_vision,
+           "vision": mt in ("qwen2_vl", "qwen2_5_vl")}
+    who = {"text": "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text LLMs are", "vision": "Qwen2-VL and Qwen2.5-VL are"}
     fast = (device.type == "cuda" and param_dtype in (torch.bfloat16, torch.float16) and attn_implementation is None
             and _fast_varlen_kernel(device.index if device.index is not None else torch.cuda.current_device())
             is not None)
     out = {}
     for key, v, flag in (("text", padding_free, "--padding-free"), ("vision", vision_varlen, "--vision-varlen")):
         if v == "on" and not can[key] and (key == "text" or has_vision):  # no vision tower: nothing to switch
-            raise ValueError(f"{flag} on: not supported for model_type {mt!r} (Qwen2-VL, Qwen2.5-VL and text LLMs "
-                             f"are); use {flag} off or auto")
-        out[key] = can[key] and (v == "on" or (v == "auto" and fast))
+            raise ValueError(f"{flag} on: not supported for model_type {mt!r} ({who[key]}); use {flag} off or auto")
+        out[key] = can[key] and (v == "on" or (v == "auto" and fast and not (qwen3 and key == "text")))
     return out
 
 

@@ -195,17 +195,19 @@ def test_trainer_logprobs_match_a_plain_hf_forward(arch):
 
 def test_padding_free_equals_padded_for_video_rows(arch):
     from test_varlen import _grads
+    """Packed rows (Qwen3-VL: its timestamps and deepstack too), and packed rows that hold each prompt once."""
     name, path, proc = arch
-    if name == "qwen3_vl":
-        pytest.skip("padding-free packing is for Qwen2-VL / Qwen2.5-VL and text LLMs")
     samples = samples_of(video_prompts(proc))
+    assert len({id(s["prompt"]) for s in samples}) < len(samples)  # prompts with several samples: shared below
     lp_pad, g_pad = _grads(path, samples, proc.tokenizer.pad_token_id, False, torch.float64)
     lp_pack, g_pack = _grads(path, samples, proc.tokenizer.pad_token_id, True, torch.float64)
-    for a, b in zip(lp_pad, lp_pack):
-        assert torch.allclose(a, b, atol=1e-10)
-    assert g_pad.keys() == g_pack.keys()
+    lp_share, g_share = _grads(path, samples, proc.tokenizer.pad_token_id, True, torch.float64, share=True)
+    for a, b, c in zip(lp_pad, lp_pack, lp_share, strict=True):
+        assert torch.allclose(a, b, atol=1e-10) and torch.allclose(a, c, atol=1e-10)
+    assert g_pad.keys() == g_pack.keys() == g_share.keys()
     for k in g_pad:
         assert torch.allclose(g_pad[k], g_pack[k], atol=1e-9), k
+        assert (g_share[k] - g_pad[k]).abs().max() <= 1e-6 * g_pad[k].abs().max(), k  # (RMSNorm's fp32 rounding)
 
 
 def test_vllm_requests_carry_the_frames_and_their_rate(arch):
