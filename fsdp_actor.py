@@ -503,7 +503,7 @@ def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=Fal
     n = torch.tensor([len(mbs)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=_cpu_group())
-    while len(mbs) < int(n):  # split the largest group in two (a rank always has >= n samples)
+    while len(mbs) < int(n):  # split the largest micro-batch in two (a rank always has >= n samples)
         j = max(range(len(mbs)), key=lambda k: size(mbs[k]))
         g = mbs.pop(j)
         mbs[j:j] = [g[:len(g) // 2], g[len(g) // 2:]]
