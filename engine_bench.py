@@ -4,6 +4,7 @@ of our additions to it, in one run (one engine, the same prompts).
     python bench.py engine-ablation --preset qwen2_5_vl_3b                 # the 3B bar's step: 64 prompts x 8 x 1024
     python bench.py engine-ablation --preset qwen2_5_vl_3b --repeats 2     # each row twice (the second round reversed)
     python bench.py engine-ablation --bare-memory-share 0                  # no second engine (no memory-share row)
+    python bench.py engine-ablation --rows bare,all_ours --sample-stacks 5 # + where the engine loop spends its time
 
 The requests are the step's: the prompts and seeds grpo.generate_and_score hands VLLMRollout.generate for step 1 of
 `bench.py` with the same options, turned into vLLM requests by VLLMRollout._requests, whose switches take away what
