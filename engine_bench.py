@@ -92,9 +92,11 @@ def _gc_timer(phase, info):
 @contextlib.contextmanager
 def sampled_stacks(counts, interval):
     """While the block runs, a daemon thread looks at the calling thread's Python stack every `interval` seconds
-    (0: never) and counts its innermost three frames in `counts`, a Counter ("*": the number of looks). With vLLM in
-    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) that thread runs the engine's loop: the counts say whether a
-    slow generation waited on the GPU (a synchronising call innermost) or on Python (scheduling, output handling)."""
+    (0: never) and adds to `counts` (a Counter) under its innermost three frames the seconds since its last look ("*":
+    all of them). Seconds, not looks: a thread busy in Python holds the GIL and delays the next look, so a count of
+    looks would understate it. With vLLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) that thread runs the
+    engine's loop: the shares say whether a slow generation waited on the GPU (a synchronising call innermost) or on
+    Python (scheduling, output handling)."""
     if not interval:
         yield counts
         return
@@ -107,13 +109,16 @@ def sampled_stacks(counts, interval):
         return f"{path}:{f.f_lineno} {f.f_code.co_name}"
 
     def look():
+        last = time.perf_counter()
         while not stop.wait(interval):
             f, chain = sys._current_frames().get(tid), []
             while f is not None and len(chain) < 3:
                 chain.append(where(f))
                 f = f.f_back
-            counts[" < ".join(chain) or "?"] += 1
-            counts["*"] += 1
+            now = time.perf_counter()
+            counts[" < ".join(chain) or "?"] += now - last
+            counts["*"] += now - last
+            last = now
     t = threading.Thread(target=look, daemon=True)
     t.start()
     try:
@@ -124,13 +129,13 @@ def sampled_stacks(counts, interval):
 
 
 def stack_table(result, top=12):
-    """Per row that was sampled (--sample-stacks): its most frequent innermost frames, as shares of the looks."""
+    """Per row that was sampled (--sample-stacks): its innermost frames that held the most time, as shares of it."""
     out = []
     for name, r in result["rows"].items():
         st = r.get("stacks") or {}
         total = st.get("*", 0)
         if total:
-            out += [f"{name} ({total} looks):"] + [f"  {c / total:6.1%}  {k}" for k, c in
+            out += [f"{name} ({total:.1f} s looked at):"] + [f"  {c / total:6.1%}  {k}" for k, c in
                                                    collections.Counter({k: v for k, v in st.items() if k != "*"})
                                                    .most_common(top)]
     return "\n".join(out)

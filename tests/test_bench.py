@@ -61,7 +61,7 @@ def test_trainer_only_profile_run(tmp_path, launch):
     stacks = json.load(open(out / "gen_stacks.json"))
     assert [s["step"] for s in stacks] == [1, 2]
     for s in stacks:
-        assert s["stacks"]["*"] >= 20 and any("slow_collect" in k for k in s["stacks"]), s
+        assert s["stacks"]["*"] >= 0.15 and any("slow_collect" in k for k in s["stacks"]), s
     for r in rows:
         assert r["response_length/mean"] == 8 and r["response_length/clip_ratio"] == 1.0
         assert r["timing/update"] > 0 and r["timing/ref_logprob"] > 0
@@ -320,8 +320,9 @@ def test_bench_main_passes_the_engine_ablation_options(tmp_path, monkeypatch):
 
 
 def test_sampled_stacks_say_where_the_calling_thread_spends_its_time():
-    """--sample-stacks: the looks at the engine loop's thread land in the function that held it (here a Python busy
-    loop, then a sleep, the stand-ins for the engine's Python work and a wait on the GPU); 0 looks never."""
+    """--sample-stacks: the seconds looked at land in the function that held the thread (here a Python busy loop,
+    then a sleep, the stand-ins for the engine's Python work and a wait on the GPU), each close to its share of the
+    time although the busy loop holds the GIL and delays the looks; 0: no looks."""
     import collections
     import engine_bench
 
@@ -338,16 +339,16 @@ def test_sampled_stacks_say_where_the_calling_thread_spends_its_time():
         busy_python(0.3)
         wait_on_gpu(0.3)
     total = counts.pop("*")
-    assert total >= 40, total
-    mine = {k.split(" < ")[0].rsplit(" ", 1)[1]: c for k, c in counts.items()}  # innermost function -> looks
-    assert mine.get("busy_python", 0) > 0.3 * total and mine.get("wait_on_gpu", 0) > 0.3 * total, counts
+    assert 0.5 < total < 0.7, total
+    mine = {k.split(" < ")[0].rsplit(" ", 1)[1]: c for k, c in counts.items()}  # innermost function -> seconds
+    assert 0.4 < mine.get("busy_python", 0) / total < 0.6 and 0.4 < mine.get("wait_on_gpu", 0) / total < 0.6, counts
     assert all(" < " in k and "test_bench.py" in k for k in counts if "busy_python" in k)
     none = collections.Counter()
     with engine_bench.sampled_stacks(none, 0):
         busy_python(0.05)
     assert not none
     table = engine_bench.stack_table({"rows": {"bare": {"stacks": {"*": 4, "a.py:1 f < b.py:2 g": 3, "c:3 h": 1}}}})
-    assert table.splitlines() == ["bare (4 looks):", "   75.0%  a.py:1 f < b.py:2 g", "   25.0%  c:3 h"]
+    assert table.splitlines() == ["bare (4.0 s looked at):", "   75.0%  a.py:1 f < b.py:2 g", "   25.0%  c:3 h"]
 
 
 def test_engine_ablation_memory_share_row_runs_bare_alone_in_a_second_engine():
