@@ -364,7 +364,8 @@ def collate(samples, pad_id, device, model=None):
         padded [B, T]  p p p r r 0 0 / p p p r r r 0    packed [1, N]  p p p r r p p p r r r    shared  p p p r r r r r
     Position t predicts token t+1; resp_idx lists the flat positions that predict response tokens. With `model`,
     the rotary positions are computed here on the CPU (once per distinct prompt) instead of inside the forward."""
-    packed, shared = model is not None and model.packed, model is not None and model.packed and model.share_prompts
+    packed = model is not None and model.packed
+    shared = packed and model.share_prompts
     seqs = [s["prompt"]["prompt_ids"] + list(s["response_ids"]) for s in samples]
     # the distinct prompts of the batch (the n samples of a prompt share its images) and which one each row shows
     index, prompts, owner = {}, [], []

@@ -217,7 +217,7 @@ def packed_layout(plens, rlens, owner, share=True):
     (pieces: (sample, start, end) slices of the samples' own prompt + response sequences, laid back to back;
     resp_idx [n]: per sample, the row positions that predict its response tokens: its prompt's last, then its own;
     the attention's keywords: cu_seq_lens_q/k, max_length_q/k, and kv_index when shared)."""
-    by_prompt = {}
+    by_prompt = {}  # the row's groups: a prompt and its samples (unshared: each sample alone, its own prompt copy)
     for i, g in enumerate(owner):
         by_prompt.setdefault(g if share else -1 - i, []).append(i)
     pieces, q_lens, k_lens, kv, resp, at = [], [], [], [], [[] for _ in owner], 0
