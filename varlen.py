@@ -148,7 +148,10 @@ def use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_f
             raise ValueError(f"{name}={v!r}: choose auto, on or off")
     mt = hf.config.model_type
     has_vision = getattr(hf.config, "vision_config", None) is not None
-    qwen3 = mt in ("qwen3_vl", "qwen3_vl_moe")  # packed only when asked ("on"): not yet run on a GPU
+    qwen3 = mt in ("qwen3_vl", "qwen3_vl_moe")
+    # Qwen3-VL-MoE packs only when asked ("on"): its packed rows were never run on a GPU (the dense Qwen3-VL's were:
+    # tests/test_varlen_gpu.py and the 8B bench, benchmarks/BENCHMARKS.md session 12)
+    unproven = mt == "qwen3_vl_moe"
     can = {"text": mt in ("qwen2_vl", "qwen2_5_vl") or qwen3 or not has_vision,
            "vision": mt in ("qwen2_vl", "qwen2_5_vl")}
     who = {"text": "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text LLMs are", "vision": "Qwen2-VL and Qwen2.5-VL are"}
@@ -159,7 +162,7 @@ def use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_f
     for key, v, flag in (("text", padding_free, "--padding-free"), ("vision", vision_varlen, "--vision-varlen")):
         if v == "on" and not can[key] and (key == "text" or has_vision):  # no vision tower: nothing to switch
             raise ValueError(f"{flag} on: not supported for model_type {mt!r} ({who[key]}); use {flag} off or auto")
-        out[key] = can[key] and (v == "on" or (v == "auto" and fast and not (qwen3 and key == "text")))
+        out[key] = can[key] and (v == "on" or (v == "auto" and fast and not (unproven and key == "text")))
     return out
 
 

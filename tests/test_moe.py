@@ -236,9 +236,8 @@ def test_lora_on_the_moe_trains_a_step_and_merges_to_base_plus_delta(moe):
 
 def test_packed_moe_logprobs_and_gradients_equal_padded_and_hf(tmp_path):
     """Padding-free packing with experts (float64): one packed row of several samples gives the padded batch's and
-    the plain HF forward's log-probs, and the padded batch's gradients, routers and experts included. Qwen3-VL (and
-    so Qwen3-VL-MoE) does not pack here yet (its rows stay padded: varlen.use_varlen_attention), so this runs on the
-    text Qwen3-MoE, whose sparse block is the same code (top-k router, fused experts): each token is routed on its
+    the plain HF forward's log-probs, and the padded batch's gradients, routers and experts included. It runs on the
+    text Qwen3-MoE, whose sparse block is Qwen3-VL-MoE's code (top-k router, fused experts): each token is routed on its
     own, so packing must not change what any token gets."""
     from test_varlen import _grads, _text_reference
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM

@@ -380,3 +380,25 @@ def test_chunk_logprobs_equal_plain_autograd(compiled, dtype):
     with torch.no_grad():  # without entropy: the same log-probs
         got, ent = V.ChunkLogProbs.apply(h0, targets, w0, 0.7, forbidden, False, kernels)
     assert ent is None and same(got, want.detach())
+
+
+def test_auto_packs_what_ran_on_a_gpu(monkeypatch):
+    """auto, given a fast kernel on CUDA in bf16: packed rows for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text LLMs, the
+    vision varlen path for the first two; Qwen3-VL-MoE only with "on" (never run packed on a GPU); nothing without
+    the fast kernel, in fp32 or with an explicit attention implementation."""
+    from types import SimpleNamespace as NS
+    monkeypatch.setattr(V, "_fast_varlen_kernel", lambda index: "kernel")
+    cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
+
+    def auto(mt, vision=True, device=cuda, dtype=bf16, impl=None, text="auto"):
+        hf = NS(config=NS(model_type=mt, vision_config=NS() if vision else None))
+        r = V.use_varlen_attention(hf, device, dtype, impl, text, "auto")
+        return r["text"], r["vision"]
+    assert auto("qwen2_5_vl") == auto("qwen2_vl") == (True, True)
+    assert auto("qwen3_vl") == (True, False)
+    assert auto("qwen3_vl_moe") == (False, False) and auto("qwen3_vl_moe", text="on") == (True, False)
+    assert auto("qwen3", vision=False) == (True, False)
+    assert auto("qwen3_vl", device=torch.device("cpu")) == auto("qwen3_vl", dtype=torch.float32) == (False, False)
+    assert auto("qwen2_5_vl", impl="sdpa") == (False, False)
+    monkeypatch.setattr(V, "_fast_varlen_kernel", lambda index: None)
+    assert auto("qwen2_5_vl") == (False, False)

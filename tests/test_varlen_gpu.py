@@ -73,7 +73,7 @@ def test_vision_tower_one_kernel_call_per_layer():
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
 def test_padding_free_auto_on_cuda_matches_padded(arch):
-    """auto picks padding-free and the vision varlen path on CUDA in bf16 (Qwen3-VL: packed when asked, "on"); its
+    """auto picks padding-free (and, for Qwen2.5-VL, the vision varlen path) on CUDA in bf16; its
     log-probs are as close to the fp32 HF forward as the padded path's, and one backward gives the same gradients
     within bf16 noise."""
     from test_actor import reference_logprobs
@@ -85,8 +85,7 @@ def test_padding_free_auto_on_cuda_matches_padded(arch):
     res = {}
     for mode in ("auto", "off"):
         torch.manual_seed(0)
-        text, vision = ("on", "off") if arch == "qwen3_vl" and mode == "auto" else (mode, mode)
-        model = actor.build_actor(path, dev, torch.float32, torch.bfloat16, padding_free=text, vision_varlen=vision)
+        model = actor.build_actor(path, dev, torch.float32, torch.bfloat16, padding_free=mode, vision_varlen=mode)
         assert model.packed == model.share_prompts == (mode == "auto")  # (the two samples of a prompt: one copy)
         lps, _ = actor.compute_logprobs(model, samples, pad, dev, 1.0, 10_000, 64)
         err = torch.cat([(a.double() - b).abs() for a, b in zip(lps, ref, strict=True)])
