@@ -367,8 +367,9 @@ def train_step(ctx, step, collect=collect_rollouts):
     peaks = {"start": memory.phase_peak_gb()}  # (the last step's validation and checkpoint: not this step's)
     # ---- 0. sync: the engine gets the weights of the last update (streamed, one tensor at a time) ----
     T["sync"] = sync_engine(ctx)
+    start = {"sync": t_step}  # each phase's wall-clock start (bench.py phases: the GPU's clocks and power per phase)
     # ---- 1. sample (generate n responses per prompt) and 2. score ----
-    t = time.time()
+    t = start["gen"] = time.time()
     ctx.rollout.wake()
     samples = collect(ctx, step, metrics)
     metrics.update(memory.sleep(ctx.rollout))  # (and the GPU memory free with the engine awake and asleep)
@@ -379,13 +380,13 @@ def train_step(ctx, step, collect=collect_rollouts):
     mb_kw = dict(pad_id=ctx.pad_id, device=ctx.device, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
                  **logprob_bounds(cfg))
     if cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs > 1 or kl_in_reward(cfg):
-        t = time.time()
+        t = start["old_logprob"] = time.time()
         old, _ = actor.compute_logprobs(ctx.model, samples, **mb_kw, entropy=False)
         for s, o in zip(samples, old):
             s["old_logp"] = o
         T["old_logprob"] = time.time() - t
     if cfg.kl_coef > 0:
-        t = time.time()
+        t = start["ref_logprob"] = time.time()
         # LoRA: the policy with its adapters off; else the reference model (on the GPU for this pass if offloaded)
         ref_model = memory.adapters_disabled(ctx.model) if ctx.lora else memory.resident(ctx.ref, ctx.device,
                                                                                      cfg.offload_params)
@@ -406,7 +407,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     for s, a in zip(samples, adv.flatten(0, 1)):  # [n] or [n, T]
         s["adv"] = a.item() if a.dim() == 0 else a[:len(s["response_ids"])].tolist()
     # ---- 5. update the policy (the engine is now one update behind: synced before its next generation) ----
-    t = time.time()
+    t = start["update"] = time.time()
     metrics.update(update_policy(ctx, samples, step))
     ctx.engine_stale = True
     T["update"] = time.time() - t
@@ -414,6 +415,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     T["step"] = time.time() - t_step
     # ---- metrics: rewards, lengths, seconds, throughput, MFU, memory ----
     metrics.update(rundir.step_metrics(ctx, samples, T, peaks, metrics))
+    metrics.update({f"time/{k}_start": v for k, v in start.items()})
     metrics["step"] = step + 1
     return metrics, samples
 

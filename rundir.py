@@ -184,7 +184,9 @@ def open_trackers(cfg, start_step):
             log, close = start(cfg)
             logs.append(log)
             closes.append(close)
-    return lambda m, step: [f(m, step) for f in logs], lambda: [f() for f in closes]
+    # the phases' wall-clock starts (time/...) stay in metrics.jsonl: bench.py phases reads them; no one plots them
+    return (lambda m, step: [f({k: v for k, v in m.items() if not k.startswith("time/")}, step) for f in logs],
+            lambda: [f() for f in closes])
 
 
 def _numbers(m):  # what SwanLab and MLflow plot (wandb takes the rest as well)

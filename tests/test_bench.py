@@ -65,6 +65,9 @@ def test_trainer_only_profile_run(tmp_path, launch):
     for r in rows:
         assert r["response_length/mean"] == 8 and r["response_length/clip_ratio"] == 1.0
         assert r["timing/update"] > 0 and r["timing/ref_logprob"] > 0
+        # each phase's wall-clock start (bench.py phases): in the step's order, each after the last one's end
+        starts = [(r[f"time/{k}_start"], r[f"timing/{k}"]) for k in ("sync", "gen", "ref_logprob", "update")]
+        assert all(t0 + d <= t1 for (t0, d), (t1, _) in zip(starts, starts[1:])), starts
     assert rows[1]["actor/kl"] > 0  # the update of step 1 moved the policy away from the reference
     assert all(0 < r["perf/pad_fraction"] < 1 and r["perf/mfu_update"] > 0 and r["perf/mfu_ref"] > 0 for r in rows)
     table = (out / "profile.txt").read_text()
@@ -408,3 +411,35 @@ def test_the_30b_recipe_fits_one_h200_by_the_memory_model(tmp_path):
     cfg, _ = _recipe_config(tmp_path, precision="amp")
     with pytest.raises(UserError, match="it takes 2 such GPUs"):
         memory.check_fits(asdict(cfg), dims, 1, 140.4, f"--preset {preset}")
+
+
+def test_phases_reads_the_gpu_log_inside_each_phase(tmp_path):
+    """bench.py phases: the nvidia-smi rows that fall inside each phase's window (its stamped start and seconds),
+    and, for a run without stamps, the phases laid back from its last busy second."""
+    import datetime
+    t0 = 1_800_000_000.0
+    step = {"step": 1, "timing/step": 6.0, "timing/sync": 1.0, "timing/gen": 2.0, "timing/update": 3.0,
+            "time/sync_start": t0, "time/gen_start": t0 + 1, "time/update_start": t0 + 3}
+    (tmp_path / "m.jsonl").write_text(json.dumps(step) + "\n")
+    rows = ["timestamp, index, clocks.current.sm [MHz], clocks.current.memory [MHz], temperature.gpu, "
+            "power.draw [W], utilization.gpu [%], clocks_event_reasons.active"]
+    for i in range(12):  # one row every half second: 2 in sync, 4 in generation, 6 in the update
+        t = t0 + 0.25 + i / 2
+        gen, upd = t0 + 1 <= t < t0 + 3, t >= t0 + 3
+        sm, watts, util, why = (1500, 690.0, 100, 0x4) if upd else (1980, 400.0, 50, 0) if gen else (1980, 100.0, 0, 1)
+        stamp = datetime.datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+        rows.append(f"{stamp}, 0, {sm} MHz, 3201 MHz, 40, {watts:.2f} W, {util} %, 0x{why:016x}")
+    idle = datetime.datetime.fromtimestamp(t0 + 6.25).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    rows.append(f"{idle}, 0, 1980 MHz, 3201 MHz, 40, 80.00 W, 0 %, 0x{1:016x}")  # the run has ended
+    (tmp_path / "gpu.csv").write_text("\n".join(rows) + "\n")
+    out = bench.phases(str(tmp_path / "m.jsonl"), str(tmp_path / "gpu.csv")).splitlines()
+    assert out[2:] == ["| 1 | sync | 1.0 | 1980 | 100 | 0 % | 0% | 0% |",
+                       "| 1 | gen | 2.0 | 1980 | 400 | 50 % | 0% | 0% |",
+                       "| 1 | update | 3.0 | 1500 | 690 | 100 % | 100% | 0% |"], out
+    # the same run without its stamps: it ended between the last busy row and the next (t0 + 6), the rest laid back
+    (tmp_path / "m.jsonl").write_text(json.dumps({k: v for k, v in step.items() if not k.startswith("time/")}))
+    out = bench.phases(str(tmp_path / "m.jsonl"), str(tmp_path / "gpu.csv")).splitlines()
+    assert out[2:5] == ["| 1 | sync | 1.0 | 1980 | 100 | 0 % | 0% | 0% |",
+                        "| 1 | gen | 2.0 | 1980 | 400 | 50 % | 0% | 0% |",
+                        "| 1 | update | 3.0 | 1500 | 690 | 100 % | 100% | 0% |"], out
+    assert "laid back" in out[-1]

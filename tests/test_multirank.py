@@ -101,7 +101,7 @@ def test_run_sh_multinode_learns_what_one_node_learns(tmp_path, task, launch):
     for a, b in zip(two, one):
         for k in b:
             # (MFU is per second; the engine/trainer log-prob gap is fp32 rounding noise, ~1e-7)
-            if not k.startswith(("timing/", "throughput/", "memory/", "perf/mfu", "rollout/logprob_diff")):
+            if not k.startswith(("timing/", "time/", "throughput/", "memory/", "perf/mfu", "rollout/logprob_diff")):
                 assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), (a["step"], k)
 
 

@@ -99,3 +99,13 @@ def test_easyr1_logger_names_map_to_ours():
     import easyr1_config as E
     opts, _ = E.translate({"trainer": {"logger": ["console", "swanlab", "mlflow", "file"]}}, G.Config)
     assert opts["logger"] == ["console", "jsonl", "mlflow", "swanlab"]
+
+
+def test_trackers_get_the_metrics_but_not_the_wall_clock_stamps(monkeypatch, tmp_path):
+    """The phases' wall-clock starts (time/..., for bench.py phases) stay in metrics.jsonl; a tracker gets the rest."""
+    got = []
+    monkeypatch.setattr(rundir, "_swanlab", lambda cfg: (lambda m, step: got.append((dict(m), step)), lambda: None))
+    log, close = rundir.open_trackers(replace(G.Config(), logger=["jsonl", "swanlab"], output_dir=str(tmp_path)), 0)
+    log({"reward/mean": 0.5, "timing/gen": 2.0, "time/gen_start": 1.7e9, "step": 3}, 3)
+    close()
+    assert got == [({"reward/mean": 0.5, "timing/gen": 2.0, "step": 3}, 3)]
