@@ -116,7 +116,7 @@ def summarize(metrics_path):
     rows = [json.loads(x) for x in open(metrics_path) if '"timing/step"' in x]
     steady = rows[1:] or rows
     keys = sorted({k for r in steady for k in r if k.startswith(("timing/", "throughput/", "memory/", "perf/",
-                                                                  "response_length/"))})
+                                                                  "response_length/", "gen_loop/"))})
     return {k: sum(r[k] for r in steady if k in r) / sum(1 for r in steady if k in r) for k in keys}
 
 
@@ -254,8 +254,11 @@ def run(cfg, trainer_only=False, profile=False, workload="forced", sample_ms=0.0
             torch.cuda.synchronize() if torch.cuda.is_available() else None
             t_prof.append(time.perf_counter())
             prof.start()  # from here to the end of train(): the last step's collect, log-probs and update
-        with engine_bench.sampled_stacks(collections.Counter(), sample_ms / 1e3) as counts:
+        with engine_bench.sampled_stacks(collections.Counter(), sample_ms / 1e3) as counts, \
+                engine_bench.engine_loop_timers(getattr(ctx.rollout, "llm", None), {}) as loop:
             out = base(ctx, step, metrics)
+        if loop.get("steps"):  # vLLM's loop: Python on the host, or a wait on the GPU (README Speed)
+            metrics.update({f"gen_loop/{k}": v for k, v in loop.items()})
         if counts and ctx.rank == 0:
             stacks.append(dict(step=step + 1, stacks=dict(counts.most_common(40))))
             with open(os.path.join(cfg.output_dir, "gen_stacks.json"), "w") as f:

@@ -4,7 +4,7 @@ of our additions to it, in one run (one engine, the same prompts).
     python bench.py engine-ablation --preset qwen2_5_vl_3b                 # the 3B bar's step: 64 prompts x 8 x 1024
     python bench.py engine-ablation --preset qwen2_5_vl_3b --repeats 2     # each row twice (the second round reversed)
     python bench.py engine-ablation --bare-memory-share 0                  # no second engine (no memory-share row)
-    python bench.py engine-ablation --rows bare,all_ours --sample-stacks 5 # + where the engine loop spends its time
+    python bench.py engine-ablation --rows bare,all_ours --sample-stacks 5 # + the engine loop's stack, sampled
 
 The requests are the step's: the prompts and seeds grpo.generate_and_score hands VLLMRollout.generate for step 1 of
 `bench.py` with the same options, turned into vLLM requests by VLLMRollout._requests, whose switches take away what
@@ -30,7 +30,8 @@ Every row starts cold, as a training step does: prefix, encoder and multimodal-p
 runs each row once with --warmup-tokens tokens first (the Triton kernels of the log-prob and logit-bias paths compile
 on their first use). Each row reports seconds, its ratio to bare, the tokens generated (every row stops at EOS as
 training does: a random model emits it in ~1 % of samples) and the seconds Python's garbage collector ran meanwhile
-(a process without a trainer holds fewer objects for it to walk than bench.py's). Writes
+(a process without a trainer holds fewer objects for it to walk than bench.py's), and where the engine loop's time
+went (engine_loop_timers: Python on the host, or waiting on the GPU). Writes
 <output_dir>/engine_ablation.json and prints the table.
 """
 import collections
@@ -126,6 +127,64 @@ def sampled_stacks(counts, interval):
     finally:
         stop.set()
         t.join()
+
+
+LOOP = ("step", "schedule", "launch", "sample_launch", "wait", "update", "outputs")  # engine_loop_timers' parts
+
+
+@contextlib.contextmanager
+def engine_loop_timers(llm, totals):
+    """While the block runs, the in-process vLLM engine loop's parts are timed (totals: a dict of seconds, plus
+    "steps"): each engine step, and inside it the scheduler (schedule, update from the output), the executor's
+    launches (the forward, the sampling) and the wait for a step's sampled tokens (the future's result: the GPU
+    sync), and the output processor. Unlike sampled_stacks these are not sampled, so not biased towards the calls
+    that release the GIL. host = step - wait: a loop that never waits kept the GPU waiting on Python. Parts this
+    vLLM lacks (another version, or not vLLM: llm None) are left out."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient's EngineCore
+    patched = []
+
+    def timed(key, fn, wrap_result=False):
+        def run(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - t
+            if key == "step":
+                totals["steps"] = totals.get("steps", 0) + 1
+            if wrap_result and hasattr(out, "result") and hasattr(out, "__dict__"):
+                out.result = timed("wait", out.result)  # (this future only)
+            return out
+        return run
+
+    for obj, name, key in ((engine, "step", "step"), (getattr(engine, "output_processor", None), "process_outputs",
+                           "outputs"), (getattr(core, "scheduler", None), "schedule", "schedule"),
+                           (getattr(core, "scheduler", None), "update_from_output", "update"),
+                           (getattr(core, "model_executor", None), "execute_model", "launch"),
+                           (getattr(core, "model_executor", None), "sample_tokens", "sample_launch")):
+        if obj is not None and callable(getattr(obj, name, None)):
+            patched.append((obj, name, obj.__dict__.get(name)))
+            setattr(obj, name, timed(key, getattr(obj, name), wrap_result=key in ("launch", "sample_launch")))
+    try:
+        yield totals
+    finally:
+        for obj, name, old in reversed(patched):
+            if old is None:
+                delattr(obj, name)  # the class's method again
+            else:
+                setattr(obj, name, old)
+
+
+def loop_table(result):
+    """Per row with engine_loop_timers' totals: seconds per part, and the host's share (step - wait) of the loop."""
+    rows = [(n, r["loop"]) for n, r in result["rows"].items() if r.get("loop", {}).get("steps")]
+    if not rows:
+        return ""
+    out = ["| row | steps | " + " | ".join(f"{k} s" for k in LOOP) + " | host (step - wait) / step |",
+           "|---|---|" + "---|" * (len(LOOP) + 1)]
+    for name, lp in rows:
+        out.append(f"| {name} | {lp['steps']} | " + " | ".join(f"{lp.get(k, 0.0):.2f}" for k in LOOP)
+                   + f" | {1 - lp.get('wait', 0.0) / lp['step']:.0%} |")
+    return "\n".join(out)
 
 
 def stack_table(result, top=12):
@@ -366,13 +425,13 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
         if name in rows:
             one(name, dict(call, max_tokens=warmup_tokens))
     ctx.cfg = cfg
-    runs, stacks = {}, collections.defaultdict(collections.Counter)
+    runs, stacks, loops = {}, collections.defaultdict(collections.Counter), collections.defaultdict(dict)
     timed = [r for r in rows if r in ENGINE_ROWS or r == "all_ours"]
     if "all_ours_scored" in rows and "all_ours" not in timed:
         timed.append("all_ours")
     for k in range(repeats):
         for name in (timed if k % 2 == 0 else timed[::-1]):
-            with sampled_stacks(stacks[name], sample_ms / 1e3):
+            with sampled_stacks(stacks[name], sample_ms / 1e3), engine_loop_timers(eng.llm, loops[name]):
                 if name == "all_ours":
                     got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
                 else:
@@ -392,7 +451,9 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
             result["rows"][name] = dict(seconds=sum(r["seconds"] for r in rs) / len(rs),
                                         runs=[r["seconds"] for r in rs], tokens=rs[-1]["tokens"],
                                         gc_seconds=sum(r["gc_seconds"] for r in rs) / len(rs), params=rs[-1]["params"],
-                                        **({"stacks": dict(stacks[name])} if stacks[name] else {}))
+                                        **({"stacks": dict(stacks[name])} if stacks[name] else {}),
+                                        **({"loop": {k: v / len(rs) for k, v in loops[name].items()}}
+                                           if loops.get(name) and name != "all_ours_scored" else {}))
     write(cfg, result)
     if "memory_share" in rows and bare_memory_share and bare_memory_share != cfg.gpu_memory_utilization:
         eng.sleep()  # (level 1: the weights to the host, the KV cache released) room for the second engine
@@ -409,5 +470,6 @@ def write(cfg, result):
     with open(os.path.join(cfg.output_dir, "engine_ablation.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(table(result), flush=True)
+    print(loop_table(result), flush=True)
     print(stack_table(result), flush=True)
     print("ENGINE_ABLATION " + json.dumps({k: round(r["seconds"], 3) for k, r in result["rows"].items()}), flush=True)

@@ -443,3 +443,61 @@ def test_phases_reads_the_gpu_log_inside_each_phase(tmp_path):
                         "| 1 | gen | 2.0 | 1980 | 400 | 50 % | 0% | 0% |",
                         "| 1 | update | 3.0 | 1500 | 690 | 100 % | 100% | 0% |"], out
     assert "laid back" in out[-1]
+
+
+def test_engine_loop_timers_split_the_loop_into_host_and_gpu_wait():
+    """engine_loop_timers on a stand-in of vLLM's in-process loop (LLMEngine.step -> the scheduler, the executor's
+    launches, the sampled tokens' future, the scheduler's update, the output processor): each part's seconds, the
+    wait inside the future's result, the step count; afterwards the objects are as before; no engine: nothing."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace as NS
+    import engine_bench
+
+    def pause(t):
+        def f(*a, **k):
+            time.sleep(t)
+        return f
+
+    class Gpu(Future):  # vLLM's AsyncOutputFuture: result() waits for the GPU's copy of the sampled tokens
+        def result(self, timeout=None):
+            time.sleep(0.02)
+            return ["tokens"]
+
+    class Executor:
+        def execute_model(self, out, non_block=False):
+            time.sleep(0.001)
+            return Future()
+
+        def sample_tokens(self, grammar, non_block=False):
+            return Gpu()
+
+    sched = NS(schedule=pause(0.003), update_from_output=pause(0.002))
+    core = NS(scheduler=sched, model_executor=Executor())
+    outputs = NS(process_outputs=pause(0.004))
+
+    class Engine:
+        output_processor, engine_core = outputs, NS(engine_core=core)
+
+        def step(self):
+            s = core.scheduler.schedule()
+            core.model_executor.execute_model(s, non_block=True)
+            assert core.model_executor.sample_tokens(None, non_block=True).result() == ["tokens"]
+            core.scheduler.update_from_output(s, None)
+            return self.output_processor.process_outputs([])
+
+    llm = NS(llm_engine=Engine())
+    before = {id(o): dict(vars(o)) for o in (sched, outputs, core.model_executor, llm.llm_engine)}
+    with engine_bench.engine_loop_timers(llm, {}) as t:
+        for _ in range(5):
+            llm.llm_engine.step()
+    assert t["steps"] == 5
+    for key, each in (("wait", 0.02), ("schedule", 0.003), ("update", 0.002), ("outputs", 0.004), ("launch", 0.001)):
+        assert 5 * each <= t[key] < 5 * each + 0.05, (key, t)
+    assert t["step"] >= sum(t[k] for k in ("wait", "schedule", "update", "outputs", "launch", "sample_launch"))
+    assert before == {id(o): dict(vars(o)) for o in (sched, outputs, core.model_executor, llm.llm_engine)}
+    assert Executor.__dict__["execute_model"] is type(core.model_executor).execute_model
+    with engine_bench.engine_loop_timers(None, {}) as t:
+        pass
+    assert t == {}
+    table = engine_bench.loop_table({"rows": {"bare": {"loop": dict(t, steps=5, step=2.0, wait=0.5)}}})
+    assert table.splitlines()[-1] == "| bare | 5 | 2.00 | 0.00 | 0.00 | 0.00 | 0.50 | 0.00 | 0.00 | 75% |"
