@@ -3,7 +3,7 @@
     python bench.py --preset qwen2_5_vl_3b --max-steps 3            # one GPU (the design card's speed bar)
     python bench.py --preset qwen3_vl_8b --max-steps 3              # Qwen3-VL-8B's dimensions (deepstack, patch 16)
     python bench.py report benchmarks/h200/*.jsonl                    # the tables of benchmarks/BENCHMARKS.md
-    python bench.py phases RUN_metrics.jsonl RUN_gpu.csv              # the GPU's clocks, power, use per phase
+    python bench.py phases RUN_metrics.jsonl RUN_gpu.csv [RUN_host.csv]  # the GPU's (and host's) side per phase
     torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
     python bench.py --trainer-only --profile --max-steps 2           # no engine: log-probs + update, kernel table
     python bench.py --workload realistic --padding-free off         # real response lengths, padded training
@@ -157,13 +157,15 @@ PHASES = ["timing/gen", "timing/old_logprob", "timing/ref_logprob", "timing/upda
 ORDER = ["sync", "gen", "old_logprob", "ref_logprob", "update"]  # a step's phases in grpo.train_step's order
 
 
-def phases(metrics_path, csv_path):
+def phases(metrics_path, csv_path, host_path=None):
     """Per step and phase, what the GPU did (nvidia-smi's once-a-second rows, benchmarks/gpu_env.sh smi_start): mean SM
     clock, power and utilisation (the share of the second a kernel ran), and the share of seconds held down by the
     software power cap (clock-event bit 0x4) or a thermal/hardware slowdown (0x8, 0x20, 0x40, 0x80). A phase's
     window is its wall-clock start (time/<phase>_start in metrics.jsonl) and its seconds. A run from before those
     stamps: its last step is taken to end between the last row with a kernel running and the next, and the phases
-    are laid back in order (to within ~1 s; a gap between them, the advantages, goes before the update)."""
+    are laid back in order (to within ~1 s; a gap between them, the advantages, goes before the update). With the
+    host's log (benchmarks/host_log.py, <run>_host.csv): the busy cores, the share stolen by the hypervisor and the
+    run's busiest thread (its share of one core: ~100 % is a loop bound by its own Python) in each phase too."""
     import csv
     import datetime
     rows = [json.loads(x) for x in open(metrics_path) if '"timing/step"' in x]
@@ -171,11 +173,16 @@ def phases(metrics_path, csv_path):
     for r in list(csv.reader(open(csv_path)))[1:]:
         when = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
         smi.append((when, float(r[2].split()[0]), float(r[5].split()[0]), float(r[6].split()[0]), int(r[7], 16)))
+    host = []
+    for r in list(csv.reader(open(host_path)))[1:] if host_path else []:
+        when = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        host.append((when, float(r[1]), float(r[2]), float(r[5]), r[6].strip()))
     stamped = all("time/sync_start" in r for r in rows)
     busy = max(i for i, x in enumerate(smi) if x[3] > 0)  # the last row with a kernel running; the run ended after it
     end = (smi[busy][0] + smi[busy + 1][0]) / 2 if busy + 1 < len(smi) else smi[busy][0]
-    out = ["| step | phase | seconds | SM MHz | watts | utilisation | power-capped | thermal/hw slowdown |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| step | phase | seconds | SM MHz | watts | utilisation | power-capped | thermal/hw slowdown |"
+           + (" busy cores | stolen | busiest thread |" if host else ""), "|---|---|---|---|---|---|---|---|"
+           + ("---|---|---|" if host else "")]
     for i, r in enumerate(rows):
         if stamped:
             spans = [(k, r[f"time/{k}_start"], r[f"timing/{k}"]) for k in ORDER if f"time/{k}_start" in r]
@@ -194,8 +201,14 @@ def phases(metrics_path, csv_path):
                 continue
             mean = lambda j: sum(x[j] for x in w) / len(w)  # noqa: E731
             share = lambda bits: sum(1 for x in w if x[4] & bits) / len(w)  # noqa: E731
-            out.append(f"| {r.get('step', i + 1)} | {k} | {secs:.1f} | {mean(1):.0f} | {mean(2):.0f} | {mean(3):.0f} % | "
-                       f"{share(0x4):.0%} | {share(0x8 | 0x20 | 0x40 | 0x80):.0%} |")
+            line = (f"| {r.get('step', i + 1)} | {k} | {secs:.1f} | {mean(1):.0f} | {mean(2):.0f} | {mean(3):.0f} % | "
+                    f"{share(0x4):.0%} | {share(0x8 | 0x20 | 0x40 | 0x80):.0%} |")
+            h = [x for x in host if t0 <= x[0] < t0 + secs]
+            if host:
+                top = collections.Counter(x[4] for x in h).most_common(1)
+                line += (f" {sum(x[1] for x in h) / len(h):.1f} | {sum(x[2] for x in h) / len(h):.1f} % | "
+                         f"{sum(x[3] for x in h) / len(h):.0f} % ({top[0][0]}) |" if h else " - | - | - |")
+            out.append(line)
     return "\n".join(out) + ("" if stamped else "\n\n(no time/ stamps in this run: phases laid back from its last "
                                                  "busy second, ~1 s)")
 
@@ -375,7 +388,7 @@ def main():
         print(report(argv[1:]))
         return
     if argv[:1] == ["phases"]:
-        print(phases(*argv[1:3]))
+        print(phases(*argv[1:4]))
         return
     if argv[:1] == ["table"]:
         print(table(argv[1:]))

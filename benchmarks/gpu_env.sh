@@ -31,17 +31,24 @@ prepare() {  # prepare PRESET: build the random model and the data set once, bef
 }
 
 smi_start() {  # smi_start NAME: the GPUs' clocks, temperature, power and throttle reasons once a second into
-  # $OUT/NAME_gpu.csv while a run lasts (a phase that slows down between steps: is the GPU clocked down?)
-  SMI_PID=
+  # $OUT/NAME_gpu.csv while a run lasts (a phase that slows down between steps: is the GPU clocked down?), and the
+  # host's cores and the run's threads into $OUT/NAME_host.csv (or is the engine loop short of CPU?)
+  SMI_PID= HOST_PID=
   command -v nvidia-smi > /dev/null || return 0
   local why=clocks_event_reasons.active  # (older drivers: clocks_throttle_reasons.active)
   nvidia-smi --query-gpu=$why --format=csv > /dev/null 2>&1 || why=clocks_throttle_reasons.active
   nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu,$why \
     --format=csv -l 1 > "$OUT/$1_gpu.csv" 2> /dev/null &
   SMI_PID=$!
+  # the host's side each second: busy cores, stolen time, the run's busiest thread (bench.py phases joins the two)
+  python "$(dirname "${BASH_SOURCE[0]}")/host_log.py" "$OUT/$1_host.csv" "--output-dir /tmp/$1" 2> /dev/null &
+  HOST_PID=$!
 }
 
-smi_stop() { [ -n "${SMI_PID:-}" ] && kill "$SMI_PID" 2> /dev/null; SMI_PID=; }
+smi_stop() {
+  [ -n "${SMI_PID:-}" ] && kill "$SMI_PID" 2> /dev/null; SMI_PID=
+  [ -n "${HOST_PID:-}" ] && kill "$HOST_PID" 2> /dev/null; HOST_PID=
+}
 
 run_bench() {  # run_bench NAME GPUS LIMIT_S BENCH_ARGS...: bench.py on GPUS ("0", or "0,1" under torchrun); its log,
   # metrics.jsonl and bench_summary.json in $OUT as NAME.log, NAME_metrics.jsonl, NAME_summary.json. A run cut by
