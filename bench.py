@@ -31,6 +31,8 @@ Any flag of grpo.Config can be given; the defaults below are the benchmark's. Wr
 and prints a summary line per phase (mean over the steps after the first, which pays for warm-up).
 """
 import collections
+import csv
+import datetime
 import json
 import math
 import os
@@ -166,8 +168,6 @@ def phases(metrics_path, csv_path, host_path=None):
     are laid back in order (to within ~1 s; a gap between them, the advantages, goes before the update). With the
     host's log (benchmarks/host_log.py, <run>_host.csv): the busy cores, the share stolen by the hypervisor and the
     run's busiest thread (its share of one core: ~100 % is a loop bound by its own Python) in each phase too."""
-    import csv
-    import datetime
     rows = [json.loads(x) for x in open(metrics_path) if '"timing/step"' in x]
     smi = []
     for r in list(csv.reader(open(csv_path)))[1:]:

@@ -4,11 +4,13 @@
 # ../shared/gpu/README.md): `bash benchmarks/gpu_speed.sh bar`. Modes, with the time each takes there:
 #   bar        (default; ~8 min: vLLM's start ~1 min, step 1 with the compilation ~2.5 min, steps 2 and 3 ~70 s each)
 #              the speed bar: the Qwen2.5-VL-3B shape, 64 prompts x 8 samples x 1024 forced tokens, one 512x512
-#              image and ~100 text tokens per prompt, 3 steps (README: 66.3 s per step, the mean of steps 2 and 3;
-#              491 s for the call on 2026-12-01 with the model build)
-#   realistic  (~7 min) the same prompts with seeded log-normal response lengths, padding-free training on, then off
+#              image and ~100 text tokens per prompt, 3 steps (README: 62.6 s per step, the mean of steps 2 and 3;
+#              344 s for the call on 2026-12-02, the model built by an earlier call of the lease)
+#   realistic  (~6 min) the same prompts with seeded log-normal response lengths, padding-free training on (174 s on
+#              2026-12-02: README 28.9 s per step), then off
 #   profile    (~4 min, no engine) the trainer alone on the 3B, 16 prompts x 8, 3 steps; the last step's kernel table
-#   8b         (~7 min) the Qwen3-VL-8B shape in pure bf16, 16 prompts x 8 x 1024, 2 steps (README: 37.5 s per step)
+#   8b         (~5.5 min: 314 s on 2026-12-02 with the model build) the Qwen3-VL-8B shape in pure bf16, 16 prompts x 8 x
+#              1024, 2 steps (README: 35.5 s per step with packed rows)
 #   ablation   (measured 2026-12-01 at 32 prompts: 317 s with the model build; with 5 rows and REPEATS=2, 345 s
 #              with the vLLM install; at 64 prompts
 #              estimated ~8 min) bench.py engine-ablation on the 3B shape: the bar's generation (64
@@ -29,16 +31,19 @@
 #              and update seconds and MFU (report.md) and the memory model against the measured peaks. Estimate
 #              (BENCHMARKS.md session 4, trainer-only 3B 16x8 runs: ~100 s of compilation in step 1, ~14 s a step,
 #              <= 200 s for 3 steps): model build ~1.5 min on a fresh machine, ~2.8 min per run
-#   spread     (~5 min, estimated: not yet run) where the generation's time and its step-to-step spread go (24.6 and
-#              30.1 s in two steps of one bar run): bare and all of ours at 32 prompts, 4 rounds each, with the
-#              engine loop's stack looked at every 5 ms (--sample-stacks: the share of looks per innermost frames, a
-#              GPU wait or Python work). The bar itself with ARGS="--sample-stacks 5" leaves <run>_gen_stacks.json.
+#   spread     (192 s on 2026-12-02) where the generation's time and its step-to-step spread go (19.8 and 25.1 s
+#              in two steps of one bar run): bare and all of ours at 32 prompts, 4 rounds each, the engine loop's
+#              parts timed (engine_bench.engine_loop_timers: the ablation table's loop lines) and its stack looked
+#              at every 5 ms (--sample-stacks; biased to where the loop lets go of the GIL: BENCHMARKS.md session 12).
+#              The bar's metrics carry the same loop timers (gen_loop/...) in every run.
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
 # ARGS: more bench.py flags for every run (e.g. ARGS="--torch-compile off"); STEPS and LIMIT (seconds per run)
 # override a mode's. Results in $OUT: <run>.log, <run>_metrics.jsonl, <run>_summary.json, <run>_gpu.csv (clocks,
-# temperature, power, throttle reasons each second: nvidia-smi), report.md.
+# temperature, power, throttle reasons each second: nvidia-smi), <run>_host.csv (busy cores, stolen time, the run's
+# busiest thread: benchmarks/host_log.py), report.md, phases.md (`bench.py phases` of each run: the GPU and host
+# per phase).
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
@@ -116,3 +121,8 @@ case "$MODE" in
      exit 2 ;;
 esac
 python bench.py report "$OUT"/*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"
+for m in "$OUT"/*_metrics.jsonl; do  # the GPU's and the host's side of each phase
+  r=${m%_metrics.jsonl}
+  [ -f "${r}_gpu.csv" ] && { echo "## $(basename "$r")"; python bench.py phases "$m" "${r}_gpu.csv" \
+    "$([ -f "${r}_host.csv" ] && echo "${r}_host.csv")"; echo; }
+done > "$OUT/phases.md" 2>&1
