@@ -167,7 +167,8 @@ def phases(metrics_path, csv_path, host_path=None):
     stamps: its last step is taken to end between the last row with a kernel running and the next, and the phases
     are laid back in order (to within ~1 s; a gap between them, the advantages, goes before the update). With the
     host's log (benchmarks/host_log.py, <run>_host.csv): the busy cores, the share stolen by the hypervisor and the
-    run's busiest thread (its share of one core: ~100 % is a loop bound by its own Python) in each phase too."""
+    run's busiest thread (its share of one core: ~100 % is a loop bound by its own Python) and its page faults in
+    each phase too."""
     rows = [json.loads(x) for x in open(metrics_path) if '"timing/step"' in x]
     smi = []
     for r in list(csv.reader(open(csv_path)))[1:]:
@@ -176,13 +177,13 @@ def phases(metrics_path, csv_path, host_path=None):
     host = []
     for r in list(csv.reader(open(host_path)))[1:] if host_path else []:
         when = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
-        host.append((when, float(r[1]), float(r[2]), float(r[5]), r[6].strip()))
+        host.append((when, float(r[1]), float(r[2]), float(r[5]), r[6].strip(), float(r[7]) + float(r[8])))
     stamped = all("time/sync_start" in r for r in rows)
     busy = max(i for i, x in enumerate(smi) if x[3] > 0)  # the last row with a kernel running; the run ended after it
     end = (smi[busy][0] + smi[busy + 1][0]) / 2 if busy + 1 < len(smi) else smi[busy][0]
     out = ["| step | phase | seconds | SM MHz | watts | utilisation | power-capped | thermal/hw slowdown |"
-           + (" busy cores | stolen | busiest thread |" if host else ""), "|---|---|---|---|---|---|---|---|"
-           + ("---|---|---|" if host else "")]
+           + (" busy cores | stolen | busiest thread | page faults/s |" if host else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if host else "")]
     for i, r in enumerate(rows):
         if stamped:
             spans = [(k, r[f"time/{k}_start"], r[f"timing/{k}"]) for k in ORDER if f"time/{k}_start" in r]
@@ -207,7 +208,8 @@ def phases(metrics_path, csv_path, host_path=None):
             if host:
                 top = collections.Counter(x[4] for x in h).most_common(1)
                 line += (f" {sum(x[1] for x in h) / len(h):.1f} | {sum(x[2] for x in h) / len(h):.1f} % | "
-                         f"{sum(x[3] for x in h) / len(h):.0f} % ({top[0][0]}) |" if h else " - | - | - |")
+                         f"{sum(x[3] for x in h) / len(h):.0f} % ({top[0][0]}) | {sum(x[5] for x in h) / len(h):.0f} |"
+                         if h else " - | - | - | - |")
             out.append(line)
     return "\n".join(out) + ("" if stamped else "\n\n(no time/ stamps in this run: phases laid back from its last "
                                                  "busy second, ~1 s)")

@@ -444,27 +444,32 @@ def test_phases_reads_the_gpu_log_inside_each_phase(tmp_path):
                         "| 1 | update | 3.0 | 1500 | 690 | 100 % | 100% | 0% |"], out
     assert "laid back" in out[-1]
     # with the host's log: its rows inside each phase, averaged; the busiest thread named by the most rows
-    host = ["timestamp, cores_busy, steal_pct, cpu_mhz, proc_cpu_pct, top_thread_pct, top_thread"]
+    host = ["timestamp, cores_busy, steal_pct, cpu_mhz, proc_cpu_pct, top_thread_pct, top_thread, "
+            "minor_faults_per_s, major_faults_per_s, compact_stalls"]
     for i in range(12):
         t = t0 + 0.25 + i / 2
         stamp = datetime.datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
         who, pct = ("python", 100) if t0 + 1 <= t < t0 + 3 else ("pt_autograd_0", 40)
         host.append(f"{stamp}, {3.0 if who == 'python' else 9.0:.2f}, {2.0 if i == 2 else 0.0:.1f}, 2600, {pct}, {pct}, "
-                    f"{who}")
+                    f"{who}, {100 * i}, 1, 0")
     (tmp_path / "host.csv").write_text("\n".join(host) + "\n")
     (tmp_path / "m.jsonl").write_text(json.dumps(step) + "\n")
     out = bench.phases(str(tmp_path / "m.jsonl"), str(tmp_path / "gpu.csv"), str(tmp_path / "host.csv")).splitlines()
-    assert out[0].endswith("| busy cores | stolen | busiest thread |") and out[1].count("---") == 11
-    assert [line.split("|")[-4:-1] for line in out[2:]] == [[" 9.0 ", " 0.0 % ", " 40 % (pt_autograd_0) "],
-                                                            [" 3.0 ", " 0.5 % ", " 100 % (python) "],
-                                                            [" 9.0 ", " 0.0 % ", " 40 % (pt_autograd_0) "]], out
+    assert out[0].endswith("| busy cores | stolen | busiest thread | page faults/s |") and out[1].count("---") == 12
+    # (rows 0-1 in sync, 2-5 in generation, 6-11 in the update; faults 100 i minor + 1 major a second)
+    assert [line.split("|")[-5:-1] for line in out[2:]] == [[" 9.0 ", " 0.0 % ", " 40 % (pt_autograd_0) ", " 51 "],
+                                                            [" 3.0 ", " 0.5 % ", " 100 % (python) ", " 351 "],
+                                                            [" 9.0 ", " 0.0 % ", " 40 % (pt_autograd_0) ", " 851 "]], out
 
 
 def test_host_log_finds_the_run_and_its_busiest_thread(tmp_path):
     """benchmarks/host_log.py: the process whose command line holds the pattern, its busiest thread's share of a
-    core (a Python busy loop: most of one), the machine's busy cores; another pattern: no process, 0 %."""
+    core (a Python busy loop: most of one), its page faults (it maps fresh memory), the machine's busy cores; another
+    pattern: no process, 0 %."""
     import subprocess
-    loop = "import time\nend = time.time() + 3\nwhile time.time() < end:\n    pass\n"
+    # a busy loop that maps fresh memory (page faults) as it goes
+    loop = ("import mmap, time\nx = b'x' * 4_000_000\nend = time.time() + 3\nwhile time.time() < end:\n"
+            "    m = mmap.mmap(-1, len(x))\n    m[:] = x\n    m.close()\n")
     busy = subprocess.Popen([sys.executable, "-c", loop, "--output-dir", str(tmp_path / "probe_run")])
     logs = [subprocess.Popen([sys.executable, os.path.join(os.path.dirname(bench.__file__), "benchmarks", "host_log.py"),
                               str(tmp_path / f"{name}.csv"), pattern, "0.25"])
@@ -475,11 +480,12 @@ def test_host_log_finds_the_run_and_its_busiest_thread(tmp_path):
     busy.wait()
     rows = [line.split(", ") for line in (tmp_path / "mine.csv").read_text().splitlines()]
     assert rows[0] == ["timestamp", "cores_busy", "steal_pct", "cpu_mhz", "proc_cpu_pct", "top_thread_pct",
-                       "top_thread"] and len(rows) >= 5, rows
+                       "top_thread", "minor_faults_per_s", "major_faults_per_s", "compact_stalls"] and len(rows) >= 5
+    assert all(len(r) == 10 and int(r[9]) >= 0 for r in rows[1:]) and max(float(r[7]) for r in rows[2:]) > 1000, rows
     assert max(float(r[5]) for r in rows[1:]) >= 60 and all(r[6].startswith("python") for r in rows[2:]), rows
     assert all(float(r[1]) >= 0.5 for r in rows[2:]), rows  # (the busy loop's core at least)
     none = [line.split(", ") for line in (tmp_path / "none.csv").read_text().splitlines()[1:]]
-    assert none and all(r[4:] == ["0", "0", "-"] for r in none), none
+    assert none and all(r[4:8] == ["0", "0", "-", "0"] for r in none), none
 
 
 def test_engine_loop_timers_split_the_loop_into_host_and_gpu_wait():
