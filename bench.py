@@ -179,8 +179,11 @@ def phases(metrics_path, csv_path, host_path=None):
         when = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
         host.append((when, float(r[1]), float(r[2]), float(r[5]), r[6].strip(), float(r[7]) + float(r[8])))
     stamped = all("time/sync_start" in r for r in rows)
-    busy = max(i for i, x in enumerate(smi) if x[3] > 0)  # the last row with a kernel running; the run ended after it
-    end = (smi[busy][0] + smi[busy + 1][0]) / 2 if busy + 1 < len(smi) else smi[busy][0]
+    if not stamped:  # the run ended after the last row with a kernel running
+        busy = max((i for i, x in enumerate(smi) if x[3] > 0), default=None)
+        if busy is None:
+            return f"{csv_path}: no row with a kernel running, and the run has no time/ stamps to place its phases"
+        end = (smi[busy][0] + smi[busy + 1][0]) / 2 if busy + 1 < len(smi) else smi[busy][0]
     out = ["| step | phase | seconds | SM MHz | watts | utilisation | power-capped | thermal/hw slowdown |"
            + (" busy cores | stolen | busiest thread | page faults/s |" if host else ""),
            "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if host else "")]
