@@ -272,11 +272,13 @@ def run(cfg, trainer_only=False, profile=False, workload="forced", sample_ms=0.0
             torch.cuda.synchronize() if torch.cuda.is_available() else None
             t_prof.append(time.perf_counter())
             prof.start()  # from here to the end of train(): the last step's collect, log-probs and update
+        gc0 = engine_bench.gc_seconds()
         with engine_bench.sampled_stacks(collections.Counter(), sample_ms / 1e3) as counts, \
                 engine_bench.engine_loop_timers(getattr(ctx.rollout, "llm", None), {}) as loop:
             out = base(ctx, step, metrics)
         if loop.get("steps"):  # vLLM's loop: Python on the host, or a wait on the GPU (README Speed)
             metrics.update({f"gen_loop/{k}": v for k, v in loop.items()})
+        metrics["gen_loop/gc"] = engine_bench.gc_seconds() - gc0  # Python's collector, with the trainer's heap
         if counts and ctx.rank == 0:
             stacks.append(dict(step=step + 1, stacks=dict(counts.most_common(40))))
             with open(os.path.join(cfg.output_dir, "gen_stacks.json"), "w") as f:

@@ -82,6 +82,13 @@ SYNC_LEVEL = {"sync_sleep1": 1, "sync_sleep2": 2}
 _GC = {"seconds": 0.0, "start": 0.0}
 
 
+def gc_seconds():
+    """The seconds Python's collector has run since the first call (which installs _gc_timer)."""
+    if _gc_timer not in gc.callbacks:
+        gc.callbacks.append(_gc_timer)
+    return _GC["seconds"]
+
+
 def _gc_timer(phase, info):
     """gc.callbacks hook: the seconds Python's collector runs, summed (logprob containers are its objects)."""
     if phase == "start":
@@ -403,8 +410,7 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         raise UserError(f"--rows {','.join(unknown)}: choose among {', '.join(ROWS)}")
-    if _gc_timer not in gc.callbacks:
-        gc.callbacks.append(_gc_timer)
+    gc_seconds()  # (installs the collector's timer)
     ctx, drawn = setup(cfg)
     eng = ctx.rollout.engine
     warm = replace(cfg, max_response_length=warmup_tokens)

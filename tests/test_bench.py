@@ -53,8 +53,10 @@ def test_trainer_only_profile_run(tmp_path, launch):
     phases timed, the last step's kernel table written."""
     out = tmp_path / "run"
     # --sample-stacks 2: the generation phase (here the random responses, made slow) has its thread's stack counted
-    slow = ("import time\nreal = bench.synthetic_collect\n"
-            "def slow_collect(*a, **k):\n    time.sleep(0.2)\n    return real(*a, **k)\n"
+    # (and runs Python's collector over a heap of small lists: bench's gen_loop/gc times it)
+    slow = ("import gc, time\nreal = bench.synthetic_collect\n"
+            "def slow_collect(*a, **k):\n    time.sleep(0.2)\n    heap = [[i] for i in range(200_000)]\n"
+            "    gc.collect()\n    return real(*a, **k)\n"
             "bench.synthetic_collect = slow_collect\n")
     rows = _trainer_only(launch, tmp_path, out, "max_response_length=8", "profile=True, sample_ms=2", pre=slow)
     assert [r["step"] for r in rows] == [1, 2]
@@ -65,6 +67,7 @@ def test_trainer_only_profile_run(tmp_path, launch):
     for r in rows:
         assert r["response_length/mean"] == 8 and r["response_length/clip_ratio"] == 1.0
         assert r["timing/update"] > 0 and r["timing/ref_logprob"] > 0
+        assert 0 < r["gen_loop/gc"] < r["timing/gen"]  # the collector's seconds during the generation phase
         # each phase's wall-clock start (bench.py phases): in the step's order, each after the last one's end
         starts = [(r[f"time/{k}_start"], r[f"timing/{k}"]) for k in ("sync", "gen", "ref_logprob", "update")]
         assert all(t0 + d <= t1 for (t0, d), (t1, _) in zip(starts, starts[1:])), starts
