@@ -159,6 +159,12 @@ PHASES = ["timing/gen", "timing/old_logprob", "timing/ref_logprob", "timing/upda
 ORDER = ["sync", "gen", "old_logprob", "ref_logprob", "update"]  # a step's phases in grpo.train_step's order
 
 
+def _timed_rows(path):
+    """(unix time, row) of a once-a-second CSV log whose first column is nvidia-smi's local timestamp."""
+    return [(datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp(), r)
+            for r in list(csv.reader(open(path)))[1:]]
+
+
 def phases(metrics_path, csv_path, host_path=None):
     """Per step and phase, what the GPU did (nvidia-smi's once-a-second rows, benchmarks/gpu_env.sh smi_start): mean SM
     clock, power and utilisation (the share of the second a kernel ran), and the share of seconds held down by the
@@ -170,14 +176,10 @@ def phases(metrics_path, csv_path, host_path=None):
     run's busiest thread (its share of one core: ~100 % is a loop bound by its own Python) and its page faults in
     each phase too."""
     rows = [json.loads(x) for x in open(metrics_path) if '"timing/step"' in x]
-    smi = []
-    for r in list(csv.reader(open(csv_path)))[1:]:
-        when = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
-        smi.append((when, float(r[2].split()[0]), float(r[5].split()[0]), float(r[6].split()[0]), int(r[7], 16)))
-    host = []
-    for r in list(csv.reader(open(host_path)))[1:] if host_path else []:
-        when = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
-        host.append((when, float(r[1]), float(r[2]), float(r[5]), r[6].strip(), float(r[7]) + float(r[8])))
+    smi = [(when, float(r[2].split()[0]), float(r[5].split()[0]), float(r[6].split()[0]), int(r[7], 16))
+           for when, r in _timed_rows(csv_path)]  # (time, SM MHz, watts, utilisation %, clock-event bits)
+    host = [(when, float(r[1]), float(r[2]), float(r[5]), r[6].strip(), float(r[7]) + float(r[8]))
+            for when, r in (_timed_rows(host_path) if host_path else [])]  # (.., cores, stolen %, thread %, name, faults)
     stamped = all("time/sync_start" in r for r in rows)
     if not stamped:  # the run ended after the last row with a kernel running
         busy = max((i for i, x in enumerate(smi) if x[3] > 0), default=None)

@@ -149,6 +149,7 @@ def engine_loop_timers(llm, totals):
     vLLM lacks (another version, or not vLLM: llm None) are left out."""
     engine = getattr(llm, "llm_engine", None)
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient's EngineCore
+    sched, executor = getattr(core, "scheduler", None), getattr(core, "model_executor", None)
     patched = []
 
     def timed(key, fn, wrap_result=False):
@@ -164,10 +165,8 @@ def engine_loop_timers(llm, totals):
         return run
 
     for obj, name, key in ((engine, "step", "step"), (getattr(engine, "output_processor", None), "process_outputs",
-                           "outputs"), (getattr(core, "scheduler", None), "schedule", "schedule"),
-                           (getattr(core, "scheduler", None), "update_from_output", "update"),
-                           (getattr(core, "model_executor", None), "execute_model", "launch"),
-                           (getattr(core, "model_executor", None), "sample_tokens", "sample_launch")):
+                           "outputs"), (sched, "schedule", "schedule"), (sched, "update_from_output", "update"),
+                           (executor, "execute_model", "launch"), (executor, "sample_tokens", "sample_launch")):
         if obj is not None and callable(getattr(obj, name, None)):
             patched.append((obj, name, obj.__dict__.get(name)))
             setattr(obj, name, timed(key, getattr(obj, name), wrap_result=key in ("launch", "sample_launch")))
