@@ -53,7 +53,7 @@ import grpo
 import memory
 import presets
 import tiny_model
-from common import one_line_errors
+from common import UserError, one_line_errors
 
 WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
          "of x if is parallel to perpendicular measure degrees round answer nearest tenth").split()
@@ -397,7 +397,13 @@ def main():
         print(report(argv[1:]))
         return
     if argv[:1] == ["phases"]:
-        print(phases(*argv[1:4]))
+        with one_line_errors():
+            files = argv[1:]
+            if not 2 <= len(files) <= 3 or not all(map(os.path.isfile, files)):
+                missing = [f for f in files if not os.path.isfile(f)]
+                raise UserError("usage: python bench.py phases RUN_metrics.jsonl RUN_gpu.csv [RUN_host.csv]"
+                                + (f" ({', '.join(missing)}: no such file)" if missing else ""))
+            print(phases(*files))
         return
     if argv[:1] == ["table"]:
         print(table(argv[1:]))

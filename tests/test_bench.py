@@ -1,6 +1,7 @@
 """bench.py's workload is the one the speed bar names: one 512x512 image and about 100 text tokens per prompt."""
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -446,6 +447,11 @@ def test_phases_reads_the_gpu_log_inside_each_phase(tmp_path):
                         "| 1 | gen | 2.0 | 1980 | 400 | 50 % | 0% | 0% |",
                         "| 1 | update | 3.0 | 1500 | 690 | 100 % | 100% | 0% |"], out
     assert "laid back" in out[-1]
+    # a wrong call: one line, exit code 2
+    for args in ([str(tmp_path / "m.jsonl")], [str(tmp_path / "m.jsonl"), str(tmp_path / "nope.csv")]):
+        r = subprocess.run([sys.executable, bench.__file__, "phases", *args], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.startswith("error: usage: python bench.py phases") and \
+            len(r.stderr.strip().splitlines()) == 1 and ("nope.csv: no such file" in r.stderr) == (len(args) == 2), r
     # with the host's log: its rows inside each phase, averaged; the busiest thread named by the most rows
     host = ["timestamp, cores_busy, steal_pct, cpu_mhz, proc_cpu_pct, top_thread_pct, top_thread, "
             "minor_faults_per_s, major_faults_per_s, compact_stalls"]
@@ -469,7 +475,6 @@ def test_host_log_finds_the_run_and_its_busiest_thread(tmp_path):
     """benchmarks/host_log.py: the process whose command line holds the pattern, its busiest thread's share of a
     core (a Python busy loop: most of one), its page faults (it maps fresh memory), the machine's busy cores; another
     pattern: no process, 0 %."""
-    import subprocess
     # a busy loop that maps fresh memory (page faults) as it goes
     loop = ("import mmap, time\nx = b'x' * 4_000_000\nend = time.time() + 3\nwhile time.time() < end:\n"
             "    m = mmap.mmap(-1, len(x))\n    m[:] = x\n    m.close()\n")
