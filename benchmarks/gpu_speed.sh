@@ -36,6 +36,8 @@
 #              parts timed (engine_bench.engine_loop_timers: the ablation table's loop lines) and its stack looked
 #              at every 5 ms (--sample-stacks; biased to where the loop lets go of the GIL: BENCHMARKS.md session 12).
 #              The bar's metrics carry the same loop timers (gen_loop/...) in every run.
+#   pyspy      (not yet run) bare and all of ours at the bar's 64 prompts, once each, under py-spy (its wheel in
+#              .gpu/wheels: `pip download py-spy --no-deps -d .gpu/wheels`): the engine loop's Python, unbiased
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
@@ -101,6 +103,24 @@ case "$MODE" in
   knobs) knobs 0 ;;
   spread) REPEATS=${REPEATS:-4} ARGS="--rollout-batch-size 32 --rows bare,all_ours --sample-stacks 5 \
     --bare-memory-share 0 ${ARGS:-}" ablation 0; exit ;;
+  pyspy)  # the spread's two rows at the bar's 64 prompts under py-spy (a sampler outside the process: it reads the
+    # stacks without waiting for the GIL, so no bias towards the calls that release it; --nonblocking: never pauses
+    # the run); $OUT/pyspy_raw.txt is the collapsed stacks of every thread, idle ones included
+    prepare qwen2_5_vl_3b
+    spy=/tmp/site/bin/py-spy
+    "$spy" record --nonblocking -d 2 -o /tmp/spy_check.txt --format raw -- python -c "sum(range(10**8))" \
+      > "$OUT/pyspy_check.log" 2>&1 || { echo "py-spy does not run here:"; tail -3 "$OUT/pyspy_check.log"; spy=; }
+    smi_start pyspy
+    CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-420}" ${spy:+$spy record --nonblocking --idle --threads --rate 200 \
+      --format raw -o "$OUT/pyspy_raw.txt" --} python bench.py engine-ablation --preset qwen2_5_vl_3b \
+      --rows bare,all_ours --repeats "${REPEATS:-1}" --bare-memory-share 0 --output-dir /tmp/pyspy ${ARGS:-} \
+      > "$OUT/pyspy.log" 2>&1
+    echo "pyspy: exit $?"
+    smi_stop
+    cp /tmp/pyspy/engine_ablation.json "$OUT/pyspy_ablation.json" 2> /dev/null
+    python -c "import json, sys, engine_bench as e; r = json.load(open(sys.argv[1])); print(e.table(r)); \
+print(e.loop_table(r))" "$OUT/pyspy_ablation.json" 2> /dev/null || tail -20 "$OUT/pyspy.log"
+    exit ;;
   profile)  # the trainer alone (random responses instead of generation): where the 3B step's time goes
     prepare qwen2_5_vl_3b
     run_bench trainer3b_profile 0 "${LIMIT:-240}" --preset qwen2_5_vl_3b --trainer-only --profile \
@@ -117,7 +137,7 @@ case "$MODE" in
     prepare qwen2_5_vl_3b
     bar 0 & realistic 1
     wait ;;
-  *) echo "usage: bash benchmarks/gpu_speed.sh [bar | realistic | profile | knobs | 8b | ablation | spread | 8b_x2 | two]"
+  *) echo "usage: bash benchmarks/gpu_speed.sh [bar | realistic | profile | knobs | 8b | ablation | spread | pyspy | 8b_x2 | two]"
      exit 2 ;;
 esac
 python bench.py report "$OUT"/*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"
