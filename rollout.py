@@ -22,7 +22,7 @@ from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, LogitsPro
                           SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper)
 
 import presets
-from common import UserError
+from common import UserError, collector_paused
 from fsdp_actor import load_hf_model, mm_token_types  # the same loading and M-RoPE inputs as the trainer
 
 
@@ -227,22 +227,12 @@ def _set_vllm_env():
 
 def _init_world_for_external_dp():
     """Data-parallel rollout under torchrun = vLLM's "ExternalDP" (vllm/distributed/parallel_state.py,
-    initialize_model_parallel: ranks are laid out as ExternalDP x DP x PP x PCP x TP, "every dp rank can generate
-    independently (in verl integration)"). It only works if torch.distributed already spans ALL torchrun ranks when
-    LLM() is built:
-      - if it is not initialised, vLLM's worker calls init_process_group(world_size=parallel_config.world_size,
-        rank=$RANK) (v1/worker/gpu_worker.py init_worker_distributed_environment -> parallel_state.py
-        init_distributed_environment); with tensor_parallel_size=1 on 2 ranks that is world_size=1, rank=1: a
-        one-rank world in which rank 1 does not exist, so init_world_group(range(1)) finds no group containing it
-        and GroupCoordinator asserts `self_cpu_group is not None` (parallel_state.py ~l.454). TP == WORLD_SIZE
-        works only because then the two sizes agree.
-      - if it is initialised, vLLM skips init_process_group, builds its world group over all ranks and carves
-        TP groups of consecutive ranks out of it; the leading -1 dimension becomes the independent replicas.
-    The alternative, LLM(data_parallel_size=world/TP) with external_launcher, is vLLM's *internal* DP: every step
-    all-reduces across DP ranks (gpu_model_runner coordinate_batch_across_dp, LLMEngine.has_unfinished_requests_dp)
-    and pads with dummy batches, i.e. replicas run in lock step for nothing on a dense model. TRL (colocate mode),
-    veRL and EasyR1 all use the ExternalDP route; it predates vLLM 0.10 (older releases carry the same layout
-    comment without PCP: "ExternalDP x DP x PP x TP")."""
+    initialize_model_parallel: ranks laid out as ExternalDP x DP x PP x PCP x TP). It needs torch.distributed to span
+    ALL torchrun ranks before LLM() is built: otherwise vLLM's worker calls init_process_group(world_size=TP,
+    rank=$RANK), a world in which rank 1 of 2 (TP 1) does not exist (GroupCoordinator asserts `self_cpu_group is not
+    None`); initialised, vLLM builds its world group over all ranks and carves TP groups of consecutive ranks out of
+    it, the leading dimension being independent replicas. vLLM's internal DP (data_parallel_size) would all-reduce
+    and pad every step in lock step for nothing on a dense model; TRL (colocate), veRL and EasyR1 take this route."""
     if dist.is_initialized():
         return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -381,8 +371,9 @@ class VLLMRollout:
         self.wake()
         items, mine = self._items(prompts, seeds, lengths, logprobs)
         reqs, params, per_item = self._requests(items, n, temperature, top_p, max_tokens)
-        outs = self.llm.generate(reqs, params, use_tqdm=False)
-        return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
+        with collector_paused():
+            outs = self.llm.generate(reqs, params, use_tqdm=False)
+            return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
 
     def _items(self, prompts, seeds, lengths=None, logprobs=None):
         """(vLLM prompt, seed, lengths, wants log-probs) of the TP group's prompts; this rank's slice of them."""

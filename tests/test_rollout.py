@@ -1,4 +1,5 @@
 """HF rollout engine on CPU with the tiny Qwen2.5-VL: seeding, EOS handling, forbidden tokens, log-probs, weight sync."""
+import gc
 import sys
 import types
 
@@ -476,3 +477,32 @@ def test_tis_needs_every_samples_engine_logprobs(tmp_path):
             easyr1_config.check(Config(output_dir=str(tmp_path), **kw), 1)
     for k in (0, 1):
         easyr1_config.check(Config(output_dir=str(tmp_path), rollout_correction="tis", rollout_logprobs_every=k), 1)
+
+
+def test_vllm_generate_runs_with_the_collector_paused(path, monkeypatch):
+    """VLLMRollout.generate turns Python's cyclic collector off for vLLM's engine loop and the reading of its
+    outputs (a full collection walks the trainer's whole heap: BENCHMARKS.md session 13) and back on after, also
+    when the engine raises; a caller that had it off keeps it off."""
+    standin_vllm(monkeypatch)
+    eng = rollout.make_rollout("vllm", path)
+    seen, generate = [], eng.llm.generate
+    eng.llm.generate = lambda *a, **k: seen.append(gc.isenabled()) or generate(*a, **k)
+    prompts = [{"raw_prompt_ids": [3, 4, 5]}]
+    assert gc.isenabled()
+    eng.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=3, seeds=[1])
+    assert seen == [False] and gc.isenabled()
+
+    def boom(*a, **k):
+        seen.append(gc.isenabled())
+        raise RuntimeError("engine died")
+    eng.llm.generate = boom
+    with pytest.raises(RuntimeError, match="engine died"):
+        eng.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=3, seeds=[1])
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        eng.llm.generate = generate
+        eng.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=3, seeds=[1])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
