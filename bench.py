@@ -4,6 +4,7 @@
     python bench.py --preset qwen3_vl_8b --max-steps 3              # Qwen3-VL-8B's dimensions (deepstack, patch 16)
     python bench.py report benchmarks/h200/*.jsonl                    # the tables of benchmarks/BENCHMARKS.md
     python bench.py phases RUN_metrics.jsonl RUN_gpu.csv [RUN_host.csv]  # the GPU's (and host's) side per phase
+    python bench.py compare AMP_CKPT BF16_CKPT...                   # pure-bf16 demo runs against AMP's (Memory modes)
     torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
     python bench.py --trainer-only --profile --max-steps 2           # no engine: log-probs + update, kernel table
     python bench.py --workload realistic --padding-free off         # real response lengths, padded training
@@ -39,6 +40,7 @@ import os
 import random
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, replace
 
@@ -111,6 +113,7 @@ def defaults(workdir, model_path, data_path):
         rollout_batch_size=64, global_batch_size=64, n=8, temperature=1.0, lr=1e-6, kl_coef=1e-2,
         micro_batch_size_per_device=256, max_token_len_per_device=65536, gpu_memory_utilization=0.5,
         max_num_batched_tokens=16384, max_steps=3, val_freq=0, save_freq=-1, resume="never",
+        checkpoint_layers="auto",  # as few recomputed layers as fit (the 3B on one H200: 29 of 36)
         output_dir=os.path.join(workdir, "run"))
 
 
@@ -309,6 +312,39 @@ def run(cfg, trainer_only=False, profile=False, workload="forced", sample_ms=0.0
     return summary
 
 
+def _flat_checkpoint(path):
+    """(model tensors, optimizer state) of a checkpoint folder, read on one process (a temporary torch.save)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # only `bench.py compare` reads one
+    with tempfile.TemporaryDirectory() as d:
+        dcp_to_torch_save(path, os.path.join(d, "ck.pt"))
+        ck = torch.load(os.path.join(d, "ck.pt"), weights_only=False)
+    return ck["model"], ck["optim"]["state"]
+
+
+def compare_runs(init, amp, others):
+    """How far pure-bf16 runs moved compared with an AMP run of the same steps: init the HF state dict the runs
+    started from (fp32), amp and others checkpoint folders. Each bf16 run is measured from its own start (init
+    rounded to bf16): `carried` = <its movement, AMP's> / |AMP's|^2 (1: all of AMP's step arrived), `rel_err` =
+    |its movement - AMP's| / |AMP's|, and with Kahan the same for weights + compensation (what the weights hold)."""
+    ref, _ = _flat_checkpoint(amp)
+    keys = sorted(ref)
+    cat = lambda d, f=lambda t: t.float(): torch.cat([f(d[k]).flatten() for k in keys])  # noqa: E731
+    w0 = {"hf." + k: v for k, v in init.items()}
+    d_amp = cat(ref) - cat(w0)
+    rows = [f"AMP moved |w - w0| = {float(d_amp.norm()):.5f}"]
+    for path in others:
+        model, state = _flat_checkpoint(path)
+        d = cat(model) - cat(w0, lambda t: t.bfloat16().float())
+        row = (f"{path}: carried {float(d @ d_amp / (d_amp @ d_amp)):.3f}, "
+               f"rel_err {float((d - d_amp).norm() / d_amp.norm()):.3f}, weights moved {float((d != 0).float().mean()):.3f}")
+        if all(k in state and "comp" in state[k] for k in keys):
+            dc = d + torch.cat([state[k]["comp"].float().flatten() for k in keys])
+            row += (f"; weights + compensation: carried {float(dc @ d_amp / (d_amp @ d_amp)):.3f}, "
+                    f"rel_err {float((dc - d_amp).norm() / d_amp.norm()):.3f}")
+        rows.append(row)
+    return "\n".join(rows)
+
+
 def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
     """Run as if the GPU had only `cap_gb` (a smaller card): the rest of it is taken by a ballast tensor held for
     the whole run (memory.occupy: left out of the memory/* keys), and vLLM's gpu_memory_utilization, a share of the
@@ -408,6 +444,14 @@ def main():
     if argv[:1] == ["table"]:
         print(table(argv[1:]))
         return
+    if argv[:1] == ["compare"]:  # pure-bf16 runs of the demo model against its AMP run (README: Memory modes)
+        if len(argv) < 3:
+            sys.exit("usage: python bench.py compare AMP_CHECKPOINT BF16_CHECKPOINT... (runs of the demo model)")
+        from transformers import AutoModelForImageTextToText  # slow to import (~2 s)
+        start = AutoModelForImageTextToText.from_pretrained(tiny_model.build_tiny_model(),
+                                                            dtype=torch.float32).state_dict()
+        print(compare_runs(start, argv[1], argv[2:]))
+        return
     ablation = argv[:1] == ["engine-ablation"]
     argv = argv[1:] if ablation else argv
     flags = {f: f in argv for f in ("--trainer-only", "--profile", "--prepare-only", "--random-init")}
@@ -446,6 +490,10 @@ def main():
                               float(opts["--gpu-memory-cap-gb"] or card), f"--preset {preset}")
     if opts["--gpu-memory-cap-gb"]:
         cfg = cap_gpu_memory(cfg, float(opts["--gpu-memory-cap-gb"]))
+    layers, note = memory.resolve_checkpoint_layers(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    cfg = replace(cfg, checkpoint_layers=layers)  # (auto: on this card, less the cap's ballast)
+    if note and rank == 0:
+        print(f"[bench] {note}", flush=True)
     if ablation:
         engine_bench.run(cfg, [r for r in opts["--rows"].split(",") if r], int(opts["--repeats"]),
                          int(opts["--warmup-tokens"]), float(opts["--bare-memory-share"]), sys.argv[1:],

@@ -139,8 +139,10 @@ class Config:
     lora_target_experts: bool = False
     gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~1/3 more compute
     # with gradient checkpointing: the share of the language model's decoder layers that recompute (the first ones,
-    # rounded up); the others keep their activations for backward: less compute, more memory. 1 = all
-    checkpoint_layers: float = 1.0
+    # rounded up); the others keep their activations for backward: less compute, more memory. 1 = all; auto: as few
+    # as fit this GPU by the memory model with its 15 % error bound (memory.auto_checkpoint_layers; 1 where it
+    # does not know the model, or on the CPU)
+    checkpoint_layers: float | Literal["auto"] = 1.0
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     padding_free: Literal["auto", "on", "off"] = "auto"  # one packed row per micro-batch (varlen attention); auto: where a fast kernel runs
     # padding-free rows hold each prompt once, its n samples' responses after it (exact: the n copies of the prompt

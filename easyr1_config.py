@@ -471,9 +471,11 @@ def check(cfg, world):
     if not 0 < cfg.gpu_memory_utilization <= 1 or cfg.kv_cache_memory_gb < 0:
         raise UserError(f"--gpu-memory-utilization {cfg.gpu_memory_utilization} / --kv-cache-memory-gb "
                         f"{cfg.kv_cache_memory_gb}: the first is a share of the GPU in (0, 1], the second GiB >= 0")
-    if not 0 <= cfg.checkpoint_layers <= 1 or cfg.logprob_max_token_len_per_device < 0:
+    if (cfg.checkpoint_layers != "auto" and not 0 <= cfg.checkpoint_layers <= 1) \
+            or cfg.logprob_max_token_len_per_device < 0:
         raise UserError(f"--checkpoint-layers {cfg.checkpoint_layers} / --logprob-max-token-len-per-device "
-                        f"{cfg.logprob_max_token_len_per_device}: the first is a share in [0, 1], the second >= 0")
+                        f"{cfg.logprob_max_token_len_per_device}: the first is a share in [0, 1] or auto, the second "
+                        ">= 0")
     if cfg.precision == "bf16" and cfg.dtype == "fp32":
         raise UserError("--precision bf16 computes in bf16: drop --dtype fp32 (or use --precision amp)")
     data.check_model_path(cfg.model_path)

@@ -78,6 +78,7 @@ def setup(cfg: Config):
     easyr1_config.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     # can these GPUs hold it (memory model)? one line now, not out of memory after minutes of loading
     memory.check_before_loading(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    cfg.checkpoint_layers, layers_note = memory.resolve_checkpoint_layers(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
     rank, world, device = actor.init_distributed()
     ckpt, state = rundir.find_resume(cfg)  # refuses a changed config before anything loads
@@ -87,6 +88,8 @@ def setup(cfg: Config):
                 model_path=cfg.model_path, kl_coef=cfg.kl_coef)
     if not ctx.model_path:  # the demo: rank 0 builds the tiny model (cached), the others wait and read it
         ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model, rank=rank)
+    if layers_note:
+        ctx.say(f"[memory] {layers_note}")
     ctx.processor, ctx.train, ctx.val = data.load_datasets(cfg, ctx.model_path, say=ctx.say)
     ctx.tokenizer = getattr(ctx.processor, "tokenizer", ctx.processor)
     ctx.pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0

@@ -176,3 +176,51 @@ def test_the_memory_model_counts_the_kept_layers_and_the_log_prob_micro_batch():
     assert memory.config_mode({**c, "gradient_checkpointing": False}, 1)["recompute"] == 0.0
     old = {k: v for k, v in c.items() if k not in ("logprob_max_token_len_per_device", "checkpoint_layers")}
     assert memory.config_mode(old, 1) == memory.config_mode(c, 1)  # a summary written before these options
+
+
+def test_checkpoint_layers_auto_keeps_what_fits_the_card():
+    """--checkpoint-layers auto (bench.py's default): the fewest recomputed layers whose update, by the memory model
+    grown by its 15 % error bound, fits the card. The 3B bar on one H200 (140.4 GiB, 64k-token micro-batches):
+    29 of 36 layers, the setting measured at 119.8 GiB (the model: 117.4; one layer fewer, 122.4, would pass
+    140.4 with the bound: the 0.75 that ran out of memory in session 11 kept 9). Smaller cards recompute more,
+    a card too small for any share falls back to every layer, and no card, no known model or no checkpointing
+    means every layer; a number passes through."""
+    import bench
+    dims = memory.model_dims("qwen2_5_vl_3b")
+    bar = asdict(bench.defaults("/w", "/m", "/d"))
+    assert bar["checkpoint_layers"] == "auto"
+    assert memory.auto_checkpoint_layers(bar, dims, 1, 140.4) == 29 / 36
+    shares = [memory.auto_checkpoint_layers(bar, dims, 1, card) for card in (140.4, 130, 110, 98)]
+    assert shares == sorted(shares) and shares[-1] == 1.0 and shares[-2] < 1.0
+    for share in shares[:-1]:
+        m = memory.memory_model(dims, **memory.config_mode({**bar, "checkpoint_layers": share}, 1))
+        assert m["update"] * 1.15 <= 139.4 and share * 36 == round(share * 36)
+    assert memory.auto_checkpoint_layers(bar, dims, 2, 140.4) < 29 / 36  # FSDP over 2: half the state per GPU
+    assert memory.config_mode(bar, 1)["recompute"] == 1.0  # the check before loading: auto at its most
+    cfg = grpo.Config(model_path="Qwen/Qwen2.5-VL-3B-Instruct", checkpoint_layers="auto",
+                      **{k: bar[k] for k in ("rollout_batch_size", "global_batch_size", "n", "max_token_len_per_device",
+                                              "micro_batch_size_per_device", "max_response_length")})
+    share, note = memory.resolve_checkpoint_layers(cfg, 1, card_gib=140.4)
+    assert share == 29 / 36 and "29 of 36 decoder layers recompute" in note and "of 140.4" in note
+    assert memory.resolve_checkpoint_layers(replace(cfg, model_path="/nowhere"), 1, card_gib=140.4)[0] == 1.0
+    assert memory.resolve_checkpoint_layers(replace(cfg, gradient_checkpointing=False), 1, card_gib=140.4)[0] == 1.0
+    assert memory.resolve_checkpoint_layers(replace(cfg, checkpoint_layers=0.5), 1, card_gib=140.4) == (0.5, "")
+    if not torch.cuda.is_available():
+        share, note = memory.resolve_checkpoint_layers(cfg, 1)
+        assert share == 1.0 and "no GPU" in note
+    check(replace(cfg, model_path=""), 1)  # auto passes the options' check
+
+
+def test_checkpoint_layers_auto_reaches_the_actor_as_a_share(tmp_path, monkeypatch, capsys):
+    """grpo.py --checkpoint-layers auto: setup resolves it before the policy is built (the actor gets a number,
+    config.json records it) and says what it chose; on the CPU every layer recomputes."""
+    built, build = [], actor.build_actor
+    monkeypatch.setattr(actor, "build_actor", lambda *a, **k: (built.append(k.get("checkpoint_layers", 1.0)),
+                                                                build(*a, **k))[1])
+    cfg = cli(grpo.Config, grpo.DEMO, args=["--rollout-engine", "hf", "--checkpoint-layers", "auto", "--max-steps",
+                                            "1", "--save-freq", "-1", "--resume", "never", "--output-dir",
+                                            str(tmp_path)])
+    assert cfg.checkpoint_layers == "auto"
+    grpo.setup(cfg)
+    assert built[0] == 1.0 and cfg.checkpoint_layers == 1.0
+    assert "--checkpoint-layers auto: every layer recomputes (no GPU)" in capsys.readouterr().out
