@@ -5,6 +5,7 @@
     python bench.py report benchmarks/h200/*.jsonl                    # the tables of benchmarks/BENCHMARKS.md
     python bench.py phases RUN_metrics.jsonl RUN_gpu.csv [RUN_host.csv]  # the GPU's (and host's) side per phase
     python bench.py compare AMP_CKPT BF16_CKPT...                   # pure-bf16 demo runs against AMP's (Memory modes)
+    python bench.py pyspy pyspy_raw.txt.xz [root=FUNCTION]          # py-spy's stacks inside vLLM's engine step
     torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
     python bench.py --trainer-only --profile --max-steps 2           # no engine: log-probs + update, kernel table
     python bench.py --workload realistic --padding-free off         # real response lengths, padded training
@@ -443,6 +444,9 @@ def main():
         return
     if argv[:1] == ["table"]:
         print(table(argv[1:]))
+        return
+    if argv[:1] == ["pyspy"]:  # benchmarks/gpu_speed.sh pyspy's raw stacks: where vLLM's engine loop spends its time
+        print(engine_bench.pyspy_table(*argv[1:2], **dict(a.split("=", 1) for a in argv[2:3])))
         return
     if argv[:1] == ["compare"]:  # pure-bf16 runs of the demo model against its AMP run (README: Memory modes)
         if len(argv) < 3:

@@ -206,6 +206,30 @@ def stack_table(result, top=12):
     return "\n".join(out)
 
 
+def pyspy_table(path, root="LLMEngine.step", top=30):
+    """py-spy's collapsed stacks (`py-spy record --format raw`, optionally .xz; benchmarks/gpu_speed.sh pyspy) cut
+    to the samples inside `root` (vLLM's engine step): each function's inclusive share of them (a function counted
+    once per sample however deep it recurses), the most first. py-spy reads the stacks from outside the process, so
+    unlike --sample-stacks no look waits for the GIL."""
+    import lzma  # (only this reader)
+    seen, total = collections.Counter(), 0
+    with (lzma.open if path.endswith(".xz") else open)(path, "rt") as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            frames = [fr.split(" (")[0] + " (" + fr.split(" (")[-1].rsplit(":", 1)[0].rstrip(")") + ")"
+                      for fr in stack.split(";")[1:]]  # (the first is the thread; line numbers dropped)
+            inside = [i for i, fr in enumerate(frames) if fr.startswith(root + " (")]
+            if not inside or not count.isdigit():
+                continue
+            total += int(count)
+            for fr in set(frames[inside[0]:]):
+                seen[fr] += int(count)
+    if not total:
+        return f"{path}: no samples inside {root}"
+    return "\n".join([f"{total} samples inside {root}; share of them in each function (inclusive):"]
+                     + [f"  {c / total:6.1%}  {k}" for k, c in seen.most_common(top)])
+
+
 def cold(eng):
     """Empty what a training step never finds warm: the prefix cache (KV blocks of these prompts), the encoder cache
     (their image embeddings) and vLLM's multimodal-processor cache (their processed images; sleep empties it too)."""

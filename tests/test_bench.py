@@ -552,3 +552,29 @@ def test_engine_loop_timers_split_the_loop_into_host_and_gpu_wait():
     assert t == {}
     table = engine_bench.loop_table({"rows": {"bare": {"loop": dict(t, steps=5, step=2.0, wait=0.5)}}})
     assert table.splitlines()[-1] == "| bare | 5 | 2.00 | 0.00 | 0.00 | 0.00 | 0.50 | 0.00 | 0.00 | 75% |"
+
+
+def test_pyspy_table_shares_inside_the_engine_step(tmp_path):
+    """bench.py pyspy: of py-spy's collapsed stacks only those inside vLLM's engine step count; each function's
+    share is inclusive, counted once per sample however deep it recurses, its line numbers merged; .xz reads alike."""
+    import lzma
+    import engine_bench
+    step = "LLMEngine.step (vllm/v1/engine/llm_engine.py:301)"
+    raw = "\n".join([
+        f"thread (1): MainThread;main (bench.py:9);{step};Scheduler.schedule (vllm/sched.py:10);f (x.py:1) 6",
+        f"thread (1): MainThread;main (bench.py:9);{step};Scheduler.schedule (vllm/sched.py:12);"
+        "Scheduler.schedule (vllm/sched.py:40) 2",  # recursion: once
+        f"thread (1): MainThread;main (bench.py:9);{step};execute (vllm/run.py:5) 2",
+        "thread (2): loader;main (bench.py:9);load (x.py:3) 50",  # outside the step: not counted
+    ]) + "\n"
+    (tmp_path / "raw.txt").write_text(raw)
+    with lzma.open(tmp_path / "raw.txt.xz", "wt") as f:
+        f.write(raw)
+    table = engine_bench.pyspy_table(str(tmp_path / "raw.txt"))
+    assert table == engine_bench.pyspy_table(str(tmp_path / "raw.txt.xz"))
+    lines = table.splitlines()
+    assert lines[0].startswith("10 samples inside LLMEngine.step")
+    assert lines[1:] == ["  100.0%  LLMEngine.step (vllm/v1/engine/llm_engine.py)",
+                         "   80.0%  Scheduler.schedule (vllm/sched.py)", "   60.0%  f (x.py)",
+                         "   20.0%  execute (vllm/run.py)"]
+    assert "no samples inside nothing" in engine_bench.pyspy_table(str(tmp_path / "raw.txt"), root="nothing")
