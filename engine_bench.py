@@ -23,6 +23,7 @@ generate adds to a bare request (so no row is a copy of generate's request build
   all_ours        VLLMRollout.generate itself, woken before and put to sleep after (memory.sleep): a step's engine time
   all_ours_scored the same run with grpo.generate_and_score's decoding and reward: bench.py's timing/gen, except that
                   its wake maps the weights too (a step's sync has mapped them, in timing/sync)
+  all_ours_gc_on  all_ours with Python's cyclic collector left on while vLLM's loop runs (generate pauses it)
   memory_share    bare in a second engine (a child process, after this one sleeps) at --bare-memory-share, the share
                   of GPU memory of the bare vLLM engine the issue compared with (0.6), instead of ours
 
@@ -74,6 +75,7 @@ ROWS = {
                     dict(seeded=False, logprobs=False, ban=False)),
     "all_ours": ("VLLMRollout.generate, woken before and asleep after", None),
     "all_ours_scored": ("all_ours + decoding and reward (bench's timing/gen less the sync)", None),
+    "all_ours_gc_on": ("all_ours with Python's collector left on in generate (as before session 13)", None),
     "memory_share": ("bare, at the bare engine's share of GPU memory", None),
 }
 ENGINE_ROWS = ("bare", "logprobs", "logprobs_flat", "seeds", "banned", "sleep_wake", "sync_sleep1", "sync_sleep2")
@@ -300,6 +302,18 @@ def ours_row(ctx, drawn):
     return dict(r, seconds=total - call["after_seconds"]), dict(r, seconds=total)
 
 
+@contextlib.contextmanager
+def collector_left_on():
+    """VLLMRollout.generate without its collector pause (common.collector_paused): the all_ours_gc_on row, the
+    pause's before and after in one run."""
+    paused = rollout.collector_paused
+    rollout.collector_paused = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        rollout.collector_paused = paused
+
+
 def engine_recorder(eng):
     """What grpo.generate_and_score sees as ctx.rollout: the engine, with each generate call's arguments (the step's
     prompts and seeds as grpo makes them), the SamplingParams it sent to vLLM and the seconds from its return to
@@ -455,7 +469,7 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
             one(name, dict(call, max_tokens=warmup_tokens))
     ctx.cfg = cfg
     runs, stacks, loops = {}, collections.defaultdict(collections.Counter), collections.defaultdict(dict)
-    timed = [r for r in rows if r in ENGINE_ROWS or r == "all_ours"]
+    timed = [r for r in rows if r in ENGINE_ROWS or r in ("all_ours", "all_ours_gc_on")]
     if "all_ours_scored" in rows and "all_ours" not in timed:
         timed.append("all_ours")
     for k in range(repeats):
@@ -463,6 +477,9 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
             with sampled_stacks(stacks[name], sample_ms / 1e3), engine_loop_timers(eng.llm, loops[name]):
                 if name == "all_ours":
                     got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
+                elif name == "all_ours_gc_on":
+                    with collector_left_on():
+                        got = {name: ours_row(ctx, drawn)[0]}
                 else:
                     got = {name: one(name, call)}
             for key, r in got.items():

@@ -222,13 +222,18 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
     are the step's requests (grpo's prompts and seeds) with VLLMRollout's switches; each engine-level row's
     SamplingParams differ from bare's in exactly its own fields, bare plus all the additions is what
     VLLMRollout.generate sends (all_ours), every timed row starts cold, the sleep rows wake before generating and
-    sleep after, and the table and JSON hold every row."""
+    sleep after, all_ours_gc_on is all_ours with Python's collector on in vLLM's loop (off in all_ours), and the
+    table and JSON hold every row."""
+    import gc
     import json
     from dataclasses import replace
 
     import engine_bench
-    from test_rollout import standin_vllm
+    from test_rollout import StandInLLM, standin_vllm
     seen, built = standin_vllm(monkeypatch)
+    collector, standin_generate = [], StandInLLM.generate
+    monkeypatch.setattr(StandInLLM, "generate", lambda self, *a, **k: collector.append(gc.isenabled())
+                        or standin_generate(self, *a, **k))
     path = tiny_model.build_tiny_model()
     proc = data.load_processor(path)
     parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 4, proc.tokenizer, size=112, text_tokens=20)
@@ -241,7 +246,11 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
     (eng,) = built
     calls, ev = eng.llm.calls, eng.llm.events
     names = list(ADDS) + ["all_ours"]
-    assert len(calls) == 2 * len(names)  # the warm-up (all_ours first), then one timed round in ROWS' order
+    assert len(calls) == 2 * len(names) + 1  # the warm-up (all_ours first), a timed round in ROWS' order, gc_on last
+    assert [vars(p) for p in calls[-1]["params"]] == [vars(p) for p in calls[len(names) + names.index("all_ours")]
+                                                      ["params"]]
+    assert collector[0] is False and collector[len(names) + names.index("all_ours")] is False
+    assert collector[-1] is True and gc.isenabled() and engine_bench.rollout.collector_paused is not None
     assert all(p.max_tokens == 2 for c in calls[:len(names)] for p in c["params"])
     by_row = dict(zip(names, calls[len(names):]))
     assert all(p.max_tokens == 6 and p.n == 4 and p.temperature == 1.0 for c in by_row.values() for p in c["params"])
