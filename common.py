@@ -75,9 +75,10 @@ def all_reduce_cpu(x, op=dist.ReduceOp.SUM):
 @contextlib.contextmanager
 def collector_paused():
     """Python's cyclic garbage collector off while the block runs (vLLM's engine loop): at the bar's 512 sequences
-    the loop is Python on one core with the GPU waiting on it, and each full collection walks the whole trainer
-    heap (0.9 s of a 3B bar step's generation, `gen_loop/gc`). Nothing leaks: reference counting frees all but
-    cycles, and the collector, back on after the block, takes those."""
+    the loop is Python on one core with the GPU waiting on it, and a full collection walks the trainer's whole heap
+    (0.9-1.1 s of collections in a 3B bar step's generation, `gen_loop/gc`; vLLM's own gc.collect() in its sleep is
+    among them and stays). Nothing leaks: reference counting frees all but cycles, and the collector, back on after
+    the block, takes those."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -451,7 +451,7 @@ def auto_checkpoint_layers(c, dims, world, card_gib, error=0.15):
     which the memory model's update, grown by its error bound (it is within 15 % of every measured phase), fits
     `card_gib` less ~1 GiB of CUDA context; 1 (every layer) when even that does not fit. The update runs with the
     engine asleep, and generation's peak does not depend on the share. The 3B bar on one H200 (64k-token
-    micro-batches): 29 of 36 layers (0.806), update 118.1 GiB by the model, 119.8 measured (session 13)."""
+    micro-batches): 29 of 36 layers (0.806), update 117.4 GiB by the model, 119.8 measured (session 13)."""
     L = dims["layers"]
     for k in range(L + 1):
         m = memory_model(dims, **config_mode({**c, "checkpoint_layers": k / L}, world))

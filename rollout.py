@@ -228,7 +228,7 @@ def _set_vllm_env():
 def _init_world_for_external_dp():
     """Data-parallel rollout under torchrun = vLLM's "ExternalDP" (vllm/distributed/parallel_state.py,
     initialize_model_parallel: ranks laid out as ExternalDP x DP x PP x PCP x TP). It needs torch.distributed to span
-    ALL torchrun ranks before LLM() is built: otherwise vLLM's worker calls init_process_group(world_size=TP,
+    ALL torchrun ranks before LLM() is built: otherwise vLLM's worker calls init_process_group(world_size=TP x PP,
     rank=$RANK), a world in which rank 1 of 2 (TP 1) does not exist (GroupCoordinator asserts `self_cpu_group is not
     None`); initialised, vLLM builds its world group over all ranks and carves TP groups of consecutive ranks out of
     it, the leading dimension being independent replicas. vLLM's internal DP (data_parallel_size) would all-reduce
