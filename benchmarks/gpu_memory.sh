@@ -18,8 +18,10 @@ set -u
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
 MODE=${1:-3b}
-B3="--preset qwen2_5_vl_3b --max-steps 2 --rollout-batch-size 16 --global-batch-size 16"
-B7="--preset qwen2_5_vl_7b --max-steps 2 --rollout-batch-size 8 --global-batch-size 8"
+# every layer recomputes, as when these cells were measured (bench.py's default, --checkpoint-layers auto, would
+# spend the headroom each cell leaves on kept activations: another measurement)
+B3="--preset qwen2_5_vl_3b --max-steps 2 --rollout-batch-size 16 --global-batch-size 16 --checkpoint-layers 1"
+B7="--preset qwen2_5_vl_7b --max-steps 2 --rollout-batch-size 8 --global-batch-size 8 --checkpoint-layers 1"
 declare -A FLAGS=([amp]="" [bf16]="--precision bf16" [lora]="--lora-rank 64" [offopt]="--offload-optimizer"
                   [offload]="--offload-params")
 declare -A LIMITS=([amp]=200 [bf16]=200 [lora]=200 [offopt]=330 [offload]=540)
