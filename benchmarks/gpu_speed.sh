@@ -4,8 +4,8 @@
 # ../shared/gpu/README.md): `bash benchmarks/gpu_speed.sh bar`. Modes, with the time each takes there:
 #   bar        (default; ~8 min: vLLM's start ~1 min, step 1 with the compilation ~2.5 min, steps 2 and 3 ~70 s each)
 #              the speed bar: the Qwen2.5-VL-3B shape, 64 prompts x 8 samples x 1024 forced tokens, one 512x512
-#              image and ~100 text tokens per prompt, 3 steps (README: 62.6 s per step, the mean of steps 2 and 3;
-#              344 s for the call on 2026-12-02, the model built by an earlier call of the lease)
+#              image and ~100 text tokens per prompt, 3 steps (README: 56.8 and 58.6 s per step in two runs, each the
+#              mean of steps 2 and 3; 286-326 s for the call on 2026-12-02, the model built by an earlier call)
 #   realistic  (~6 min) the same prompts with seeded log-normal response lengths, padding-free training on (174 s on
 #              2026-12-02: README 28.9 s per step), then off
 #   profile    (~4 min, no engine) the trainer alone on the 3B, 16 prompts x 8, 3 steps; the last step's kernel table
@@ -36,8 +36,10 @@
 #              parts timed (engine_bench.engine_loop_timers: the ablation table's loop lines) and its stack looked
 #              at every 5 ms (--sample-stacks; biased to where the loop lets go of the GIL: BENCHMARKS.md session 12).
 #              The bar's metrics carry the same loop timers (gen_loop/...) in every run.
-#   pyspy      (not yet run) bare and all of ours at the bar's 64 prompts, once each, under py-spy (its wheel in
-#              .gpu/wheels: `pip download py-spy --no-deps -d .gpu/wheels`): the engine loop's Python, unbiased
+#   pyspy      (135 s on a warm machine, 247 s on a fresh one with the install and the model build, 2026-12-02) bare
+#              and all of ours at the bar's 64 prompts, once each, under py-spy (its wheel in .gpu/wheels: `pip
+#              download py-spy --no-deps -d .gpu/wheels`): the engine loop's Python, unbiased. Its raw stacks (~30 MB)
+#              come back compressed (pyspy_raw.txt.xz: ~30 MB would not); `python bench.py pyspy RAW.xz` reads them
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
@@ -117,6 +119,7 @@ case "$MODE" in
       > "$OUT/pyspy.log" 2>&1
     echo "pyspy: exit $?"
     smi_stop
+    [ -f "$OUT/pyspy_raw.txt" ] && xz -6 -T4 "$OUT/pyspy_raw.txt"  # (uncompressed, too large to come back)
     cp /tmp/pyspy/engine_ablation.json "$OUT/pyspy_ablation.json" 2> /dev/null
     python -c "import json, sys, engine_bench as e; r = json.load(open(sys.argv[1])); print(e.table(r)); \
 print(e.loop_table(r))" "$OUT/pyspy_ablation.json" 2> /dev/null || tail -20 "$OUT/pyspy.log"
