@@ -446,7 +446,13 @@ def main():
         print(table(argv[1:]))
         return
     if argv[:1] == ["pyspy"]:  # benchmarks/gpu_speed.sh pyspy's raw stacks: where vLLM's engine loop spends its time
-        print(engine_bench.pyspy_table(*argv[1:2], **dict(a.split("=", 1) for a in argv[2:3])))
+        with one_line_errors():
+            opts = dict(a.split("=", 1) for a in argv[2:] if "=" in a)
+            if len(argv) < 2 or not os.path.isfile(argv[1]) or set(opts) - {"root", "top"} \
+                    or len(opts) != len(argv) - 2 or not opts.get("top", "1").isdigit():
+                raise UserError("usage: python bench.py pyspy RAW[.xz] [root=FUNCTION] [top=N] (RAW: py-spy's "
+                                "--format raw output, an existing file)")
+            print(engine_bench.pyspy_table(argv[1], opts.get("root", "LLMEngine.step"), int(opts.get("top", 30))))
         return
     if argv[:1] == ["compare"]:  # pure-bf16 runs of the demo model against its AMP run (README: Memory modes)
         if len(argv) < 3:

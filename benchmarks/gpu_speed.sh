@@ -38,8 +38,8 @@
 #              The bar's metrics carry the same loop timers (gen_loop/...) in every run.
 #   pyspy      (135 s on a warm machine, 247 s on a fresh one with the install and the model build, 2026-12-02) bare
 #              and all of ours at the bar's 64 prompts, once each, under py-spy (its wheel in .gpu/wheels: `pip
-#              download py-spy --no-deps -d .gpu/wheels`): the engine loop's Python, unbiased. Its raw stacks (~30 MB)
-#              come back compressed (pyspy_raw.txt.xz: ~30 MB would not); `python bench.py pyspy RAW.xz` reads them
+#              download py-spy --no-deps -d .gpu/wheels`): the engine loop's Python, unbiased. Its raw stacks come
+#              back compressed (pyspy_raw.txt.xz; the ~30 MB text would not); `python bench.py pyspy RAW.xz` reads them
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1

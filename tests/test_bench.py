@@ -587,3 +587,12 @@ def test_pyspy_table_shares_inside_the_engine_step(tmp_path):
                          "   80.0%  Scheduler.schedule (vllm/sched.py)", "   60.0%  f (x.py)",
                          "   20.0%  execute (vllm/run.py)"]
     assert "no samples inside nothing" in engine_bench.pyspy_table(str(tmp_path / "raw.txt"), root="nothing")
+    # through bench.py, root= and top= as asked; a wrong call is one line and exit code 2
+    r = subprocess.run([sys.executable, bench.__file__, "pyspy", str(tmp_path / "raw.txt.xz"), "root=Scheduler.schedule",
+                        "top=2"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.splitlines()[1:] == ["  100.0%  Scheduler.schedule (vllm/sched.py)",
+                                                              "   75.0%  f (x.py)"], r
+    for args in ([str(tmp_path / "nope.txt")], [str(tmp_path / "raw.txt"), "top=x"]):
+        r = subprocess.run([sys.executable, bench.__file__, "pyspy", *args], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.startswith("error: usage: python bench.py pyspy") and \
+            len(r.stderr.strip().splitlines()) == 1, (args, r)
