@@ -39,6 +39,7 @@ import collections
 import contextlib
 import gc
 import json
+import lzma
 import os
 import subprocess
 import sys
@@ -213,7 +214,6 @@ def pyspy_table(path, root="LLMEngine.step", top=30):
     to the samples inside `root` (vLLM's engine step): each function's inclusive share of them (a function counted
     once per sample however deep it recurses), the most first. py-spy reads the stacks from outside the process, so
     unlike --sample-stacks no look waits for the GIL."""
-    import lzma  # (only this reader)
     seen, total = collections.Counter(), 0
     with (lzma.open if path.endswith(".xz") else open)(path, "rt") as f:
         for line in f:
