@@ -20,9 +20,9 @@ generate adds to a bare request (so no row is a copy of generate's request build
   sync_sleep1     sleep_wake at sleep level 1 with a step's weight sync first (the checkpoint's tensors, on the GPU)
   sync_sleep2     the same at level 2: nothing copied to the host, every weight re-sent (the sync does that anyway
                   in full fine-tuning; with LoRA only the adapted layers are, which level 1 makes possible)
-  all_ours        VLLMRollout.generate itself, woken before and put to sleep after (memory.sleep): a step's engine time
-  all_ours_scored the same run with grpo.generate_and_score's decoding and reward: bench.py's timing/gen, except that
-                  its wake maps the weights too (a step's sync has mapped them, in timing/sync)
+  all_ours        VLLMRollout.generate itself, its KV cache woken before and put to sleep after (memory.sleep; the
+                  weights woken untimed, as a step's sync leaves them): a step's engine time
+  all_ours_scored the same run with grpo.generate_and_score's decoding and reward: bench.py's timing/gen
   all_ours_gc_on  all_ours with Python's cyclic collector left on while vLLM's loop runs (generate pauses it)
   memory_share    bare in a second engine (a child process, after this one sleeps) at --bare-memory-share, the share
                   of GPU memory of the bare vLLM engine the issue compared with (0.6), instead of ours
@@ -74,8 +74,8 @@ ROWS = {
                     dict(seeded=False, logprobs=False, ban=False)),
     "sync_sleep2": ("+ a weight sync, asleep at level 2 before and after (weights dropped, all re-sent)",
                     dict(seeded=False, logprobs=False, ban=False)),
-    "all_ours": ("VLLMRollout.generate, woken before and asleep after", None),
-    "all_ours_scored": ("all_ours + decoding and reward (bench's timing/gen less the sync)", None),
+    "all_ours": ("VLLMRollout.generate, its KV cache woken before and asleep after", None),
+    "all_ours_scored": ("all_ours + decoding and reward (bench's timing/gen)", None),
     "all_ours_gc_on": ("all_ours with Python's collector left on in generate (as before session 13)", None),
     "memory_share": ("bare, at the bare engine's share of GPU memory", None),
 }
@@ -283,14 +283,16 @@ def checkpoint_on_gpu(model_path, device):
 
 
 def ours_row(ctx, drawn):
-    """all_ours and all_ours_scored from one run of a step's generation phase as grpo.train_step has it: the engine
-    asleep before (untimed), then wake, grpo.generate_and_score (VLLMRollout.generate, decoding, reward) and
-    memory.sleep. all_ours is that span less the decoding and scoring, which run between generate's return and the
-    sleep (ctx.rollout, an engine_recorder, times them)."""
+    """all_ours and all_ours_scored from one run of a step's generation phase as grpo.train_step has it (its
+    timing/gen): the engine asleep, its weights woken (untimed: a step's sync wakes them, in timing/sync), then the
+    KV cache's wake, grpo.generate_and_score (VLLMRollout.generate, decoding, reward) and memory.sleep. all_ours is
+    that span less the decoding and scoring, which run between generate's return and the sleep (ctx.rollout, an
+    engine_recorder, times them)."""
     eng = ctx.rollout.engine
     eng.wake()
     cold(eng)
     eng.sleep()
+    eng.wake(["weights"])
     gc0, t = _GC["seconds"], time.perf_counter()
     ctx.rollout.wake()
     samples = grpo.generate_and_score(ctx, drawn, ctx.cfg.n, ctx.cfg.temperature)

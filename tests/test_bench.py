@@ -284,6 +284,10 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
         span = ev[ev.index("reset_mm", gens[len(names) + k - 1]):at]  # from the reset to the timed generate
         if name in ("sleep_wake", "all_ours", "sync_sleep1", "sync_sleep2"):
             assert "sleep" in span and span[-1] == "wake" and "sleep" in ev[at + 1:at + 5], (name, span)
+            woken = eng.llm.woken[:ev[:at].count("wake")]  # what each wake before this generate mapped
+            # all_ours: the weights first (untimed: a step's sync wakes them), then the KV cache (timing/gen's wake)
+            assert woken[-2:] == [["weights"], ["kv_cache"]] if name == "all_ours" else \
+                woken[-1] == ["weights", "kv_cache"] or name.startswith("sync"), (name, woken[-2:])
             assert ("load" in span) == name.startswith("sync"), (name, span)  # the sync rows sync first
         else:
             assert "sleep" not in span, (name, span)

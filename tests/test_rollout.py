@@ -317,7 +317,7 @@ class StandInLLM:
     position, as asked. Tokens are drawn from 10..499 (the tiny model's EOS and pad ids lie above)."""
 
     def __init__(self):
-        self.calls, self.events, self.levels, self.loaded = [], [], [], []
+        self.calls, self.events, self.levels, self.loaded, self.woken = [], [], [], [], []
         model = StandInModel(self)
         self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.events.append("reset_encoder"),
                                                 vllm_config=types.SimpleNamespace(use_v2_model_runner=True),
@@ -353,6 +353,7 @@ class StandInLLM:
 
     def wake_up(self, tags=None):
         self.events.append("wake")
+        self.woken.append(tags)
 
 
 def standin_vllm(monkeypatch, sampling_params=StandInSamplingParams):
