@@ -455,8 +455,10 @@ def main():
             print(engine_bench.pyspy_table(argv[1], opts.get("root", "LLMEngine.step"), int(opts.get("top", 30))))
         return
     if argv[:1] == ["compare"]:  # pure-bf16 runs of the demo model against its AMP run (README: Memory modes)
-        if len(argv) < 3:
-            sys.exit("usage: python bench.py compare AMP_CHECKPOINT BF16_CHECKPOINT... (runs of the demo model)")
+        with one_line_errors():
+            if len(argv) < 3 or not all(map(os.path.isdir, argv[1:])):
+                raise UserError("usage: python bench.py compare AMP_CHECKPOINT BF16_CHECKPOINT... (checkpoint "
+                                "folders of demo runs)")
         from transformers import AutoModelForImageTextToText  # slow to import (~2 s)
         start = AutoModelForImageTextToText.from_pretrained(tiny_model.build_tiny_model(),
                                                             dtype=torch.float32).state_dict()
@@ -493,8 +495,8 @@ def main():
     if flags["--prepare-only"]:  # build the model and the data set, nothing else (before parallel runs)
         return
     cfg = tyro.cli(grpo.Config, args=argv, default=defaults(workdir, model_path, data_path))
-    if torch.cuda.is_available():  # one line now, rather than out of memory after minutes of loading
-        card = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / memory.GIB
+    card = memory.this_gpu_gib()  # (no ballast yet: the whole card)
+    if card is not None:  # one line now, rather than out of memory after minutes of loading
         with one_line_errors():
             memory.check_fits(asdict(cfg), memory.model_dims(preset), int(os.environ.get("WORLD_SIZE", "1")),
                               float(opts["--gpu-memory-cap-gb"] or card), f"--preset {preset}")

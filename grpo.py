@@ -75,10 +75,11 @@ class State:
 
 def setup(cfg: Config):
     """Everything the loop needs: distributed state, data, reward, policy, reference, engine."""
-    easyr1_config.check(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    easyr1_config.check(cfg, ranks)
     # can these GPUs hold it (memory model)? one line now, not out of memory after minutes of loading
-    memory.check_before_loading(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    cfg.checkpoint_layers, layers_note = memory.resolve_checkpoint_layers(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    memory.check_before_loading(cfg, ranks)
+    cfg.checkpoint_layers, layers_note = memory.resolve_checkpoint_layers(cfg, ranks)
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
     rank, world, device = actor.init_distributed()
     ckpt, state = rundir.find_resume(cfg)  # refuses a changed config before anything loads

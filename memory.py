@@ -446,6 +446,14 @@ def known_dims(model_path):
         return None
 
 
+def this_gpu_gib():
+    """This rank's GPU's memory in GiB (less bench.py's ballast, which stands for a smaller card); None on the CPU."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+    return (props.total_memory - sum(t.numel() for t in _BALLAST)) / GIB
+
+
 def auto_checkpoint_layers(c, dims, world, card_gib, error=0.15):
     """--checkpoint-layers auto: the smallest share of the decoder layers that recompute (whole layers: k of L) with
     which the memory model's update, grown by its error bound (it is within 15 % of every measured phase), fits
@@ -467,9 +475,7 @@ def resolve_checkpoint_layers(cfg, world, card_gib=None):
     if cfg.checkpoint_layers != "auto":
         return float(cfg.checkpoint_layers), ""
     dims = known_dims(cfg.model_path) if cfg.gradient_checkpointing else None
-    if card_gib is None and torch.cuda.is_available():
-        card_gib = (torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
-                    - sum(t.numel() for t in _BALLAST)) / GIB
+    card_gib = card_gib or this_gpu_gib()
     if dims is None or card_gib is None:
         why = "gradient checkpointing is off" if not cfg.gradient_checkpointing else (
             "no GPU" if card_gib is None else "the memory model does not know this model")
@@ -485,12 +491,9 @@ def check_before_loading(cfg, world, card_gib=None):
     (`card_gib`; by default this rank's GPU's memory, and no check on the CPU) by check_fits, when the model is
     known (known_dims). A UserError of one line, naming the GPUs it takes, instead of running out of memory after
     minutes of loading."""
-    if card_gib is None:
-        if not torch.cuda.is_available():
-            return
-        card_gib = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / GIB
+    card_gib = card_gib or this_gpu_gib()
     dims = known_dims(cfg.model_path)
-    if dims is not None:
+    if dims is not None and card_gib is not None:
         check_fits(asdict(cfg), dims, world, card_gib, f"--model-path {cfg.model_path}")
 
 

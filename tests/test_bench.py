@@ -9,6 +9,7 @@ import pytest
 
 import bench
 import data
+import engine_bench
 import grpo
 import memory
 import tiny_model
@@ -34,7 +35,6 @@ def _trainer_only(launch, tmp_path, out, cfg_kw, run_kw, pre=""):
     """bench.run(trainer_only=True) on the tiny model and 4 geo prompts (2 prompts x 4 samples, 2 steps) in a child
     process, with cfg_kw / run_kw (Python keyword text) on top and `pre` (code) first; returns the rows of its
     metrics.jsonl."""
-    import json
     path = tiny_model.build_tiny_model()
     proc = data.load_processor(path)
     parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 4, proc.tokenizer, size=112, text_tokens=20)
@@ -109,9 +109,7 @@ def test_memory_model_bytes_per_parameter():
 
 
 def test_table_marks_measured_cells_with_the_models_error(tmp_path):
-    import json
     from dataclasses import asdict
-    import grpo
     cfg = asdict(grpo.Config(rollout_batch_size=8, n=8, lora_rank=64))
     s = {"preset": "qwen2_5_vl_7b", "world": 1, "date": "2026-12-01", "command": "bench.py --lora-rank 64",
          "config": cfg, "memory/trainer_peak_update_gb": 40.0, "memory/engine_pool_gb": 20.0, "timing/step": 9.0}
@@ -126,7 +124,6 @@ def test_table_marks_measured_cells_with_the_models_error(tmp_path):
 
 def test_table_shows_a_run_that_did_not_finish(tmp_path):
     """No summary (the run died, e.g. out of memory at step 2): its last logged step's peaks, marked as such."""
-    import json
     rows = [{"step": 1, "memory/trainer_peak_gen_gb": 17.94, "memory/trainer_peak_ref_gb": 21.6,
              "memory/trainer_peak_update_gb": 24.69, "memory/engine_pool_gb": 19.09, "timing/step": 140.1}]
     (tmp_path / "oom_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -148,7 +145,6 @@ def test_memory_model_tracks_every_measured_run():
     activation term shows here (the old log-prob-pass bound was 54 % high on the 3B LoRA run; adding the logits
     chunk to a recomputed layer instead of taking the larger, 47 % high on the 3B offload run's update)."""
     import glob
-    import json
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "h200")
     runs = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(here, "*_summary.json")))]
     runs = [s for s in runs if "memory/trainer_peak_ref_gb" in s]
@@ -225,10 +221,8 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
     sleep after, all_ours_gc_on is all_ours with Python's collector on in vLLM's loop (off in all_ours), and the
     table and JSON hold every row."""
     import gc
-    import json
     from dataclasses import replace
 
-    import engine_bench
     from test_rollout import StandInLLM, standin_vllm
     seen, built = standin_vllm(monkeypatch)
     collector, standin_generate = [], StandInLLM.generate
@@ -322,7 +316,6 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
 def test_bench_main_passes_the_engine_ablation_options(tmp_path, monkeypatch):
     """`python bench.py engine-ablation ...`: bench.py's preset and grpo's flags make the config, the ablation's own
     options reach engine_bench.run, and the whole command line goes to the memory_share child."""
-    import engine_bench
     got = {}
     monkeypatch.setenv("BENCH_DIR", str(tmp_path))
     monkeypatch.setattr(bench.presets, "build_random_model", lambda path, preset, **kw: None)
@@ -344,7 +337,6 @@ def test_sampled_stacks_say_where_the_calling_thread_spends_its_time():
     then a sleep, the stand-ins for the engine's Python work and a wait on the GPU), each close to its share of the
     time although the busy loop holds the GIL and delays the looks; 0: no looks."""
     import collections
-    import engine_bench
 
     def busy_python(t):
         end = time.perf_counter() + t
@@ -374,7 +366,6 @@ def test_sampled_stacks_say_where_the_calling_thread_spends_its_time():
 def test_engine_ablation_memory_share_row_runs_bare_alone_in_a_second_engine():
     """The memory_share row's child: this run's arguments, with the bare engine's share, the bare row alone and its
     own output folder in place of what this run was given (bench.py reads an option's first spelling)."""
-    import engine_bench
     argv = ["engine-ablation", "--preset", "qwen2_5_vl_3b", "--gpu-memory-utilization", "0.5", "--rows=bare,seeds",
             "--repeats", "2", "--output-dir", "/o", "--max-steps", "3", "--bare-memory-share", "0.6"]
     cmd = engine_bench.child_command(argv, 0.6, "/o/memory_share")
@@ -389,7 +380,6 @@ def _recipe_config(tmp_path, precision=None):
     import shlex
     import tyro
     import easyr1_config
-    import grpo
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "gpu_moe30b.sh")
     text = open(here).read().replace("\\\n", " ")
     words = [w.replace("${STEPS:-3}", "3") for w in shlex.split(next(x for x in text.splitlines()
@@ -515,7 +505,6 @@ def test_engine_loop_timers_split_the_loop_into_host_and_gpu_wait():
     wait inside the future's result, the step count; afterwards the objects are as before; no engine: nothing."""
     from concurrent.futures import Future
     from types import SimpleNamespace as NS
-    import engine_bench
 
     def pause(t):
         def f(*a, **k):
@@ -571,7 +560,6 @@ def test_pyspy_table_shares_inside_the_engine_step(tmp_path):
     """bench.py pyspy: of py-spy's collapsed stacks only those inside vLLM's engine step count; each function's
     share is inclusive, counted once per sample however deep it recurses, its line numbers merged; .xz reads alike."""
     import lzma
-    import engine_bench
     step = "LLMEngine.step (vllm/v1/engine/llm_engine.py:301)"
     raw = "\n".join([
         f"thread (1): MainThread;main (bench.py:9);{step};Scheduler.schedule (vllm/sched.py:10);f (x.py:1) 6",
@@ -596,7 +584,8 @@ def test_pyspy_table_shares_inside_the_engine_step(tmp_path):
                         "top=2"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.splitlines()[1:] == ["  100.0%  Scheduler.schedule (vllm/sched.py)",
                                                               "   75.0%  f (x.py)"], r
-    for args in ([str(tmp_path / "nope.txt")], [str(tmp_path / "raw.txt"), "top=x"]):
-        r = subprocess.run([sys.executable, bench.__file__, "pyspy", *args], capture_output=True, text=True)
-        assert r.returncode == 2 and r.stderr.startswith("error: usage: python bench.py pyspy") and \
+    for args in (["pyspy", str(tmp_path / "nope.txt")], ["pyspy", str(tmp_path / "raw.txt"), "top=x"],
+                 ["compare", str(tmp_path), str(tmp_path / "no_checkpoint")]):  # (bench.py compare's too)
+        r = subprocess.run([sys.executable, bench.__file__, *args], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.startswith(f"error: usage: python bench.py {args[0]}") and \
             len(r.stderr.strip().splitlines()) == 1, (args, r)
