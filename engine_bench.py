@@ -57,7 +57,7 @@ import grpo
 import memory
 import rewards
 import rollout
-from common import UserError
+from common import UserError, heap_freezer
 
 # name -> (what it adds to bare, VLLMRollout._requests switches; None: not an engine-level row)
 ROWS = {
@@ -474,21 +474,23 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
     timed = [r for r in rows if r in ENGINE_ROWS or r in ("all_ours", "all_ours_gc_on")]
     if "all_ours_scored" in rows and "all_ours" not in timed:
         timed.append("all_ours")
-    for k in range(repeats):
-        for name in (timed if k % 2 == 0 else timed[::-1]):
-            with sampled_stacks(stacks[name], sample_ms / 1e3), engine_loop_timers(eng.llm, loops[name]):
-                if name == "all_ours":
-                    got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
-                elif name == "all_ours_gc_on":
-                    with collector_left_on():
-                        got = {name: ours_row(ctx, drawn)[0]}
-                else:
-                    got = {name: one(name, call)}
-            for key, r in got.items():
-                if key in rows:
-                    runs.setdefault(key, []).append(r)
-            print(f"[engine-ablation] round {k + 1}: " + ", ".join(f"{key} {r['seconds']:.2f} s" for key, r in
-                                                                     got.items()), flush=True)
+    with heap_freezer() as freeze:
+        freeze()  # what the warm-up left, out of the collector's walks (grpo.train: after its first step)
+        for k in range(repeats):
+            for name in (timed if k % 2 == 0 else timed[::-1]):
+                with sampled_stacks(stacks[name], sample_ms / 1e3), engine_loop_timers(eng.llm, loops[name]):
+                    if name == "all_ours":
+                        got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
+                    elif name == "all_ours_gc_on":
+                        with collector_left_on():
+                            got = {name: ours_row(ctx, drawn)[0]}
+                    else:
+                        got = {name: one(name, call)}
+                for key, r in got.items():
+                    if key in rows:
+                        runs.setdefault(key, []).append(r)
+                print(f"[engine-ablation] round {k + 1}: " + ", ".join(f"{key} {r['seconds']:.2f} s" for key, r in
+                                                                         got.items()), flush=True)
     result = dict(rows={}, model_runner=model_runner(eng), vllm=getattr(eng, "version", None),
                   gpu_memory_utilization=cfg.gpu_memory_utilization, repeats=repeats, warmup_tokens=warmup_tokens,
                   prompts=len(drawn), n=cfg.n, max_tokens=cfg.max_response_length,

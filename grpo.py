@@ -29,7 +29,7 @@ import tiny_model
 import video
 from algos import (adaptive_kl_coef, agg_loss, compute_advantages, kl_penalty, lr_factor,  # the formulas
                    policy_loss, select_groups)
-from common import UserError, one_line_errors
+from common import UserError, heap_freezer, one_line_errors
 from config import Config  # the options; their defaults are EasyR1's (examples/config.yaml)
 # the demos' own defaults (no --model-path), where a flag does not say otherwise: DEMO, and TEXT_DEMO / VIDEO_DEMO on
 # top of it for the text and the video demo
@@ -511,19 +511,23 @@ def train(cfg: Config, collect=collect_rollouts):
         val = validate(ctx)
         ctx.say("[val] step 0 " + " ".join(f"{k}={v:.3f}" for k, v in val.items()))
         log.write({"step": 0, **val}, val_rows=ctx.val_rows)
-    for step in range(ctx.start_step, cfg.max_steps):
-        with memory.oom_explained(ctx, step):  # one line with the memory's shares, not a traceback per rank
-            metrics, samples = train_step(ctx, step, collect)
-        last = step + 1 == cfg.max_steps
-        if cfg.val_freq and ctx.val is not None and ((step + 1) % cfg.val_freq == 0 or last):
-            t = time.time()
-            metrics.update(validate(ctx))
-            metrics["timing/val"] = time.time() - t
-        if cfg.save_freq >= 0 and ((cfg.save_freq and (step + 1) % cfg.save_freq == 0) or last):
-            t = time.time()
-            rundir.save(ctx, step + 1, metrics, say=log.say)  # keeps the best by val/mean
-            metrics["timing/save"] = time.time() - t
-        log.write(metrics, samples, last, val_rows=ctx.val_rows if "val/mean" in metrics else None)
+    with heap_freezer() as freeze:
+        for step in range(ctx.start_step, cfg.max_steps):
+            with memory.oom_explained(ctx, step):  # one line with the memory's shares, not a traceback per rank
+                metrics, samples = train_step(ctx, step, collect)
+            last = step + 1 == cfg.max_steps
+            if cfg.val_freq and ctx.val is not None and ((step + 1) % cfg.val_freq == 0 or last):
+                t = time.time()
+                metrics.update(validate(ctx))
+                metrics["timing/val"] = time.time() - t
+            if cfg.save_freq >= 0 and ((cfg.save_freq and (step + 1) % cfg.save_freq == 0) or last):
+                t = time.time()
+                rundir.save(ctx, step + 1, metrics, say=log.say)  # keeps the best by val/mean
+                metrics["timing/save"] = time.time() - t
+            log.write(metrics, samples, last, val_rows=ctx.val_rows if "val/mean" in metrics else None)
+            if step == ctx.start_step:  # the run's long-lived objects now exist: out of the collector's walks
+                del metrics, samples
+                freeze()
     log.close()
     dist.barrier()
     return ctx

@@ -2,8 +2,10 @@
 passes (--logprob-max-token-len-per-device) gives the same log-probs in fewer micro-batches, and selective activation
 checkpointing (--checkpoint-layers) gives the same loss and gradients with fewer layers recomputed; the memory model
 counts both."""
+import gc
 import json
 import math
+import weakref
 import shutil
 from dataclasses import asdict, replace
 
@@ -73,6 +75,29 @@ def test_the_log_prob_passes_of_a_step_get_their_own_bound(tmp_path, monkeypatch
     assert flags == [True, False]
     (m,) = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert math.isfinite(m["actor/grad_norm"]) and m["timing/old_logprob"] > 0 and m["timing/ref_logprob"] > 0
+
+
+def test_the_heap_is_frozen_after_the_first_step_and_unfrozen_at_the_end(tmp_path):
+    """grpo.train moves what is alive after its first step out of the collector's walks (vLLM's sleep runs a full
+    collection every step) and hands it back when the run ends; a step's cyclic garbage is still collected."""
+    counts, collected = [], []
+
+    def collect(ctx, step, metrics):
+        counts.append(gc.get_freeze_count())
+        cycle = [None]
+        cycle[0] = cycle
+        probe = weakref.ref(type("Probe", (), {})())  # (a class is cyclic: its __mro__ holds it)
+        del cycle
+        gc.collect()  # as vLLM's sleep: young cyclic garbage goes, frozen or not
+        collected.append(probe() is None)
+        return grpo.collect_rollouts(ctx, step, metrics)
+    args = ["--rollout-engine", "hf", "--rollout-batch-size", "2", "--global-batch-size", "2", "--rollout-n", "2",
+            "--max-steps", "3", "--val-freq", "0", "--save-freq", "-1", "--resume", "never", "--output-dir",
+            str(tmp_path), "--max-response-length", "4"]
+    assert gc.get_freeze_count() == 0
+    grpo.train(cli(grpo.Config, grpo.DEMO, args=args), collect=collect)
+    assert counts[0] == 0 and min(counts[1:]) > 1000, counts  # the model, the optimizer, ... (refcounting still frees)
+    assert collected == [True] * 3 and gc.get_freeze_count() == 0
 
 
 def test_the_options_are_checked():
