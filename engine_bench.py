@@ -405,16 +405,20 @@ def run_child(cmd, out_dir, limit_s=300):
 
 
 def table(result):
-    """The markdown table of a result: row, what it adds, seconds (mean; each run), x bare, tokens, GC seconds."""
-    bare = result["rows"].get("bare", {}).get("seconds")
-    out = ["| row | adds to bare | seconds | x bare | tokens | GC s |", "|---|---|---|---|---|---|"]
+    """The markdown table of a result: row, what it adds, seconds (mean; each run), x bare (of the means; and round by
+    round, each run against bare's of the same round: the engine's speed drifts between rounds by more than most
+    additions, BENCHMARKS.md session 14), tokens, GC seconds."""
+    bare = result["rows"].get("bare", {})
+    out = ["| row | adds to bare | seconds | x bare | x bare by round | tokens | GC s |", "|---|---|---|---|---|---|---|"]
     for name, r in result["rows"].items():
         runs = r.get("runs", [])
         each = f" ({', '.join(f'{x:.2f}' for x in runs)})" if len(runs) > 1 else ""
-        ratio = f"{r['seconds'] / bare:.3f}" if bare else "-"
+        ratio = f"{r['seconds'] / bare['seconds']:.3f}" if bare else "-"
+        paired = bare.get("runs", []) if name != "memory_share" else []  # (memory_share: another engine's rounds)
+        rounds = ", ".join(f"{x / b:.3f}" for x, b in zip(runs, paired)) if len(runs) == len(paired) > 1 else "-"
         what = ROWS[name][0] + (f" ({r['gpu_memory_utilization']} instead of {result['gpu_memory_utilization']})"
                                 if name == "memory_share" else "")
-        out.append(f"| {name} | {what} | {r['seconds']:.2f}{each} | {ratio} | {r['tokens']} | "
+        out.append(f"| {name} | {what} | {r['seconds']:.2f}{each} | {ratio} | {rounds} | {r['tokens']} | "
                    f"{r['gc_seconds']:.2f} |")
     return "\n".join(out)
 

@@ -295,6 +295,9 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
     assert saved["rows"]["all_ours_scored"]["seconds"] >= saved["rows"]["all_ours"]["seconds"]
     table = engine_bench.table(saved)
     assert table.count("\n") == len(rows) + 1 and "| bare | nothing" in table and "| 1.000 |" in table
+    two = {"bare": dict(saved["rows"]["bare"], seconds=15, runs=[10, 20]), "seeds": dict(saved["rows"]["seeds"],
+                                                                                      seconds=16.5, runs=[11, 22])}
+    assert "| 1.100 | 1.100, 1.100 |" in engine_bench.table(dict(saved, rows=two))  # each round against its own bare
     # memory_share: the engine sleeps (room for the second one), whose bare row joins the table
     children = []
 
