@@ -50,7 +50,6 @@ import torch.distributed as dist
 import tyro
 from PIL import Image, ImageDraw
 
-import data
 import engine_bench
 import grpo
 import memory
@@ -100,8 +99,7 @@ def response_lengths(seed, pos, n, max_len):
 def realistic_collect(ctx, step, metrics):
     """grpo.collect_rollouts with forced per-sample response lengths (the realistic workload)."""
     cfg = ctx.cfg
-    drawn = data.draw_prompts(ctx.train, ctx.cursor, cfg.rollout_batch_size, ctx.rank, ctx.world, cfg.seed)
-    ctx.cursor += cfg.rollout_batch_size
+    drawn = grpo.take_prompts(ctx, cfg.rollout_batch_size)  # (drawn while the last step's update ran)
     lengths = [response_lengths(cfg.seed, pos, cfg.n, cfg.max_response_length) for pos, _ in drawn]
     return grpo.generate_and_score(ctx, drawn, cfg.n, cfg.temperature, lengths=lengths)
 
@@ -229,8 +227,7 @@ def synthetic_collect(ctx, step, metrics, realistic=False):
     and random 0/1 rewards in place of generation, so the trainer's phases can be timed (and profiled) without an
     inference engine."""
     cfg = ctx.cfg
-    drawn = data.draw_prompts(ctx.train, ctx.cursor, cfg.rollout_batch_size, ctx.rank, ctx.world, cfg.seed)
-    ctx.cursor += cfg.rollout_batch_size
+    drawn = grpo.take_prompts(ctx, cfg.rollout_batch_size)  # (drawn while the last step's update ran)
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 8191 + ctx.rank)
     special = set(ctx.tokenizer.all_special_ids) | set(ctx.model.forbidden)
     allowed = torch.tensor([i for i in range(256) if i not in special])  # byte tokens: in every vocabulary

@@ -11,6 +11,7 @@ on and adds overlong shaping.
 import math
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -68,6 +69,8 @@ class State:
     skipped_total: int = 0
     best: tuple | None = None  # (step, val/mean) of the best checkpoint, never deleted
     kl_coef: float = 0.0  # the KL penalty's coefficient now (an adaptive one moves; a checkpoint saves it)
+    prefetch: tuple | None = None  # the next prompts being drawn on a second thread: (cursor, count, thread, box)
+    prefetch_count: int = 0  # how many prompts the last draw asked for (the next step's first asks for as many)
 
     def say(self, *a):  # rank 0 prints
         rundir.log0(self, *a)
@@ -211,9 +214,7 @@ def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
     enough"."""
     cfg = ctx.cfg
     if not cfg.filter_groups:
-        drawn = data.draw_prompts(ctx.train, ctx.cursor, cfg.rollout_batch_size, ctx.rank, ctx.world, cfg.seed)
-        ctx.cursor += cfg.rollout_batch_size
-        return sample(ctx, drawn, shape)
+        return sample(ctx, take_prompts(ctx, cfg.rollout_batch_size), shape)
     gen = cfg.gen_batch_size or gen_factor * cfg.rollout_batch_size
     share = cfg.rollout_batch_size // ctx.world  # groups this rank must return
     if gen % ctx.world:
@@ -224,9 +225,7 @@ def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
     kept, tries = [], 0
     counts = [0.0] * 5  # groups generated, failed the filter, passed, samples truncated, sum of filter_key
     while True:
-        drawn = data.draw_prompts(ctx.train, ctx.cursor, gen, ctx.rank, ctx.world, cfg.seed)
-        ctx.cursor += gen  # every rank advances the same stream, so resume stays exact
-        samples = sample(ctx, drawn, shape)
+        samples = sample(ctx, take_prompts(ctx, gen), shape)  # (every rank advances the same stream)
         tries += 1
         if cfg.filter_key not in samples[0]["scores"]:
             raise UserError(f"--filter-key {cfg.filter_key}: not a score of reward {cfg.reward_function!r}; "
@@ -255,6 +254,42 @@ def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
                     # the filtered batch's reward/* is biased towards 0.5: this is the policy's real accuracy
                     f"dapo/generated_{cfg.filter_key}": tot[4] / max(tot[0] * cfg.n, 1)})
     return kept
+
+
+def take_prompts(ctx, count):
+    """This rank's share of the `count` prompts at the stream's cursor (data.draw_prompts), which then moves past
+    them: from prefetch_prompts' thread when it drew these, else drawn here. The same records either way:
+    draw_prompts is a function of the cursor (exact resume)."""
+    cursor, want, thread, box = ctx.prefetch or (None, None, None, {})
+    ctx.prefetch = None
+    if thread is not None:
+        thread.join()  # (a stale one too: never two threads encoding at once)
+    if (cursor, want) == (ctx.cursor, count):
+        if "error" in box:
+            raise box["error"]  # a bad row: the error the draw here would have raised
+        drawn = box["drawn"]
+    else:
+        drawn = data.draw_prompts(ctx.train, ctx.cursor, count, ctx.rank, ctx.world, ctx.cfg.seed)
+    ctx.cursor += count
+    ctx.prefetch_count = count
+    return drawn
+
+
+def prefetch_prompts(ctx):
+    """Start drawing the next step's prompts on a second thread: encoding them (the processor resizes and normalises
+    each image: ~20 ms a 512x512 image on one core) would otherwise run on the main thread at the start of the next
+    generation, with the GPU idle; here it runs while this step's log-prob passes and update keep the GPU busy.
+    train_step waits for it before the step ends, so that nothing else encodes meanwhile (validation)."""
+    cursor, count, box = ctx.cursor, ctx.prefetch_count or ctx.cfg.rollout_batch_size, {}
+
+    def draw():
+        try:
+            box["drawn"] = data.draw_prompts(ctx.train, cursor, count, ctx.rank, ctx.world, ctx.cfg.seed)
+        except BaseException as e:  # raised where the prompts are taken, as a draw there would
+            box["error"] = e
+    thread = threading.Thread(target=draw, name="prefetch_prompts", daemon=True)
+    thread.start()
+    ctx.prefetch = (cursor, count, thread, box)
 
 
 def update_policy(ctx, samples, step):
@@ -378,6 +413,8 @@ def train_step(ctx, step, collect=collect_rollouts):
     samples = collect(ctx, step, metrics)
     metrics.update(memory.sleep(ctx.rollout))  # (and the GPU memory free with the engine awake and asleep)
     T["gen"] = time.time() - t
+    if step + 1 < cfg.max_steps:
+        prefetch_prompts(ctx)  # the next step's, while the GPU computes this one's
     peaks["gen"] = memory.phase_peak_gb(ctx.rollout)
     # ---- 3. log-probs of the old policy (when it differs from the first forward, or the reward needs it) and of
     #         the reference ----
@@ -416,6 +453,8 @@ def train_step(ctx, step, collect=collect_rollouts):
     ctx.engine_stale = True
     T["update"] = time.time() - t
     peaks["update"] = memory.phase_peak_gb(ctx.rollout)
+    if ctx.prefetch:
+        ctx.prefetch[2].join()  # (done long before: the update takes longer than the encoding)
     T["step"] = time.time() - t_step
     # ---- metrics: rewards, lengths, seconds, throughput, MFU, memory ----
     metrics.update(rundir.step_metrics(ctx, samples, T, peaks, metrics))

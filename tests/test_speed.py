@@ -1,16 +1,21 @@
 """The speed issue's pieces that are not attention: FLOPs for MFU, the realistic benchmark workload (forced
 response lengths), truncated importance sampling (rollout correction)."""
+import json
+import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import bench
+import data
 import flops
 import fsdp_actor as actor
 import grpo
 import rollout
 import tiny_model
+from common import UserError
+from easyr1_config import cli
 
 
 # ------------------------------------------------------------------------------------------------------- FLOPs
@@ -153,3 +158,42 @@ def test_tis_needs_engine_logprobs(update_setup):
     path, samples, pad = update_setup
     with pytest.raises(ValueError, match="rollout-correction"):
         _update(path, [dict(s, adv=0.0, rollout_logp=None) for s in samples], pad, rollout_correction="tis")
+
+
+# ------------------------------------------------------------------------------------------------ prompts prefetched
+def test_the_next_prompts_are_drawn_during_the_update_and_change_nothing(tmp_path, monkeypatch):
+    """grpo.train draws step k+1's prompts on a second thread while step k's log-prob passes and update run: the
+    same metrics step for step as drawing each step's at its start (the HF engine on the CPU repeats itself), steps
+    2 and 3 take theirs from that thread, and a bad row met there stops the run with the draw's own error."""
+    real, who = data.draw_prompts, []
+
+    def spy(*a, **k):
+        who.append((threading.current_thread().name, a[1]))  # (thread, cursor)
+        return real(*a, **k)
+    monkeypatch.setattr(data, "draw_prompts", spy)
+    args = ["--rollout-engine", "hf", "--rollout-batch-size", "2", "--global-batch-size", "2", "--rollout-n", "2",
+            "--max-steps", "3", "--val-freq", "0", "--save-freq", "-1", "--resume", "never", "--max-response-length",
+            "6"]
+
+    def run(out):
+        grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(out)]))
+        return [json.loads(x) for x in open(out / "metrics.jsonl")]
+    got = run(tmp_path / "prefetched")
+    assert who == [("MainThread", 0), ("prefetch_prompts", 2), ("prefetch_prompts", 4)], who
+    with monkeypatch.context() as m:
+        m.setattr(grpo, "prefetch_prompts", lambda ctx: None)
+        who.clear()
+        plain = run(tmp_path / "plain")
+    assert who == [("MainThread", 0), ("MainThread", 2), ("MainThread", 4)], who
+    def computed(m):  # what the step computed, without its clocks
+        return {k: v for k, v in m.items() if not k.startswith(("timing/", "time/", "throughput/", "perf/", "memory/"))}
+    assert len(computed(plain[0])) > 20 and list(map(computed, got)) == list(map(computed, plain))
+
+    def bad_on_the_thread(*a, **k):
+        if threading.current_thread().name == "prefetch_prompts":
+            raise UserError("dataset row 3: no such image (images[0] = 'x.png')")
+        return real(*a, **k)
+    monkeypatch.setattr(data, "draw_prompts", bad_on_the_thread)
+    with pytest.raises(UserError, match="dataset row 3: no such image"):
+        run(tmp_path / "bad")
+    assert len(open(tmp_path / "bad" / "metrics.jsonl").readlines()) == 1  # step 1 finished; step 2 took the error
