@@ -118,9 +118,9 @@ class Config:
     rollout_correction: Literal["none", "tis"] = "none"  # tis: weight each token's loss by pi_old / pi_engine, capped
     rollout_correction_level: Literal["token", "sequence"] = "token"  # one weight per token, or per sequence
     rollout_correction_cap: float = 2.0  # weights above it are truncated to it (veRL's rollout_is_threshold)
-    # the engine returns its log-probs for one training prompt in K (all its n samples): the agreement metric
-    # (rollout/logprob_diff_*) needs a sample of them, tis every one, and they cost ~20 % of the engine's generation
-    # time (BENCHMARKS "Engine ablation"); 0 = auto: 1 with --rollout-correction tis, else 8
+    # the engine returns its log-probs for one training prompt in K (its first sample; all n with tis): the agreement
+    # metric (rollout/logprob_diff_*) needs a sample of them, tis every one, and each token that returns one costs
+    # vLLM's engine loop ~7 us of Python (BENCHMARKS.md session 14); 0 = auto: 1 with --rollout-correction tis, else 8
     rollout_logprobs_every: int = 0
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU

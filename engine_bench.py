@@ -77,6 +77,8 @@ ROWS = {
     "all_ours": ("VLLMRollout.generate, its KV cache woken before and asleep after", None),
     "all_ours_scored": ("all_ours + decoding and reward (bench's timing/gen)", None),
     "all_ours_gc_on": ("all_ours with Python's collector left on in generate (as before session 13)", None),
+    "all_ours_lp_all_n": ("all_ours with log-probs from all n samples of a chosen prompt, not its first (before "
+                          "session 14)", None),
     "memory_share": ("bare, at the bare engine's share of GPU memory", None),
 }
 ENGINE_ROWS = ("bare", "logprobs", "logprobs_flat", "seeds", "banned", "sleep_wake", "sync_sleep1", "sync_sleep2")
@@ -305,6 +307,18 @@ def ours_row(ctx, drawn):
 
 
 @contextlib.contextmanager
+def every_sample_logprobs():
+    """generate_and_score asking for the log-probs of every sample of a chosen prompt (grpo.logprob_samples = n): the
+    all_ours_lp_all_n row, the split's before and after in one run."""
+    one = grpo.logprob_samples
+    grpo.logprob_samples = lambda cfg: cfg.n
+    try:
+        yield
+    finally:
+        grpo.logprob_samples = one
+
+
+@contextlib.contextmanager
 def collector_left_on():
     """VLLMRollout.generate without its collector pause (common.collector_paused): the all_ours_gc_on row, the
     pause's before and after in one run."""
@@ -475,7 +489,8 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
             one(name, dict(call, max_tokens=warmup_tokens))
     ctx.cfg = cfg
     runs, stacks, loops = {}, collections.defaultdict(collections.Counter), collections.defaultdict(dict)
-    timed = [r for r in rows if r in ENGINE_ROWS or r in ("all_ours", "all_ours_gc_on")]
+    ours_sent = ctx.rollout.calls[-1]["sent"]  # the warm-up's all_ours (short), until a timed one runs
+    timed = [r for r in rows if r in ENGINE_ROWS or r in ("all_ours", "all_ours_gc_on", "all_ours_lp_all_n")]
     if "all_ours_scored" in rows and "all_ours" not in timed:
         timed.append("all_ours")
     with heap_freezer() as freeze:
@@ -485,8 +500,9 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
                 with sampled_stacks(stacks[name], sample_ms / 1e3), engine_loop_timers(eng.llm, loops[name]):
                     if name == "all_ours":
                         got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
-                    elif name == "all_ours_gc_on":
-                        with collector_left_on():
+                        ours_sent = ctx.rollout.calls[-1]["sent"]  # (the variants' rows send otherwise)
+                    elif name in ("all_ours_gc_on", "all_ours_lp_all_n"):
+                        with collector_left_on() if name == "all_ours_gc_on" else every_sample_logprobs():
                             got = {name: ours_row(ctx, drawn)[0]}
                     else:
                         got = {name: one(name, call)}
@@ -498,7 +514,7 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
     result = dict(rows={}, model_runner=model_runner(eng), vllm=getattr(eng, "version", None),
                   gpu_memory_utilization=cfg.gpu_memory_utilization, repeats=repeats, warmup_tokens=warmup_tokens,
                   prompts=len(drawn), n=cfg.n, max_tokens=cfg.max_response_length,
-                  ours_sent=[params_summary(p) for p in ctx.rollout.calls[-1]["sent"]])
+                  ours_sent=[params_summary(p) for p in ours_sent])
     for name in ROWS:  # in ROWS' order
         if name in runs:
             rs = runs[name]

@@ -168,20 +168,29 @@ def logprobs_every(cfg):
     return cfg.rollout_logprobs_every or (1 if cfg.rollout_correction == "tis" else 8)
 
 
+def logprob_samples(cfg):
+    """How many of such a prompt's samples (its first) get them: every one with tis, which weights each by them; else
+    one, a sample of tokens for the agreement metric (rollout/logprob_diff_*). Each sample that asks costs vLLM's
+    engine loop ~7 us of Python per token (BENCHMARKS.md session 14)."""
+    return cfg.n if cfg.rollout_correction == "tis" else 1
+
+
 def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None, logprobs=True):
     """Sample n responses per prompt and score them. Returns the flat list of sample dicts (n per prompt).
     lengths (bench.py's realistic workload): per prompt, n forced response lengths (EOS ignored). logprobs: the
-    engine's log-probs for the prompts at every logprobs_every-th position (validation and ReMax's greedy: none)."""
+    engine's log-probs for the first logprob_samples of the prompts at every logprobs_every-th position (validation
+    and ReMax's greedy: none)."""
     cfg = ctx.cfg
     prompts = [rec for _, rec in drawn]
     seeds = [(cfg.seed * 1_000_003 + pos) % 2**31 for pos, _ in drawn]
-    want = [logprobs and pos % logprobs_every(cfg) == 0 for pos, _ in drawn]
+    k = min(n, logprob_samples(cfg)) if logprobs else 0
+    want = [k if pos % logprobs_every(cfg) == 0 else 0 for pos, _ in drawn]  # per prompt: its first `want` samples
     outs = ctx.rollout.generate(prompts, n=n, temperature=temperature, top_p=cfg.top_p if top_p is None else top_p,
                                 max_tokens=cfg.max_response_length, seeds=seeds, logprobs=want,
                                 **({"lengths": lengths} if lengths is not None else {}))
     samples = [dict(prompt=p, response_ids=list(o["response_ids"]), finished=o["finished"],
-                    rollout_logp=o.get("logprobs") if w else None)
-               for p, w, group in zip(prompts, want, outs) for o in group]
+                    rollout_logp=o.get("logprobs") if j < w else None)  # (the HF engine gives every sample's)
+               for p, w, group in zip(prompts, want, outs) for j, o in enumerate(group)]
     texts = ctx.tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
     items = [{"response": t, "response_length": len(s["response_ids"]), "ground_truth": s["prompt"]["answer"]}
              for t, s in zip(texts, samples)]

@@ -363,7 +363,8 @@ class VLLMRollout:
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
         """lengths (benchmarks): per prompt, n forced response lengths; each sample is then its own request with
         max_tokens = its length and EOS ignored, so every run generates exactly the same number of tokens.
-        logprobs: per prompt, whether its samples return their log-probs (None: all do)."""
+        logprobs: per prompt, how many of its samples (the first) return their log-probs: True or None all, False
+        or 0 none."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if self.weights_lost:
@@ -376,7 +377,7 @@ class VLLMRollout:
             return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
 
     def _items(self, prompts, seeds, lengths=None, logprobs=None):
-        """(vLLM prompt, seed, lengths, wants log-probs) of the TP group's prompts; this rank's slice of them."""
+        """(vLLM prompt, seed, lengths, samples with log-probs) of the TP group's prompts; this rank's slice of them."""
         mine = list(zip(map(self._vllm_prompt, prompts), seeds, lengths or [None] * len(prompts),
                         [True] * len(prompts) if logprobs is None else logprobs))
         everyone, offset = [mine], 0
@@ -394,16 +395,22 @@ class VLLMRollout:
         rows = 1 if temperature == 0 else n  # vLLM rejects n > 1 with greedy sampling; greedy copies are identical
         reqs, params, per_item = [], [], []
         for pr, s, L, want in items:
-            kw = dict(logprobs=logprobs and want, ban=ban, flat=flat)
-            if L is None:  # the training path: one request, n samples
-                reqs.append(pr)
-                params.append(self._sampling_params(rows, temperature, top_p, max_tokens,
-                                                    request_seed(s) if seeded else None, **kw))
+            kw = dict(ban=ban, flat=flat)
+            k = 0 if not logprobs else (rows if L is None else len(L)) if want is True else int(want or 0)
+            if L is None:  # the training path: one request, n samples; two when only the first k return log-probs
+                # (log-probs cost vLLM's loop per token of each sample that asks). vLLM seeds a request's j-th sample
+                # with seed + j, so the second request, seeded k further, draws the samples the one request would
+                parts = [(k, True), (rows - k, False)] if 0 < k < rows else [(rows, k > 0)]
+                for first, (m, lp) in zip((0, parts[0][0]), parts):
+                    reqs.append(pr)
+                    params.append(self._sampling_params(m, temperature, top_p, max_tokens, request_seed(s) + first
+                                                        if seeded else None, logprobs=lp, **kw))
+                per_item.append(len(parts))
             else:  # one request per sample, seeded as vLLM would seed the j-th sample of one request
                 reqs += [pr] * len(L)
                 params += [self._sampling_params(1, temperature, top_p, l, request_seed(s) + j if seeded else None,
-                                                 forced=True, **kw) for j, l in enumerate(L)]
-            per_item.append(1 if L is None else len(L))
+                                                 forced=True, logprobs=j < k, **kw) for j, l in enumerate(L)]
+                per_item.append(len(L))
         return reqs, params, per_item
 
     def _results(self, outs, items, per_item, mine, n, temperature, top_p, max_tokens):

@@ -446,9 +446,26 @@ def test_engine_logprobs_for_one_prompt_in_k(path, monkeypatch):
         sent = [p.logprobs for p in eng.llm.calls[-1]["params"]]
         return sent, [s["rollout_logp"] is not None for s in samples]
 
-    assert asked() == ([0 if p % 8 == 0 else None for p in range(16, 32)],
-                       [p % 8 == 0 for p in range(16, 32) for _ in range(2)])
+    # a chosen prompt's first sample only: its request split in two, seeded so that every sample stays the same
+    assert asked() == ([x for p in range(16, 32) for x in ([0, None] if p % 8 == 0 else [None])],
+                       [p % 8 == 0 and j == 0 for p in range(16, 32) for j in range(2)])
     assert asked(logprobs=False) == ([None] * 16, [False] * 32)
+    kw = dict(n=4, temperature=1.0, top_p=1.0, max_tokens=5, seeds=[11, 12])
+    whole = eng.generate(drawn[0][1:] + drawn[1][1:], **kw)
+    for want in ([1, 0], [3, 4], [0, 2]):
+        got = eng.generate(drawn[0][1:] + drawn[1][1:], logprobs=want, **kw)
+        assert [[o["response_ids"] for o in g] for g in got] == [[o["response_ids"] for o in g] for g in whole]
+        assert [[o["logprobs"] is not None for o in g] for g in got] == [[j < k for j in range(4)] for k in want]
+        assert [o["logprobs"] for g, k in zip(got, want) for o in g[:k]] == \
+            [o["logprobs"] for g, k in zip(whole, want) for o in g[:k]]
+    every = types.SimpleNamespace(generate=lambda prompts, n, **k: [[dict(response_ids=[5], finished=True,
+                                                                            logprobs=[-0.1])] * n for _ in prompts])
+    hf_like = grpo.generate_and_score(types.SimpleNamespace(**dict(vars(ctx), rollout=every)), drawn, 2, 1.0)
+    assert [s["rollout_logp"] is not None for s in hf_like] == [p % 8 == 0 and j == 0 for p in range(16, 32)
+                                                                 for j in range(2)]  # an engine that gives them all
+    sent = eng.llm.calls[-1]["params"]  # [0, 2]: the first prompt's 4 samples, the second's 2 + 2
+    assert [(p.n, p.seed, p.logprobs) for p in sent] == [
+        (4, rollout.request_seed(11), None), (2, rollout.request_seed(12), 0), (2, rollout.request_seed(12) + 2, None)]
     ctx.cfg = grpo.Config(max_response_length=3, rollout_correction="tis")
     assert asked() == ([0] * 16, [True] * 32)
     # the metric: |trainer - engine| over the tokens of the samples that have the engine's log-probs
