@@ -108,6 +108,27 @@ def test_consecutive_prompt_seeds_draw_independent_samples(setup):
     assert sum(s["response_ids"] == x for s, x in zip(again, a)) >= 12
 
 
+def test_a_split_request_draws_the_samples_of_the_whole(setup):
+    """Log-probs for a prompt's first k samples only (grpo.logprob_samples): generate splits the prompt's request in
+    two, k samples seeded as the one request's first k and n - k seeded k further; vLLM seeds a request's j-th sample
+    with seed + j, so the samples are the whole request's (at temperature 2, where a seed moved by one would draw
+    other samples), and the first k carry the same log-probs. Only batch-dependent kernel numerics could change a
+    token."""
+    eng, recs = setup["eng"], setup["prompts"]
+    kw = dict(n=4, temperature=2.0, top_p=1.0, max_tokens=12, seeds=[21, 22, 23, 24][:len(recs)])
+    whole = eng.generate(recs, **kw)
+    want = [1, 0, 2, 4][:len(recs)]
+    split = eng.generate(recs, logprobs=want, **kw)
+    same = [a["response_ids"] == b["response_ids"] for g, w in zip(split, whole) for a, b in zip(g, w)]
+    print(f"[vllm] split requests: {sum(same)}/{len(same)} samples identical to the whole request's")
+    assert sum(same) >= len(same) - 2
+    for g, w, k in zip(split, whole, want):
+        assert [a["logprobs"] is not None for a in g] == [j < k for j in range(4)]
+        for a, b in zip(g[:k], w[:k]):
+            if a["response_ids"] == b["response_ids"]:
+                assert torch.allclose(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=0.05)
+
+
 def test_prompt_expansion_matches_hf_processor(setup):
     # vLLM expands the single <|image_pad|> itself: it must give exactly the trainer's prompt_ids length
     eng, recs = setup["eng"], setup["prompts"]
