@@ -9,7 +9,9 @@
 #   1. carry .gpu/vllm026-slim.tar.xz.part-00:   mkdir -p /tmp/vparts && cp .gpu/*.part-00 /tmp/vparts/
 #   2. carry .gpu/vllm026-slim.tar.xz.part-01, .gpu/install_vllm.sh and .gpu/wheels (a call carries at most 64 MiB
 #      with the tracked tree, ~8 MB now: when it refuses, carry the part alone and copy it to /tmp/vparts, then
-#      install.sh and the wheels in the next call; the tool's README splits part-00 in two the same way):
+#      install.sh and the wheels in the next call; the tool's README splits part-00 in two the same way; since
+#      2026-12-02 the tracked tree (9.4 MB) and part-01 (57.6 MB) pass 64 MiB together: `split -b 30M -d
+#      .gpu/vllm026-slim.tar.xz.part-01 .gpu/p01.` and carry p01.00, then p01.01, cat-ing them in /tmp/vparts):
 #      cp .gpu/*.part-01 /tmp/vparts/ && bash .gpu/install_vllm.sh && bash benchmarks/gpu_speed.sh bar
 # The install takes ~20 s; a later call on the same warm machine runs a recipe alone (`bash benchmarks/gpu_X.sh ...`).
 # One call may run 10 minutes: each recipe says how long its modes take. What a call leaves in $OUT comes back.
