@@ -71,6 +71,7 @@ class State:
     kl_coef: float = 0.0  # the KL penalty's coefficient now (an adaptive one moves; a checkpoint saves it)
     prefetch: tuple | None = None  # the next prompts being drawn on a second thread: (cursor, count, thread, box)
     prefetch_count: int = 0  # how many prompts the last draw asked for (the next step's first asks for as many)
+    prompt_seconds: float = 0.0  # this step's main-thread seconds in take_prompts (timing/prompts)
 
     def say(self, *a):  # rank 0 prints
         rundir.log0(self, *a)
@@ -269,6 +270,7 @@ def take_prompts(ctx, count):
     """This rank's share of the `count` prompts at the stream's cursor (data.draw_prompts), which then moves past
     them: from prefetch_prompts' thread when it drew these, else drawn here. The same records either way:
     draw_prompts is a function of the cursor (exact resume)."""
+    t = time.time()
     cursor, want, thread, box = ctx.prefetch or (None, None, None, {})
     ctx.prefetch = None
     if thread is not None:
@@ -281,6 +283,7 @@ def take_prompts(ctx, count):
         drawn = data.draw_prompts(ctx.train, ctx.cursor, count, ctx.rank, ctx.world, ctx.cfg.seed)
     ctx.cursor += count
     ctx.prefetch_count = count
+    ctx.prompt_seconds += time.time() - t
     return drawn
 
 
@@ -418,10 +421,11 @@ def train_step(ctx, step, collect=collect_rollouts):
     start = {"sync": t_step}  # each phase's wall-clock start (bench.py phases: the GPU's clocks and power per phase)
     # ---- 1. sample (generate n responses per prompt) and 2. score ----
     t = start["gen"] = time.time()
+    ctx.prompt_seconds = 0.0
     ctx.rollout.wake()
     samples = collect(ctx, step, metrics)
     metrics.update(memory.sleep(ctx.rollout))  # (and the GPU memory free with the engine awake and asleep)
-    T["gen"] = time.time() - t
+    T["gen"], T["prompts"] = time.time() - t, ctx.prompt_seconds  # (drawing the prompts: part of gen)
     if step + 1 < cfg.max_steps:
         prefetch_prompts(ctx)  # the next step's, while the GPU computes this one's
     peaks["gen"] = memory.phase_peak_gb(ctx.rollout)

@@ -71,7 +71,8 @@ def stub_ctx(monkeypatch, accs_per_try, **cfg_kw):
     monkeypatch.setattr(grpo.data, "draw_prompts", lambda ds, cursor, count, *a: [(cursor + i, {})
                                                                                   for i in range(count)])
     monkeypatch.setattr(grpo, "generate_and_score", lambda ctx, drawn, n, t: fake(next(tries), n))
-    return SimpleNamespace(cfg=cfg, rank=0, world=1, cursor=0, train=None, prefetch=None, prefetch_count=0)
+    return SimpleNamespace(cfg=cfg, rank=0, world=1, cursor=0, train=None, prefetch=None, prefetch_count=0,
+                           prompt_seconds=0.0)
 
 
 def test_collect_fills_the_batch_exactly(monkeypatch):

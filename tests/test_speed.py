@@ -180,6 +180,8 @@ def test_the_next_prompts_are_drawn_during_the_update_and_change_nothing(tmp_pat
         return [json.loads(x) for x in open(out / "metrics.jsonl")]
     got = run(tmp_path / "prefetched")
     assert who == [("MainThread", 0), ("prefetch_prompts", 2), ("prefetch_prompts", 4)], who
+    # timing/prompts: the main thread's seconds getting them, the whole draw at step 1, a look-up after
+    assert all(0 <= m["timing/prompts"] < got[0]["timing/prompts"] / 10 for m in got[1:]), got
     with monkeypatch.context() as m:
         m.setattr(grpo, "prefetch_prompts", lambda ctx: None)
         who.clear()
