@@ -76,7 +76,7 @@ ROWS = {
                     dict(seeded=False, logprobs=False, ban=False)),
     "all_ours": ("VLLMRollout.generate, its KV cache woken before and asleep after", None),
     "all_ours_scored": ("all_ours + decoding and reward (bench's timing/gen)", None),
-    "all_ours_gc_on": ("all_ours with Python's collector left on in generate (as before session 13)", None),
+    "all_ours_gc_on": ("all_ours with Python's collector left on in generate (its pause's before)", None),
     "all_ours_lp_all_n": ("all_ours with log-probs from all n samples of a chosen prompt, not its first (before "
                           "session 14)", None),
     "memory_share": ("bare, at the bare engine's share of GPU memory", None),
