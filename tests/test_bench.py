@@ -1,9 +1,16 @@
 """bench.py's workload is the one the speed bar names: one 512x512 image and about 100 text tokens per prompt."""
+import collections
+import datetime
+import gc
+import glob
 import json
+import lzma
 import os
+import shlex
 import subprocess
 import sys
 import time
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -109,7 +116,6 @@ def test_memory_model_bytes_per_parameter():
 
 
 def test_table_marks_measured_cells_with_the_models_error(tmp_path):
-    from dataclasses import asdict
     cfg = asdict(grpo.Config(rollout_batch_size=8, n=8, lora_rank=64))
     s = {"preset": "qwen2_5_vl_7b", "world": 1, "date": "2026-12-01", "command": "bench.py --lora-rank 64",
          "config": cfg, "memory/trainer_peak_update_gb": 40.0, "memory/engine_pool_gb": 20.0, "timing/step": 9.0}
@@ -144,7 +150,6 @@ def test_memory_model_tracks_every_measured_run():
     benchmarks/h200 (the AMP, pure bf16, LoRA and offload runs of the 3B, 7B and 8B). A wrong bytes-per-parameter or
     activation term shows here (the old log-prob-pass bound was 54 % high on the 3B LoRA run; adding the logits
     chunk to a recomputed layer instead of taking the larger, 47 % high on the 3B offload run's update)."""
-    import glob
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "h200")
     runs = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(here, "*_summary.json")))]
     runs = [s for s in runs if "memory/trainer_peak_ref_gb" in s]
@@ -221,9 +226,6 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
     sleep after, all_ours_gc_on is all_ours with Python's collector on in vLLM's loop (off in all_ours),
     all_ours_lp_all_n asks one request per prompt (all_ours splits a chosen prompt's), and the table and JSON hold
     every row."""
-    import gc
-    from dataclasses import replace
-
     from test_rollout import StandInLLM, standin_vllm
     seen, built = standin_vllm(monkeypatch)
     collector, standin_generate = [], StandInLLM.generate
@@ -348,7 +350,6 @@ def test_sampled_stacks_say_where_the_calling_thread_spends_its_time():
     """--sample-stacks: the seconds looked at land in the function that held the thread (here a Python busy loop,
     then a sleep, the stand-ins for the engine's Python work and a wait on the GPU), each close to its share of the
     time although the busy loop holds the GIL and delays the looks; 0: no looks."""
-    import collections
 
     def busy_python(t):
         end = time.perf_counter() + t
@@ -389,7 +390,6 @@ def test_engine_ablation_memory_share_row_runs_bare_alone_in_a_second_engine():
 
 def _recipe_config(tmp_path, precision=None):
     """grpo.Config of benchmarks/gpu_moe30b.sh's bench.py run (the flags as bash passes them), and its preset."""
-    import shlex
     import tyro
     import easyr1_config
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "gpu_moe30b.sh")
@@ -415,7 +415,6 @@ def test_the_30b_recipe_fits_one_h200_by_the_memory_model(tmp_path):
     6 GiB KV cache and ~3 of activations and graphs: ~125 of an H200's ~139; the update needs ~80 with the engine
     asleep; vLLM's start-up check (gpu_memory_utilization x the card free) passes beside the trainer's weights.
     In AMP (LoRA on fp32 master weights) the same run stops before loading, naming the two GPUs it takes."""
-    from dataclasses import asdict
     from common import UserError
     cfg, preset = _recipe_config(tmp_path)
     assert preset == "qwen3_vl_30b_a3b" and (cfg.lora_rank, cfg.precision, cfg.sleep_level) == (64, "bf16", 2)
@@ -435,7 +434,6 @@ def test_the_30b_recipe_fits_one_h200_by_the_memory_model(tmp_path):
 def test_phases_reads_the_gpu_log_inside_each_phase(tmp_path):
     """bench.py phases: the nvidia-smi rows that fall inside each phase's window (its stamped start and seconds),
     and, for a run without stamps, the phases laid back from its last busy second."""
-    import datetime
     t0 = 1_800_000_000.0
     step = {"step": 1, "timing/step": 6.0, "timing/sync": 1.0, "timing/gen": 2.0, "timing/update": 3.0,
             "time/sync_start": t0, "time/gen_start": t0 + 1, "time/update_start": t0 + 3}
@@ -571,7 +569,6 @@ def test_engine_loop_timers_split_the_loop_into_host_and_gpu_wait():
 def test_pyspy_table_shares_inside_the_engine_step(tmp_path):
     """bench.py pyspy: of py-spy's collapsed stacks only those inside vLLM's engine step count; each function's
     share is inclusive, counted once per sample however deep it recurses, its line numbers merged; .xz reads alike."""
-    import lzma
     step = "LLMEngine.step (vllm/v1/engine/llm_engine.py:301)"
     raw = "\n".join([
         f"thread (1): MainThread;main (bench.py:9);{step};Scheduler.schedule (vllm/sched.py:10);f (x.py:1) 6",
