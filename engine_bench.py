@@ -24,6 +24,7 @@ generate adds to a bare request (so no row is a copy of generate's request build
                   weights woken untimed, as a step's sync leaves them): a step's engine time
   all_ours_scored the same run with grpo.generate_and_score's decoding and reward: bench.py's timing/gen
   all_ours_gc_on  all_ours with Python's cyclic collector left on while vLLM's loop runs (generate pauses it)
+  all_ours_lp_all_n  all_ours with log-probs from every sample of a chosen prompt (generate asks its first only)
   memory_share    bare in a second engine (a child process, after this one sleeps) at --bare-memory-share, the share
                   of GPU memory of the bare vLLM engine the issue compared with (0.6), instead of ours
 
@@ -306,28 +307,20 @@ def ours_row(ctx, drawn):
     return dict(r, seconds=total - call["after_seconds"]), dict(r, seconds=total)
 
 
-@contextlib.contextmanager
-def every_sample_logprobs():
-    """generate_and_score asking for the log-probs of every sample of a chosen prompt (grpo.logprob_samples = n): the
-    all_ours_lp_all_n row, the split's before and after in one run."""
-    one = grpo.logprob_samples
-    grpo.logprob_samples = lambda cfg: cfg.n
-    try:
-        yield
-    finally:
-        grpo.logprob_samples = one
+# all_ours with one of generate's parts undone, each its before and after in one run: (module, name, stand-in)
+VARIANTS = {"all_ours_gc_on": (rollout, "collector_paused", contextlib.nullcontext),  # the collector's pause
+            "all_ours_lp_all_n": (grpo, "logprob_samples", lambda cfg: cfg.n)}  # the first sample's log-probs only
 
 
 @contextlib.contextmanager
-def collector_left_on():
-    """VLLMRollout.generate without its collector pause (common.collector_paused): the all_ours_gc_on row, the
-    pause's before and after in one run."""
-    paused = rollout.collector_paused
-    rollout.collector_paused = contextlib.nullcontext
+def swapped(module, name, value):
+    """module.name is `value` while the block runs (a VARIANTS row)."""
+    kept = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        rollout.collector_paused = paused
+        setattr(module, name, kept)
 
 
 def engine_recorder(eng):
@@ -490,7 +483,7 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
     ctx.cfg = cfg
     runs, stacks, loops = {}, collections.defaultdict(collections.Counter), collections.defaultdict(dict)
     ours_sent = ctx.rollout.calls[-1]["sent"]  # the warm-up's all_ours (short), until a timed one runs
-    timed = [r for r in rows if r in ENGINE_ROWS or r in ("all_ours", "all_ours_gc_on", "all_ours_lp_all_n")]
+    timed = [r for r in rows if r in ENGINE_ROWS or r == "all_ours" or r in VARIANTS]
     if "all_ours_scored" in rows and "all_ours" not in timed:
         timed.append("all_ours")
     with heap_freezer() as freeze:
@@ -501,8 +494,8 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
                     if name == "all_ours":
                         got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
                         ours_sent = ctx.rollout.calls[-1]["sent"]  # (the variants' rows send otherwise)
-                    elif name in ("all_ours_gc_on", "all_ours_lp_all_n"):
-                        with collector_left_on() if name == "all_ours_gc_on" else every_sample_logprobs():
+                    elif name in VARIANTS:
+                        with swapped(*VARIANTS[name]):
                             got = {name: ours_row(ctx, drawn)[0]}
                     else:
                         got = {name: one(name, call)}
