@@ -54,7 +54,10 @@ class Config:
     kv_cache_memory_gb: float = 0.0  # vLLM's KV cache (GiB) set, not profiled: runs can share a GPU; 0 = measured
     max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step
     enforce_eager: bool = False  # vLLM without CUDA graphs (slower, starts faster)
-    sleep_level: int = 1  # 1: engine weights wait in CPU memory while training; 2: dropped, re-sent before generating
+    # 1: the engine's weights wait in CPU memory while training; 2: dropped, re-sent before generating; auto: 2 for
+    # full fine-tuning (every weight is re-sent each step anyway: level 1's copy out and back is pure cost), 1 with LoRA
+    # (and --debug-skip-sync)
+    sleep_level: int | Literal["auto"] = "auto"
     # each prompt's samples seeded from its place in the data: a run is the same on any layout and on resume; off:
     # vLLM seeds each request itself (seeds cost a loop per request and decode step on vLLM's V1 runner, which MoE
     # models get, nothing on its V2 runner; README Speed)

@@ -66,6 +66,24 @@ def test_engine_options_reach_vllm(path, monkeypatch):
     seen.clear()
     rollout.make_rollout("vllm", path, **rollout.engine_options(grpo.Config()))
     assert "kv_cache_memory_bytes" not in seen  # 0: vLLM measures what gpu_memory_utilization leaves
+    # --sleep-level auto: full fine-tuning re-sends every weight, so the engine drops its own (2); LoRA's sync and
+    # --debug-skip-sync leave the engine's weights in use (1); a level given is kept
+    for kw, level in ((dict(), 2), (dict(lora_rank=8), 1), (dict(debug_skip_sync=True), 1),
+                      (dict(sleep_level=1), 1), (dict(lora_rank=8, sleep_level=2), 2)):
+        assert rollout.engine_options(grpo.Config(**kw))["sleep_level"] == level, kw
+
+
+def test_sleep_level_is_checked_and_parsed(tmp_path):
+    """--sleep-level takes 1, 2 or auto from the command line; anything else stops with one line naming it."""
+    import easyr1_config
+    import grpo
+    from common import UserError
+    from config import Config
+    with pytest.raises(UserError, match="--sleep-level 3"):
+        easyr1_config.check(Config(output_dir=str(tmp_path), sleep_level=3), 1)
+    for arg, want in (("2", 2), ("auto", "auto")):
+        cfg = easyr1_config.cli(grpo.Config, grpo.DEMO, args=["--sleep-level", arg, "--output-dir", str(tmp_path)])
+        assert cfg.sleep_level == want
 
 
 def test_seeded_and_independent_of_other_prompts(engine, prompts):
