@@ -142,7 +142,8 @@ def sampled_stacks(counts, interval):
         t.join()
 
 
-LOOP = ("step", "schedule", "launch", "sample_launch", "wait", "update", "outputs")  # engine_loop_timers' parts
+# engine_loop_timers' parts: the loop's (step and what it calls), then the requests' intake before it
+LOOP = ("step", "schedule", "launch", "sample_launch", "wait", "update", "outputs", "add")
 
 
 @contextlib.contextmanager
@@ -150,9 +151,10 @@ def engine_loop_timers(llm, totals):
     """While the block runs, the in-process vLLM engine loop's parts are timed (totals: a dict of seconds, plus
     "steps"): each engine step, and inside it the scheduler (schedule, update from the output), the executor's
     launches (the forward, the sampling) and the wait for a step's sampled tokens (the future's result: the GPU
-    sync), and the output processor. Unlike sampled_stacks these are not sampled, so not biased towards the calls
-    that release the GIL. host = step - wait: a loop that never waits kept the GPU waiting on Python. Parts this
-    vLLM lacks (another version, or not vLLM: llm None) are left out."""
+    sync), and the output processor; outside the loop, the requests' intake before it (LLMEngine.add_request: vLLM's
+    input processing, the images through the HF processor). Unlike sampled_stacks these are not sampled, so not biased
+    towards the calls that release the GIL. host = step - wait: a loop that never waits kept the GPU waiting on Python.
+    Parts this vLLM lacks (another version, or not vLLM: llm None) are left out."""
     engine = getattr(llm, "llm_engine", None)
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient's EngineCore
     sched, executor = getattr(core, "scheduler", None), getattr(core, "model_executor", None)
@@ -170,8 +172,9 @@ def engine_loop_timers(llm, totals):
             return out
         return run
 
-    for obj, name, key in ((engine, "step", "step"), (getattr(engine, "output_processor", None), "process_outputs",
-                           "outputs"), (sched, "schedule", "schedule"), (sched, "update_from_output", "update"),
+    for obj, name, key in ((engine, "step", "step"), (engine, "add_request", "add"),
+                           (getattr(engine, "output_processor", None), "process_outputs", "outputs"),
+                           (sched, "schedule", "schedule"), (sched, "update_from_output", "update"),
                            (executor, "execute_model", "launch"), (executor, "sample_tokens", "sample_launch")):
         if obj is not None and callable(getattr(obj, name, None)):
             patched.append((obj, name, obj.__dict__.get(name)))

@@ -5,12 +5,12 @@ import os
 import sys
 
 KEYS = ("timing/gen", "gen_loop/step", "gen_loop/schedule", "gen_loop/launch", "gen_loop/sample_launch",
-        "gen_loop/wait", "gen_loop/update", "gen_loop/outputs", "gen_loop/gc")
+        "gen_loop/wait", "gen_loop/update", "gen_loop/outputs", "gen_loop/add", "gen_loop/gc")
 
 
 def table(paths):
-    out = ["| run, step | timing/gen | loop step | schedule | launch | sample_launch | wait | update | outputs | gc |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| run, step | timing/gen | loop step | schedule | launch | sample_launch | wait | update | outputs | add "
+           "| gc |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in paths:
         name = os.path.basename(path).replace("_metrics.jsonl", "")
         for line in open(path):
