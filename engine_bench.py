@@ -25,6 +25,7 @@ generate adds to a bare request (so no row is a copy of generate's request build
   all_ours_scored the same run with grpo.generate_and_score's decoding and reward: bench.py's timing/gen
   all_ours_gc_on  all_ours with Python's cyclic collector left on while vLLM's loop runs (generate pauses it)
   all_ours_lp_all_n  all_ours with log-probs from every sample of a chosen prompt (generate asks its first only)
+  all_ours_no_lp  all_ours with no log-probs at all: what the agreement metric costs the engine loop
   memory_share    bare in a second engine (a child process, after this one sleeps) at --bare-memory-share, the share
                   of GPU memory of the bare vLLM engine the issue compared with (0.6), instead of ours
 
@@ -80,6 +81,7 @@ ROWS = {
     "all_ours_gc_on": ("all_ours with Python's collector left on in generate (its pause's before)", None),
     "all_ours_lp_all_n": ("all_ours with log-probs from all n samples of a chosen prompt, not its first (before "
                           "session 14)", None),
+    "all_ours_no_lp": ("all_ours with no log-probs asked (the agreement metric's cost: all_ours against this)", None),
     "memory_share": ("bare, at the bare engine's share of GPU memory", None),
 }
 ENGINE_ROWS = ("bare", "logprobs", "logprobs_flat", "seeds", "banned", "sleep_wake", "sync_sleep1", "sync_sleep2")
@@ -312,7 +314,8 @@ def ours_row(ctx, drawn):
 
 # all_ours with one of generate's parts undone, each its before and after in one run: (module, name, stand-in)
 VARIANTS = {"all_ours_gc_on": (rollout, "collector_paused", contextlib.nullcontext),  # the collector's pause
-            "all_ours_lp_all_n": (grpo, "logprob_samples", lambda cfg: cfg.n)}  # the first sample's log-probs only
+            "all_ours_lp_all_n": (grpo, "logprob_samples", lambda cfg: cfg.n),  # the first sample's log-probs only
+            "all_ours_no_lp": (grpo, "logprob_samples", lambda cfg: 0)}  # none: what the log-probs cost
 
 
 @contextlib.contextmanager
