@@ -477,7 +477,8 @@ def check(cfg, world):
                         f"{cfg.logprob_max_token_len_per_device}: the first is a share in [0, 1] or auto, the second "
                         ">= 0")
     if cfg.sleep_level not in (1, 2, "auto"):
-        raise UserError(f"--sleep-level {cfg.sleep_level}: 1 (weights kept in host memory), 2 (dropped, re-sent) or auto")
+        raise UserError(f"--sleep-level {cfg.sleep_level}: 1 (weights kept in host memory), 2 (dropped, re-sent) "
+                        "or auto")
     if cfg.precision == "bf16" and cfg.dtype == "fp32":
         raise UserError("--precision bf16 computes in bf16: drop --dtype fp32 (or use --precision amp)")
     data.check_model_path(cfg.model_path)

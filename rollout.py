@@ -569,7 +569,7 @@ def engine_options(cfg, limit_videos=0):
     """The engine's settings from grpo.Config, every option it reads named here. limit_videos: videos per prompt
     when --limit-videos is 0 (setup passes the most any row has)."""
     # full fine-tuning re-sends every weight each step: level 1 would copy them to page-locked host memory at each sleep
-    # and back at each wake for nothing (the 3B on an H200: 8 GiB per engine, the wake 0.28-0.32 s vs 0.10-0.12,
+    # and back at each wake for nothing (the 3B on an H200: 8 GiB per engine, the wake 0.27-0.32 s vs 0.10-0.12,
     # BENCHMARKS.md session 15); LoRA's sync sends the adapted layers only, --debug-skip-sync none
     auto_level = 1 if cfg.lora_rank > 0 or cfg.debug_skip_sync else 2
     return dict(tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
