@@ -568,17 +568,15 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
 def engine_options(cfg, limit_videos=0):
     """The engine's settings from grpo.Config, every option it reads named here. limit_videos: videos per prompt
     when --limit-videos is 0 (setup passes the most any row has)."""
-    # full fine-tuning re-sends every weight each step: level 1 would copy them to page-locked host memory at each sleep
-    # and back at each wake for nothing (the 3B on an H200: 8 GiB per engine, the wake 0.27-0.32 s vs 0.10-0.12,
-    # BENCHMARKS.md session 15); LoRA's sync sends the adapted layers only, --debug-skip-sync none
+    # full fine-tuning re-sends every weight each step, so level 1's copy to pinned host memory and back is waste (3B:
+    # 8 GiB, wake 0.27-0.32 s vs 0.10-0.12, BENCHMARKS.md session 15); LoRA's sync and --debug-skip-sync need it
     auto_level = 1 if cfg.lora_rank > 0 or cfg.debug_skip_sync else 2
     return dict(tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
                 max_model_len=cfg.max_prompt_length + cfg.max_response_length,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, limit_images=cfg.limit_images,
                 limit_videos=cfg.limit_videos or limit_videos, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
-                sleep_level=auto_level if cfg.sleep_level == "auto" else cfg.sleep_level,
-                min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels,
+                sleep_level=auto_level if cfg.sleep_level == "auto" else cfg.sleep_level, min_pixels=cfg.min_pixels,
+                max_pixels=cfg.max_pixels, video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels,
                 kv_cache_memory_gb=cfg.kv_cache_memory_gb, per_prompt_seeds=cfg.per_prompt_seeds)
 
 
