@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 import types
+import unittest.mock
 from dataclasses import replace
 
 import torch
@@ -318,17 +319,6 @@ VARIANTS = {"all_ours_gc_on": (rollout, "collector_paused", contextlib.nullconte
             "all_ours_no_lp": (grpo, "logprob_samples", lambda cfg: 0)}  # none: what the log-probs cost
 
 
-@contextlib.contextmanager
-def swapped(module, name, value):
-    """module.name is `value` while the block runs (a VARIANTS row)."""
-    kept = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, kept)
-
-
 def engine_recorder(eng):
     """What grpo.generate_and_score sees as ctx.rollout: the engine, with each generate call's arguments (the step's
     prompts and seeds as grpo makes them), the SamplingParams it sent to vLLM and the seconds from its return to
@@ -422,7 +412,8 @@ def table(result):
     round, each run against bare's of the same round: the engine's speed drifts between rounds by more than most
     additions, BENCHMARKS.md session 14), tokens, GC seconds."""
     bare = result["rows"].get("bare", {})
-    out = ["| row | adds to bare | seconds | x bare | x bare by round | tokens | GC s |", "|---|---|---|---|---|---|---|"]
+    out = ["| row | adds to bare | seconds | x bare | x bare by round | tokens | GC s |",
+           "|---|---|---|---|---|---|---|"]
     for name, r in result["rows"].items():
         runs = r.get("runs", [])
         each = f" ({', '.join(f'{x:.2f}' for x in runs)})" if len(runs) > 1 else ""
@@ -501,7 +492,7 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
                         got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
                         ours_sent = ctx.rollout.calls[-1]["sent"]  # (the variants' rows send otherwise)
                     elif name in VARIANTS:
-                        with swapped(*VARIANTS[name]):
+                        with unittest.mock.patch.object(*VARIANTS[name]):  # module.name swapped meanwhile
                             got = {name: ours_row(ctx, drawn)[0]}
                     else:
                         got = {name: one(name, call)}
