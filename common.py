@@ -8,6 +8,7 @@ Every other file imports downwards only (README, "Files"; tests/test_imports.py 
 import contextlib
 import gc
 import os
+import socket
 import sys
 import time
 
@@ -54,6 +55,13 @@ def one_line_errors():
 
 
 # ----------------------------------------------------------------------------------------------- CPU collectives
+def free_port() -> str:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 _CPU_GROUP = None
 
 

@@ -23,7 +23,7 @@ import memory
 import presets
 import varlen
 import video
-from common import UserError, _cpu_group, all_reduce_cpu  # noqa: F401 (all_reduce_cpu: the loop's actor.all_reduce_cpu)
+from common import UserError, _cpu_group, all_reduce_cpu, free_port  # noqa: F401 (all_reduce_cpu: actor.all_reduce_cpu)
 from tiny_moe import expert_wrappers, merged_expert, router_aux_loss, routers
 from varlen import ChunkLogProbs  # (LogProbModel.forward's argument `varlen` hides the module there)
 
@@ -32,8 +32,8 @@ from varlen import ChunkLogProbs  # (LogProbModel.forward's argument `varlen` hi
 def init_distributed():
     """Works bare (`python grpo.py`) and under torchrun. Returns (rank, world_size, device)."""
     if "RANK" not in os.environ:  # single process: a 1-rank group keeps every code path identical
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(29500 + os.getpid() % 2000))
+        # a port the kernel reports free, not one derived from the pid: CI met EADDRINUSE on a pid-derived port
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     if not dist.is_initialized():
         cuda = torch.cuda.is_available()
         if cuda:

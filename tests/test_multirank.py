@@ -4,25 +4,19 @@ and `run.sh multinode` (two torchrun agents meeting at a c10d rendezvous on 127.
 node with the same world size learns."""
 import json
 import os
-import socket
 import sys
 import time
 
 import pytest
 
 import tiny_model
+from common import free_port
 
 # a reward that varies within every group from the first step (the demo's colour reward starts at ~0)
 REWARD = """
 def varied(items):
     return [{"overall": (sum(map(ord, it["response"])) % 7) / 6, "accuracy": 0.0} for it in items]
 """
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metrics(out):
@@ -124,3 +118,20 @@ def test_moe_two_ranks_take_the_same_steps_as_one_process(tmp_path, task, launch
             assert a[k] == pytest.approx(b[k], rel=1e-5), k
         assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-4)
     assert abs(one[0]["actor/pg_loss"]) > 1e-3 and 0 < one[0]["reward/mean"] < 1
+
+
+# the pid-derived port of before: a socket listening there (CI met one) stopped the run with EADDRINUSE
+TAKEN = """
+import os, socket
+import fsdp_actor
+s = socket.socket()
+s.bind(("127.0.0.1", 29500 + os.getpid() % 2000))
+s.listen()
+print(fsdp_actor.init_distributed())
+"""
+
+
+def test_one_process_sets_up_its_group_on_a_free_port(tmp_path, launch):
+    """`python grpo.py` (no torchrun) builds a 1-rank group on a port nothing listens on."""
+    p = launch.run([sys.executable, "-c", TAKEN], tmp_path / "log", timeout=120)
+    assert "(0, 1, device(type='cpu'))" in p.out, p.out[-2000:]
