@@ -1,8 +1,8 @@
 """algos.py -- the formulas of the policy-optimisation family, pure functions of tensors: rewards -> advantages, the
-KL estimators (and the KL penalty in the reward with EasyR1's adaptive controller), the policy losses, the loss
-aggregation, the learning-rate schedules and dynamic sampling's group filter. grpo.py's step calls them in the
-algorithm's order; each is checked against numbers worked out by hand and against EasyR1's / veRL's own code in
-float64 (tests/test_algo.py, tests/test_variants.py, tests/test_easyr1_algos.py).
+KL estimators (and the KL penalty in the reward with EasyR1's adaptive controller), the policy losses, the rollout
+correction's weights (TIS), the loss aggregation, the learning-rate schedules and dynamic sampling's group filter.
+grpo.py's step calls them in the algorithm's order; each is checked against numbers worked out by hand and against
+EasyR1's / veRL's own code in float64 (tests/test_algo.py, tests/test_variants.py, tests/test_easyr1_algos.py).
 """
 import math
 
@@ -187,3 +187,24 @@ def select_groups(samples, n, key="accuracy", limit=None, bounds=None):
         elif limit is None or len(kept) < limit * n:
             kept += group
     return kept, failed
+
+
+# ------------------------------------------------------------------------------------------------ rollout correction
+def correction_weights(old_logp, rollout_logp, mask, level="token", cap=2.0):
+    """Truncated importance sampling (TIS) for the trainer/engine mismatch: the engine sampled from pi_rollout, the
+    loss assumes pi_old (the trainer's log-probs at the same weights). Weights pi_old / pi_rollout per token (or
+    their product per sequence), truncated at `cap`, no gradient; they multiply the per-token policy loss. The
+    formula of veRL (compute_rollout_correction_weights: exp of the log-ratio clamped to +-20, masked, clamp(max=cap),
+    detached) and TRL (token_truncate / sequence_truncate). Returns (weights [B, R], stats: sums and counts)."""
+    log_ratio = (old_logp - rollout_logp) * mask  # [B, R]
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True)  # [B, 1]
+    elif level != "token":
+        raise ValueError(f"rollout_correction_level={level!r}: choose token or sequence")
+    raw = log_ratio.clamp(-20, 20).exp()  # [B, R] or [B, 1]
+    units = mask if level == "token" else mask.any(-1, keepdim=True)  # tokens, or sequences with a token
+    w = (raw.clamp(max=cap) * mask).detach()  # [B, R]
+    units_f = units.to(raw.dtype)
+    stats = {"mean": ((w * mask).sum(), mask.sum()), "capped_frac": (((raw > cap) * units_f).sum(), units_f.sum()),
+             "max": raw.detach().masked_fill(~units, 0).max()}
+    return w, stats

@@ -28,8 +28,8 @@ import rollout
 import rundir
 import tiny_model
 import video
-from algos import (adaptive_kl_coef, agg_loss, compute_advantages, kl_penalty, lr_factor,  # the formulas
-                   policy_loss, select_groups)
+from algos import (adaptive_kl_coef, agg_loss, compute_advantages, correction_weights, kl_penalty,  # the formulas
+                   lr_factor, policy_loss, select_groups)
 from common import UserError, heap_freezer, one_line_errors
 from config import Config  # the options; their defaults are EasyR1's (examples/config.yaml)
 # the demos' own defaults (no --model-path), where a flag does not say otherwise: DEMO, and TEXT_DEMO / VIDEO_DEMO on
@@ -384,7 +384,7 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
     has = [s.get("rollout_logp") is not None for s in mb]  # the engine's log-probs: one prompt in K has them
     roll = actor.stack_padded([s["rollout_logp"] or [] for s in mb], R, dev) if any(has) else None  # [b, R]
     if cfg.rollout_correction == "tis":
-        w, st = rollout.correction_weights(old, roll, mask, cfg.rollout_correction_level, cfg.rollout_correction_cap)
+        w, st = correction_weights(old, roll, mask, cfg.rollout_correction_level, cfg.rollout_correction_cap)
         tok_loss = tok_loss * w
         log.add("rollout_corr/weight_mean", *st["mean"])
         log.add("rollout_corr/capped_frac", *st["capped_frac"])

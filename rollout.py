@@ -578,24 +578,3 @@ def engine_options(cfg, limit_videos=0):
                 sleep_level=auto_level if cfg.sleep_level == "auto" else cfg.sleep_level, min_pixels=cfg.min_pixels,
                 max_pixels=cfg.max_pixels, video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels,
                 kv_cache_memory_gb=cfg.kv_cache_memory_gb, per_prompt_seeds=cfg.per_prompt_seeds)
-
-
-# ------------------------------------------------------------------------------------------------ rollout correction
-def correction_weights(old_logp, rollout_logp, mask, level="token", cap=2.0):
-    """Truncated importance sampling (TIS) for the trainer/engine mismatch: the engine sampled from pi_rollout, the
-    loss assumes pi_old (the trainer's log-probs at the same weights). Weights pi_old / pi_rollout per token (or
-    their product per sequence), truncated at `cap`, no gradient; they multiply the per-token policy loss. The
-    formula of veRL (compute_rollout_correction_weights: exp of the log-ratio clamped to +-20, masked, clamp(max=cap),
-    detached) and TRL (token_truncate / sequence_truncate). Returns (weights [B, R], stats: sums and counts)."""
-    log_ratio = (old_logp - rollout_logp) * mask  # [B, R]
-    if level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True)  # [B, 1]
-    elif level != "token":
-        raise ValueError(f"rollout_correction_level={level!r}: choose token or sequence")
-    raw = log_ratio.clamp(-20, 20).exp()  # [B, R] or [B, 1]
-    units = mask if level == "token" else mask.any(-1, keepdim=True)  # tokens, or sequences with a token
-    w = (raw.clamp(max=cap) * mask).detach()  # [B, R]
-    units_f = units.to(raw.dtype)
-    stats = {"mean": ((w * mask).sum(), mask.sum()), "capped_frac": (((raw > cap) * units_f).sum(), units_f.sum()),
-             "max": raw.detach().masked_fill(~units, 0).max()}
-    return w, stats

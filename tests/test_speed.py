@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import algos
 import bench
 import data
 import flops
@@ -94,14 +95,14 @@ def test_tis_weights_hand_computed():
     old = torch.log(torch.tensor([[0.5, 0.2, 0.3], [0.4, 0.9, 0.1]]))
     roll = torch.log(torch.tensor([[0.25, 0.4, 0.3], [0.1, 0.9, 0.7]]))
     mask = torch.tensor([[True, True, False], [True, True, True]])  # the first row has 2 tokens
-    w, st = rollout.correction_weights(old, roll, mask, "token", cap=1.5)
+    w, st = algos.correction_weights(old, roll, mask, "token", cap=1.5)
     # token ratios: 2.0 -> 1.5 (capped), 0.5; 4.0 -> 1.5 (capped), 1.0, 1/7
     want = torch.tensor([[1.5, 0.5, 0.0], [1.5, 1.0, 1 / 7]])
     assert torch.allclose(w, want, atol=1e-6)
     assert float(st["mean"][0] / st["mean"][1]) == pytest.approx((1.5 + 0.5 + 1.5 + 1 + 1 / 7) / 5, abs=1e-6)
     assert float(st["capped_frac"][0] / st["capped_frac"][1]) == pytest.approx(2 / 5)
     assert float(st["max"]) == pytest.approx(4.0, rel=1e-5)  # before truncation
-    w, st = rollout.correction_weights(old, roll, mask, "sequence", cap=1.5)
+    w, st = algos.correction_weights(old, roll, mask, "sequence", cap=1.5)
     # sequence ratios: 2.0 * 0.5 = 1.0; 4.0 * 1.0 * 1/7 = 4/7
     assert torch.allclose(w, torch.tensor([[1.0, 1.0, 0.0], [4 / 7] * 3]), atol=1e-6)
     assert float(st["capped_frac"][0]) == 0 and float(st["capped_frac"][1]) == 2
