@@ -104,6 +104,16 @@ def realistic_collect(ctx, step, metrics):
     return grpo.generate_and_score(ctx, drawn, cfg.n, cfg.temperature, lengths=lengths)
 
 
+def realistic_requests(ctx, drawn):
+    """The generate call realistic_collect makes for the drawn prompts (what grpo's prefetch hands vLLM ahead)."""
+    cfg = ctx.cfg
+    return grpo.rollout_call(cfg, drawn, cfg.n, cfg.temperature, lengths=[
+        response_lengths(cfg.seed, pos, cfg.n, cfg.max_response_length) for pos, _ in drawn])
+
+
+realistic_collect.requests = realistic_requests
+
+
 def defaults(workdir, model_path, data_path):
     return grpo.Config(
         model_path=model_path, train_files=data_path, val_files="", reward_function="math",
@@ -287,6 +297,7 @@ def run(cfg, trainer_only=False, profile=False, workload="forced", sample_ms=0.0
             with open(os.path.join(cfg.output_dir, "gen_stacks.json"), "w") as f:
                 json.dump(stacks, f, indent=1)
         return out
+    collect.requests = getattr(base, "requests", None)  # (grpo.early_requests: the requests of base's generate)
 
     grpo.train(cfg, collect=collect)
     wall = 0.0

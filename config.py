@@ -62,6 +62,9 @@ class Config:
     # vLLM seeds each request itself (seeds cost a loop per request and decode step on vLLM's V1 runner, which MoE
     # models get, nothing on its V2 runner; README Speed)
     per_prompt_seeds: bool = True
+    # vLLM's intake of the next step's requests (its processor on every image) on the prefetch thread while this step
+    # trains, not at the start of generating (not with tensor parallelism, nor before a validation); off: there
+    prefetch_requests: bool = True
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
     limit_videos: int = 0  # videos per prompt the engine accepts; 0 = the most any training or validation row has
     # --- batch arithmetic (EasyR1's names: batch sizes count prompts, micro-batches count samples) ---

@@ -14,6 +14,8 @@ import math
 import os
 import re
 import sys
+import threading
+import time
 from typing import Annotated
 
 import jinja2
@@ -422,6 +424,49 @@ def draw_prompts(dataset, cursor, count, rank, world, seed):
         epoch, k = divmod(pos, N)
         out.append((pos, dataset[int(_epoch_perm(N, seed + epoch)[k])]))
     return out
+
+
+def take_prompts(ctx, count):
+    """This rank's share of the `count` prompts at the stream's cursor (ctx: grpo's State), which then moves past
+    them: from prefetch_prompts' thread when it drew these, else drawn here. The same records either way:
+    draw_prompts is a function of the cursor (exact resume)."""
+    t = time.time()
+    cursor, want, thread, box = ctx.prefetch or (None, None, None, {})
+    ctx.prefetch = None
+    if thread is not None:
+        thread.join()  # (a stale one too: never two threads encoding at once)
+    if (cursor, want) == (ctx.cursor, count):
+        if "error" in box:
+            raise box["error"]  # a bad row: the error the draw here would have raised
+        drawn = box["drawn"]
+    else:
+        drawn = draw_prompts(ctx.train, ctx.cursor, count, ctx.rank, ctx.world, ctx.cfg.seed)
+    ctx.cursor += count
+    ctx.prefetch_count = count
+    ctx.prompt_seconds += time.time() - t
+    return drawn
+
+
+def prefetch_prompts(ctx, submit=None):
+    """Start drawing the next step's prompts on a second thread: encoding them (the processor resizes and normalises
+    each image: ~20 ms a 512x512 image on one core) would otherwise run on the main thread at the start of the next
+    generation, with the GPU idle; here it runs while this step's log-prob passes and update keep the GPU busy.
+    submit(drawn), when given, then hands them to the engine (grpo.early_requests). train_step waits for the thread
+    before the step ends, so that nothing else encodes meanwhile (validation)."""
+    cursor, count, box = ctx.cursor, ctx.prefetch_count or ctx.cfg.rollout_batch_size, {}
+
+    def draw():
+        try:
+            box["drawn"] = draw_prompts(ctx.train, cursor, count, ctx.rank, ctx.world, ctx.cfg.seed)
+            if submit is not None:
+                if ctx.device.type == "cuda":
+                    torch.cuda.set_device(ctx.device)  # (a thread starts on device 0)
+                submit(box["drawn"])
+        except BaseException as e:  # raised where the prompts are taken, as a draw there would
+            box["error"] = e
+    thread = threading.Thread(target=draw, name="prefetch_prompts", daemon=True)
+    thread.start()
+    ctx.prefetch = (cursor, count, thread, box)
 
 
 @functools.lru_cache(maxsize=2)  # the current epoch (and the next, while a batch straddles them)

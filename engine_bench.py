@@ -26,6 +26,8 @@ generate adds to a bare request (so no row is a copy of generate's request build
   all_ours_gc_on  all_ours with Python's cyclic collector left on while vLLM's loop runs (generate pauses it)
   all_ours_lp_all_n  all_ours with log-probs from every sample of a chosen prompt (generate asks its first only)
   all_ours_no_lp  all_ours with no log-probs at all: what the agreement metric costs the engine loop
+  all_ours_early  all_ours with its requests queued before the clock starts (VLLMRollout.submit: vLLM's intake, the
+                  HF processor on every image), as grpo's prefetch thread queues them while the trainer updates
   memory_share    bare in a second engine (a child process, after this one sleeps) at --bare-memory-share, the share
                   of GPU memory of the bare vLLM engine the issue compared with (0.6), instead of ours
 
@@ -83,6 +85,8 @@ ROWS = {
     "all_ours_lp_all_n": ("all_ours with log-probs from all n samples of a chosen prompt, not its first (before "
                           "session 14)", None),
     "all_ours_no_lp": ("all_ours with no log-probs asked (the agreement metric's cost: all_ours against this)", None),
+    "all_ours_early": ("all_ours with its requests queued before, off the clock (vLLM's intake: grpo's prefetch "
+                       "thread runs it during the update)", None),
     "memory_share": ("bare, at the bare engine's share of GPU memory", None),
 }
 ENGINE_ROWS = ("bare", "logprobs", "logprobs_flat", "seeds", "banned", "sleep_wake", "sync_sleep1", "sync_sleep2")
@@ -291,16 +295,19 @@ def checkpoint_on_gpu(model_path, device):
     return out
 
 
-def ours_row(ctx, drawn):
+def ours_row(ctx, drawn, early=False):
     """all_ours and all_ours_scored from one run of a step's generation phase as grpo.train_step has it (its
     timing/gen): the engine asleep, its weights woken (untimed: a step's sync wakes them, in timing/sync), then the
     KV cache's wake, grpo.generate_and_score (VLLMRollout.generate, decoding, reward) and memory.sleep. all_ours is
     that span less the decoding and scoring, which run between generate's return and the sleep (ctx.rollout, an
-    engine_recorder, times them)."""
+    engine_recorder, times them). early: the requests submitted while asleep, untimed (grpo's prefetch thread does it
+    during the update): all_ours_early."""
     eng = ctx.rollout.engine
     eng.wake()
     cold(eng)
     eng.sleep()
+    if early and not ctx.rollout.submit(**grpo.rollout_call(ctx.cfg, drawn, ctx.cfg.n, ctx.cfg.temperature)):
+        raise UserError("all_ours_early: this engine does not queue requests ahead (tensor parallelism)")
     eng.wake(["weights"])
     gc0, t = _GC["seconds"], time.perf_counter()
     ctx.rollout.wake()
@@ -321,30 +328,33 @@ VARIANTS = {"all_ours_gc_on": (rollout, "collector_paused", contextlib.nullconte
 
 def engine_recorder(eng):
     """What grpo.generate_and_score sees as ctx.rollout: the engine, with each generate call's arguments (the step's
-    prompts and seeds as grpo makes them), the SamplingParams it sent to vLLM and the seconds from its return to
-    the next sleep (decoding and scoring) kept in .calls."""
-    calls = []
+    prompts and seeds as grpo makes them), the SamplingParams it sent to vLLM (in generate, or in submit before it)
+    and the seconds from its return to the next sleep (decoding and scoring) kept in .calls."""
+    calls, sent = [], []
+
+    def spying(fn):  # what the engine really sends vLLM
+        def run(reqs, params, **k):
+            sent.append(params)
+            return fn(reqs, params, **k)
+        return run
 
     def generate(prompts, **kw):
-        sent, llm_generate = [], eng.llm.generate
-
-        def spy(reqs, params, **k):  # what generate really sends
-            sent.append(params)
-            return llm_generate(reqs, params, **k)
-        eng.llm.generate = spy
-        try:
+        with unittest.mock.patch.object(eng.llm, "generate", spying(eng.llm.generate)):
             out = eng.generate(prompts, **kw)
-        finally:
-            eng.llm.generate = llm_generate
         calls.append(dict(kw, prompts=prompts, sent=sent[-1], returned=time.perf_counter(), after_seconds=0.0))
         return out
+
+    def submit(**kw):
+        with unittest.mock.patch.object(eng.llm, "enqueue", spying(eng.llm.enqueue)):
+            return eng.submit(**kw)
 
     def sleep():
         if calls:
             calls[-1]["after_seconds"] = time.perf_counter() - calls[-1]["returned"]
         eng.sleep()
 
-    return types.SimpleNamespace(engine=eng, calls=calls, generate=generate, sleep=sleep, wake=eng.wake)
+    return types.SimpleNamespace(engine=eng, calls=calls, generate=generate, submit=submit, sleep=sleep,
+                                 wake=eng.wake)
 
 
 PARAM_FIELDS = ("n", "temperature", "top_p", "max_tokens", "seed", "logprobs", "flat_logprobs", "logit_bias",
@@ -480,7 +490,7 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
     ctx.cfg = cfg
     runs, stacks, loops = {}, collections.defaultdict(collections.Counter), collections.defaultdict(dict)
     ours_sent = ctx.rollout.calls[-1]["sent"]  # the warm-up's all_ours (short), until a timed one runs
-    timed = [r for r in rows if r in ENGINE_ROWS or r == "all_ours" or r in VARIANTS]
+    timed = [r for r in rows if r in ENGINE_ROWS or r in ("all_ours", "all_ours_early") or r in VARIANTS]
     if "all_ours_scored" in rows and "all_ours" not in timed:
         timed.append("all_ours")
     with heap_freezer() as freeze:
@@ -491,6 +501,8 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
                     if name == "all_ours":
                         got = dict(zip(("all_ours", "all_ours_scored"), ours_row(ctx, drawn)))
                         ours_sent = ctx.rollout.calls[-1]["sent"]  # (the variants' rows send otherwise)
+                    elif name == "all_ours_early":
+                        got = {name: ours_row(ctx, drawn, early=True)[0]}
                     elif name in VARIANTS:
                         with unittest.mock.patch.object(*VARIANTS[name]):  # module.name swapped meanwhile
                             got = {name: ours_row(ctx, drawn)[0]}

@@ -11,7 +11,6 @@ on and adds overlong shaping.
 import math
 import os
 import random
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,6 +30,7 @@ import video
 from algos import (adaptive_kl_coef, agg_loss, compute_advantages, correction_weights, kl_penalty,  # the formulas
                    lr_factor, policy_loss, select_groups)
 from common import UserError, heap_freezer, one_line_errors
+from data import prefetch_prompts, take_prompts  # the prompt stream (drawn ahead on a thread)
 from config import Config  # the options; their defaults are EasyR1's (examples/config.yaml)
 # the demos' own defaults (no --model-path), where a flag does not say otherwise: DEMO, and TEXT_DEMO / VIDEO_DEMO on
 # top of it for the text and the video demo
@@ -170,28 +170,32 @@ def logprobs_every(cfg):
 
 
 def logprob_samples(cfg):
-    """How many of such a prompt's samples (its first) get them: every one with tis, which weights each by them; else
-    one, a sample of tokens for the agreement metric (rollout/logprob_diff_*). Each sample that asks costs vLLM's
-    engine loop ~7 us of Python per token (BENCHMARKS.md session 14)."""
+    """How many of such a prompt's samples (its first) get them: all with tis, which weights each by them; else one,
+    for the agreement metric (rollout/logprob_diff_*). Each costs vLLM's loop ~7 us a token (BENCHMARKS session 14)."""
     return cfg.n if cfg.rollout_correction == "tis" else 1
+
+
+def rollout_call(cfg, drawn, n, temperature, top_p=None, lengths=None, logprobs=True):
+    """rollout.generate's arguments for the drawn prompts: a seed per stream position, and log-probs for the first
+    logprob_samples of the prompts at every logprobs_every-th position (logprobs False: none)."""
+    k = min(n, logprob_samples(cfg)) if logprobs else 0
+    return dict(prompts=[rec for _, rec in drawn], n=n, temperature=temperature,
+                top_p=cfg.top_p if top_p is None else top_p, max_tokens=cfg.max_response_length,
+                seeds=[(cfg.seed * 1_000_003 + pos) % 2**31 for pos, _ in drawn],
+                logprobs=[k if pos % logprobs_every(cfg) == 0 else 0 for pos, _ in drawn],  # per prompt: its first k
+                **({"lengths": lengths} if lengths is not None else {}))
 
 
 def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None, logprobs=True):
     """Sample n responses per prompt and score them. Returns the flat list of sample dicts (n per prompt).
     lengths (bench.py's realistic workload): per prompt, n forced response lengths (EOS ignored). logprobs: the
-    engine's log-probs for the first logprob_samples of the prompts at every logprobs_every-th position (validation
-    and ReMax's greedy: none)."""
+    engine's log-probs as rollout_call picks them (validation and ReMax's greedy: none)."""
     cfg = ctx.cfg
-    prompts = [rec for _, rec in drawn]
-    seeds = [(cfg.seed * 1_000_003 + pos) % 2**31 for pos, _ in drawn]
-    k = min(n, logprob_samples(cfg)) if logprobs else 0
-    want = [k if pos % logprobs_every(cfg) == 0 else 0 for pos, _ in drawn]  # per prompt: its first `want` samples
-    outs = ctx.rollout.generate(prompts, n=n, temperature=temperature, top_p=cfg.top_p if top_p is None else top_p,
-                                max_tokens=cfg.max_response_length, seeds=seeds, logprobs=want,
-                                **({"lengths": lengths} if lengths is not None else {}))
+    call = rollout_call(cfg, drawn, n, temperature, top_p, lengths, logprobs)
+    outs = ctx.rollout.generate(**call)
     samples = [dict(prompt=p, response_ids=list(o["response_ids"]), finished=o["finished"],
                     rollout_logp=o.get("logprobs") if j < w else None)  # (the HF engine gives every sample's)
-               for p, w, group in zip(prompts, want, outs) for j, o in enumerate(group)]
+               for p, w, group in zip(call["prompts"], call["logprobs"], outs) for j, o in enumerate(group)]
     texts = ctx.tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
     items = [{"response": t, "response_length": len(s["response_ids"]), "ground_truth": s["prompt"]["answer"]}
              for t, s in zip(texts, samples)]
@@ -266,42 +270,15 @@ def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
     return kept
 
 
-def take_prompts(ctx, count):
-    """This rank's share of the `count` prompts at the stream's cursor (data.draw_prompts), which then moves past
-    them: from prefetch_prompts' thread when it drew these, else drawn here. The same records either way:
-    draw_prompts is a function of the cursor (exact resume)."""
-    t = time.time()
-    cursor, want, thread, box = ctx.prefetch or (None, None, None, {})
-    ctx.prefetch = None
-    if thread is not None:
-        thread.join()  # (a stale one too: never two threads encoding at once)
-    if (cursor, want) == (ctx.cursor, count):
-        if "error" in box:
-            raise box["error"]  # a bad row: the error the draw here would have raised
-        drawn = box["drawn"]
-    else:
-        drawn = data.draw_prompts(ctx.train, ctx.cursor, count, ctx.rank, ctx.world, ctx.cfg.seed)
-    ctx.cursor += count
-    ctx.prefetch_count = count
-    ctx.prompt_seconds += time.time() - t
-    return drawn
-
-
-def prefetch_prompts(ctx):
-    """Start drawing the next step's prompts on a second thread: encoding them (the processor resizes and normalises
-    each image: ~20 ms a 512x512 image on one core) would otherwise run on the main thread at the start of the next
-    generation, with the GPU idle; here it runs while this step's log-prob passes and update keep the GPU busy.
-    train_step waits for it before the step ends, so that nothing else encodes meanwhile (validation)."""
-    cursor, count, box = ctx.cursor, ctx.prefetch_count or ctx.cfg.rollout_batch_size, {}
-
-    def draw():
-        try:
-            box["drawn"] = data.draw_prompts(ctx.train, cursor, count, ctx.rank, ctx.world, ctx.cfg.seed)
-        except BaseException as e:  # raised where the prompts are taken, as a draw there would
-            box["error"] = e
-    thread = threading.Thread(target=draw, name="prefetch_prompts", daemon=True)
-    thread.start()
-    ctx.prefetch = (cursor, count, thread, box)
+def early_requests(ctx, step, collect):
+    """prefetch_prompts' submit: vLLM's intake of the requests the next step's generate makes (rollout_call's, or
+    collect.requests(ctx, drawn)'s), ~1 s a step off the critical path. None with --no-prefetch-requests, an engine
+    without one (HF), or a validation after this step (its generate would come first and drop them)."""
+    cfg = ctx.cfg
+    if cfg.prefetch_requests and hasattr(ctx.rollout, "submit") and not (
+            cfg.val_freq and ctx.val is not None and (step + 1) % cfg.val_freq == 0):
+        plan = getattr(collect, "requests", None) or (lambda c, d: rollout_call(c.cfg, d, c.cfg.n, c.cfg.temperature))
+        return lambda drawn: ctx.rollout.submit(**plan(ctx, drawn))
 
 
 def update_policy(ctx, samples, step):
@@ -427,7 +404,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     metrics.update(memory.sleep(ctx.rollout))  # (and the GPU memory free with the engine awake and asleep)
     T["gen"], T["prompts"] = time.time() - t, ctx.prompt_seconds  # (drawing the prompts: part of gen)
     if step + 1 < cfg.max_steps:
-        prefetch_prompts(ctx)  # the next step's, while the GPU computes this one's
+        prefetch_prompts(ctx, early_requests(ctx, step, collect))  # the next step's, while the GPU computes this one's
     peaks["gen"] = memory.phase_peak_gb(ctx.rollout)
     # ---- 3. log-probs of the old policy (when it differs from the first forward, or the reward needs it) and of
     #         the reference ----
@@ -467,7 +444,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     T["update"] = time.time() - t
     peaks["update"] = memory.phase_peak_gb(ctx.rollout)
     if ctx.prefetch:
-        ctx.prefetch[2].join()  # (done long before: the update takes longer than the encoding)
+        ctx.prefetch[2].join()  # (drawn and queued long before: the update takes longer)
     T["step"] = time.time() - t_step
     # ---- metrics: rewards, lengths, seconds, throughput, MFU, memory ----
     metrics.update(rundir.step_metrics(ctx, samples, T, peaks, metrics))

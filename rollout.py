@@ -64,6 +64,11 @@ def special_token_ids(model_path):
 SEED_STRIDE = 2**16  # more samples per prompt than any run asks for: the prompts' seed ranges never overlap
 
 
+def _call_key(prompts, n, temperature, top_p, max_tokens, seeds, lengths, logprobs):
+    """What makes two generate calls the same (the prompt records by identity: the drawn ones, not equal copies)."""
+    return (tuple(map(id, prompts)), n, temperature, top_p, max_tokens, tuple(seeds), repr(lengths), repr(logprobs))
+
+
 def request_seed(prompt_seed):
     return prompt_seed * SEED_STRIDE
 
@@ -226,13 +231,11 @@ def _set_vllm_env():
 
 
 def _init_world_for_external_dp():
-    """Data-parallel rollout under torchrun = vLLM's "ExternalDP" (vllm/distributed/parallel_state.py,
-    initialize_model_parallel: ranks laid out as ExternalDP x DP x PP x PCP x TP). It needs torch.distributed to span
-    ALL torchrun ranks before LLM() is built: otherwise vLLM's worker calls init_process_group(world_size=TP x PP,
-    rank=$RANK), a world in which rank 1 of 2 (TP 1) does not exist (GroupCoordinator asserts `self_cpu_group is not
-    None`); initialised, vLLM builds its world group over all ranks and carves TP groups of consecutive ranks out of
-    it, the leading dimension being independent replicas. vLLM's internal DP (data_parallel_size) would all-reduce
-    and pad every step in lock step for nothing on a dense model; TRL (colocate), veRL and EasyR1 take this route."""
+    """Data-parallel rollout under torchrun = vLLM's "ExternalDP" (vllm/distributed/parallel_state.py): the process
+    group must span ALL torchrun ranks before LLM() is built, or vLLM's worker makes a world of TP x PP ranks in which
+    rank 1 of 2 (TP 1) does not exist. Initialised, vLLM carves TP groups of consecutive ranks out of it, the rest
+    independent replicas (vLLM's own DP would all-reduce every step for nothing on a dense model; TRL, veRL, EasyR1
+    do this too)."""
     if dist.is_initialized():
         return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -364,17 +367,45 @@ class VLLMRollout:
         """lengths (benchmarks): per prompt, n forced response lengths; each sample is then its own request with
         max_tokens = its length and EOS ignored, so every run generates exactly the same number of tokens.
         logprobs: per prompt, how many of its samples (the first) return their log-probs: True or None all, False
-        or 0 none."""
+        or 0 none. The requests submit() queued for the same call are run, not made again."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if self.weights_lost:
             raise RuntimeError("sleep(level=2) discarded the weights: call sync_weights() before generate()")
         self.wake()
+        queued, self.queued = self.queued, None
+        if queued and queued[0] != _call_key(prompts, n, temperature, top_p, max_tokens, seeds, lengths, logprobs):
+            self.llm.llm_engine.abort_request(queued[1])  # another call came first (validation): not these
+            queued = None
+        with collector_paused():
+            if queued:
+                _, ids, items, mine, per_item = queued
+                outs = self.llm.wait_for_completion(use_tqdm=False)
+                if [o.request_id for o in outs] != ids:  # (both sorted by id)
+                    raise RuntimeError(f"vLLM returned {len(outs)} requests, not the {len(ids)} queued")
+            else:
+                items, mine = self._items(prompts, seeds, lengths, logprobs)
+                reqs, params, per_item = self._requests(items, n, temperature, top_p, max_tokens)
+                outs = self.llm.generate(reqs, params, use_tqdm=False)
+            return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
+
+    queued = None  # submit()'s requests: (call key, request ids, items, mine, requests per item)
+
+    def submit(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
+        """vLLM's intake of a later generate call's requests, now: each prompt through vLLM's input processing (the
+        HF processor on its images, ~1 s for the 3B bar's 64 prompts: otherwise inside generate, the GPU idle) and
+        into its queue. grpo calls it on prefetch_prompts' thread while the trainer computes, the engine asleep (its
+        scheduler paused: they wait for the wake). Not with tensor parallelism (_items gathers the group's prompts:
+        a collective, the main thread's). Returns whether it queued them."""
+        if self.tp_group is not None:
+            return False
+        if self.queued:
+            self.llm.llm_engine.abort_request(self.queued[1])
         items, mine = self._items(prompts, seeds, lengths, logprobs)
         reqs, params, per_item = self._requests(items, n, temperature, top_p, max_tokens)
-        with collector_paused():
-            outs = self.llm.generate(reqs, params, use_tqdm=False)
-            return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
+        key = _call_key(prompts, n, temperature, top_p, max_tokens, seeds, lengths, logprobs)
+        self.queued = (key, list(self.llm.enqueue(reqs, params, use_tqdm=False)), items, mine, per_item)
+        return True
 
     def _items(self, prompts, seeds, lengths=None, logprobs=None):
         """(vLLM prompt, seed, lengths, samples with log-probs) of the TP group's prompts; this rank's slice of them."""
@@ -485,6 +516,7 @@ class VLLMRollout:
         self._reset_caches()
         if not self.sleep_mode or self.asleep:
             return
+        self.queued = None  # (vLLM's sleep aborts every request it holds)
         try:
             self.llm.sleep(level=self.sleep_level)
         except AssertionError as e:

@@ -30,7 +30,8 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
     VLLMRollout.generate sends (all_ours), every timed row starts cold, the sleep rows wake before generating and
     sleep after, all_ours_gc_on is all_ours with Python's collector on in vLLM's loop (off in all_ours),
     all_ours_lp_all_n asks one request per prompt (all_ours splits a chosen prompt's), all_ours_no_lp is
-    all_ours_lp_all_n without log-probs, and the table and JSON hold every row."""
+    all_ours_lp_all_n without log-probs, all_ours_early queues all_ours's requests while asleep and runs them after
+    the wake, and the table and JSON hold every row."""
     from test_rollout import StandInLLM, standin_vllm
     seen, built = standin_vllm(monkeypatch)
     collector, standin_generate = [], StandInLLM.generate
@@ -48,12 +49,17 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
     (eng,) = built
     calls, ev = eng.llm.calls, eng.llm.events
     names = list(ADDS) + ["all_ours"]
-    assert len(calls) == 2 * len(names) + 3  # the warm-up (all_ours first), a timed round in ROWS' order, the variants
-    assert [vars(p) for p in calls[-3]["params"]] == [vars(p) for p in calls[len(names) + names.index("all_ours")]
-                                                      ["params"]]  # gc_on
+    # the warm-up (all_ours first), a timed round in ROWS' order, the variants, all_ours_early's queued requests
+    assert len(calls) == 2 * len(names) + 4 and calls[-1].get("queued") and ev[-1] == "sleep"
+    ours_params = [vars(p) for p in calls[len(names) + names.index("all_ours")]["params"]]
+    assert [vars(p) for p in calls[-4]["params"]] == ours_params == [vars(p) for p in calls[-1]["params"]]  # gc_on
+    # all_ours_early: queued while asleep, then the weights' wake (untimed), the KV cache's, and run, not sent again
+    assert ev[ev.index("enqueue") - 1] == "sleep" and ev[ev.index("enqueue"):] == [
+        "enqueue", "wake", "wake", "wait", "reset_prefix", "reset_encoder", "sleep"] and eng.llm.woken[-2:] == [
+        ["weights"], ["kv_cache"]]
     assert collector[0] is False and collector[len(names) + names.index("all_ours")] is False
     assert collector[-3:] == [True, False, False] and gc.isenabled()
-    assert [dict(vars(p), logprobs=None) for p in calls[-2]["params"]] == [vars(p) for p in calls[-1]["params"]]
+    assert [dict(vars(p), logprobs=None) for p in calls[-3]["params"]] == [vars(p) for p in calls[-2]["params"]]
     assert engine_bench.rollout.collector_paused is not None and engine_bench.grpo.logprob_samples(cfg) == 1
     assert all(p.max_tokens == 2 for c in calls[:len(names)] for p in c["params"])
     by_row = dict(zip(names, calls[len(names):]))
@@ -62,7 +68,7 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
 
     def diff(a, b):
         return {f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)}  # every field vLLM gets
-    split, bare, ours = by_row["all_ours"]["params"], by_row["bare"]["params"], calls[-2]["params"]  # lp_all_n
+    split, bare, ours = by_row["all_ours"]["params"], by_row["bare"]["params"], calls[-3]["params"]  # lp_all_n
     assert [engine_bench.params_summary(p) for p in split] == result["ours_sent"]
     assert all(p.seed is None and p.logprobs is None and p.logit_bias is None and p.detokenize is False
                and p.stop_token_ids == eng.eos_ids for p in bare)
@@ -70,10 +76,10 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
     # further (the samples vLLM would draw as one request's 2nd to 4th); the rest as all_ours_lp_all_n sends them
     assert [(p.n, p.seed, p.logprobs) for p in split[:2]] == [(1, ours[0].seed, 0), (3, ours[0].seed + 1, None)]
     assert diff(split[0], ours[0]) == {"n"} and [vars(p) for p in split[2:]] == [vars(p) for p in ours[1:]]
-    assert by_row["all_ours"]["reqs"][1:] == calls[-2]["reqs"] == by_row["all_ours"]["reqs"][:1] + \
+    assert by_row["all_ours"]["reqs"][1:] == calls[-3]["reqs"] == by_row["all_ours"]["reqs"][:1] + \
         by_row["all_ours"]["reqs"][2:]
     for name, c in by_row.items():
-        assert name == "all_ours" or c["reqs"] == calls[-2]["reqs"] and len(c["reqs"]) == 3  # same prompts, order
+        assert name == "all_ours" or c["reqs"] == calls[-3]["reqs"] and len(c["reqs"]) == 3  # same prompts, order
         if name != "all_ours":
             assert [diff(p, b) for p, b in zip(c["params"], bare)] == [ADDS[name]] * 3, name
     union = set().union(*(v for k, v in ADDS.items() if k not in OPTIONAL))

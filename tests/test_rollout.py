@@ -329,24 +329,47 @@ class StandInModel(torch.nn.Module):
 
 
 class StandInLLM:
-    """vLLM's LLM as VLLMRollout and engine_bench use it. Records each generate call's prompts and SamplingParams
-    and each cache reset, sleep and wake (in .events); answers deterministically from (prompt, seed + j) (a request
-    without a seed: from its place in the call), with the log-probs in FlatLogprobs or as a {token: Logprob} dict per
-    position, as asked. Tokens are drawn from 10..499 (the tiny model's EOS and pad ids lie above)."""
+    """vLLM's LLM as VLLMRollout and engine_bench use it. Records each generate (and enqueue) call's prompts and
+    SamplingParams and each cache reset, sleep, wake, enqueue, abort and run of the queue (in .events); answers
+    deterministically from (prompt, seed + j) (a request without a seed: from its place in the run), with the
+    log-probs in FlatLogprobs or as a {token: Logprob} dict per position, as asked. Tokens are drawn from 10..499 (the
+    tiny model's EOS and pad ids lie above)."""
 
     def __init__(self):
         self.calls, self.events, self.levels, self.loaded, self.woken = [], [], [], [], []
+        self.queue, self.ids = [], iter(range(10**9))  # (request id, prompt, params) held, as vLLM's waiting queue
         model = StandInModel(self)
         self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.events.append("reset_encoder"),
+                                                abort_request=self.abort,
                                                 vllm_config=types.SimpleNamespace(use_v2_model_runner=True),
                                                 model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(
                                                     get_model=lambda: model)))
 
+    def enqueue(self, reqs, params, use_tqdm=False):
+        self.calls.append(dict(reqs=list(reqs), params=list(params), queued=True))
+        self.events.append("enqueue")
+        ids = [str(next(self.ids)) for _ in reqs]
+        self.queue += zip(ids, reqs, params)
+        return ids
+
+    def abort(self, ids):
+        self.events.append("abort")
+        self.queue = [q for q in self.queue if q[0] not in set(ids)]
+
+    def wait_for_completion(self, use_tqdm=False):
+        self.events.append("wait")
+        return self.run()
+
     def generate(self, reqs, params, use_tqdm=False):
+        """As vLLM's: these requests added, then every request held run (queued ones too), sorted by id."""
         self.calls.append(dict(reqs=list(reqs), params=list(params)))
         self.events.append("generate")
-        outs = []
-        for i, (r, p) in enumerate(zip(reqs, params)):
+        self.queue += [(str(next(self.ids)), r, p) for r, p in zip(reqs, params)]
+        return self.run()
+
+    def run(self):
+        outs, held, self.queue = [], self.queue, []
+        for i, (rid, r, p) in enumerate(held):
             comps = []
             for j in range(p.n):
                 g = torch.Generator().manual_seed(sum(r["prompt_token_ids"]) * 7919 + (
@@ -356,7 +379,7 @@ class StandInLLM:
                 lp = None if p.logprobs is None else FlatLogprobs(ids, lps) if p.flat_logprobs else [
                     {t: types.SimpleNamespace(logprob=x)} for t, x in zip(ids, lps)]
                 comps.append(types.SimpleNamespace(token_ids=ids, logprobs=lp))
-            outs.append(types.SimpleNamespace(outputs=comps))
+            outs.append(types.SimpleNamespace(request_id=rid, outputs=comps))
         return outs
 
     def reset_prefix_cache(self):
@@ -365,9 +388,10 @@ class StandInLLM:
     def reset_mm_cache(self):
         self.events.append("reset_mm")
 
-    def sleep(self, level=1):
+    def sleep(self, level=1):  # (mode "abort": the requests it holds are dropped)
         self.events.append("sleep")
         self.levels.append(level)
+        self.queue = []
 
     def wake_up(self, tags=None):
         self.events.append("wake")
@@ -542,3 +566,34 @@ def test_vllm_generate_runs_with_the_collector_paused(path, monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_requests_queued_ahead_are_the_ones_generate_runs(path, monkeypatch):
+    """VLLMRollout.submit hands vLLM a later generate call's requests ahead (its intake: grpo's prefetch thread does
+    it while the trainer updates). The generate with the same arguments runs them, with no second intake, and returns
+    what it would have made itself; any other call (validation's, or equal copies of the prompts) first drops them
+    (vLLM would otherwise run them with its own); a sleep drops them (vLLM's aborts what it holds); with tensor
+    parallelism nothing is queued (_items' gather is a collective of the main thread)."""
+    standin_vllm(monkeypatch)
+    eng = rollout.make_rollout("vllm", path)
+    prompts = [{"raw_prompt_ids": [3, 4, 5]}, {"raw_prompt_ids": [6, 7]}]
+    kw = dict(n=3, temperature=1.0, top_p=1.0, max_tokens=4, seeds=[11, 12], logprobs=[1, 0])
+    plain = eng.generate(prompts, **kw)
+    ev = eng.llm.events
+    assert eng.submit(prompts, **kw) and ev[-1] == "enqueue"
+    n_calls = len(eng.llm.calls)
+    assert eng.generate(prompts, **kw) == plain
+    assert ev[-2:] == ["enqueue", "wait"] and len(eng.llm.calls) == n_calls and eng.queued is None
+    one = dict(kw, seeds=[11], logprobs=[1])
+    first = eng.generate(prompts[:1], **one)
+    for queued, asked, asked_kw, want in (([dict(p) for p in prompts], prompts, kw, plain),  # equal copies
+                                          (prompts, prompts[:1], one, first)):  # another call (validation's)
+        assert eng.submit(queued, **kw)
+        assert eng.generate(asked, **asked_kw) == want  # and not the queued ones too
+        assert ev[-3:] == ["enqueue", "abort", "generate"] and not eng.llm.queue
+    eng.submit(prompts, **kw)
+    eng.sleep()
+    assert eng.queued is None and not eng.llm.queue
+    assert eng.generate(prompts, **kw) == plain and ev[-1] == "generate"
+    eng.tp_group = object()
+    assert not eng.submit(prompts, **kw) and ev[-1] == "generate"

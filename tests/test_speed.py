@@ -184,7 +184,7 @@ def test_the_next_prompts_are_drawn_during_the_update_and_change_nothing(tmp_pat
     # timing/prompts: the main thread's seconds getting them, the whole draw at step 1, a look-up after
     assert all(0 <= m["timing/prompts"] < got[0]["timing/prompts"] / 10 for m in got[1:]), got
     with monkeypatch.context() as m:
-        m.setattr(grpo, "prefetch_prompts", lambda ctx: None)
+        m.setattr(grpo, "prefetch_prompts", lambda ctx, submit=None: None)
         who.clear()
         plain = run(tmp_path / "plain")
     assert who == [("MainThread", 0), ("MainThread", 2), ("MainThread", 4)], who
@@ -200,3 +200,38 @@ def test_the_next_prompts_are_drawn_during_the_update_and_change_nothing(tmp_pat
     with pytest.raises(UserError, match="dataset row 3: no such image"):
         run(tmp_path / "bad")
     assert len(open(tmp_path / "bad" / "metrics.jsonl").readlines()) == 1  # step 1 finished; step 2 took the error
+
+
+def test_the_next_steps_requests_reach_the_engine_during_the_update(tmp_path, monkeypatch):
+    """With an engine that takes requests ahead (VLLMRollout.submit; here the HF engine given a recording one), the
+    prefetch thread hands it each next step's generate call: exactly the call that step then makes (the same prompt
+    records, seeds, log-prob choices), none before a validation (its generate comes first), none with
+    --no-prefetch-requests; the drawn prompts are those of a run without."""
+    calls, generate = [], rollout.HFRollout.generate
+
+    def submit(self, **kw):
+        calls.append(("submit", threading.current_thread().name, kw))
+        return True
+
+    def spy(self, prompts, **kw):
+        calls.append(("generate", threading.current_thread().name, dict(kw, prompts=prompts)))
+        return generate(self, prompts, **kw)
+    monkeypatch.setattr(rollout.HFRollout, "submit", submit, raising=False)
+    monkeypatch.setattr(rollout.HFRollout, "generate", spy)
+    args = ["--rollout-engine", "hf", "--rollout-batch-size", "2", "--global-batch-size", "2", "--rollout-n", "2",
+            "--max-steps", "4", "--val-freq", "2", "--val-max-rows", "2", "--save-freq", "-1", "--resume", "never",
+            "--max-response-length", "4"]
+    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "a")]))
+    # validation, steps 1, 2 (+ validation), 3, 4 (+ validation): after steps 1 and 3 the next step's call goes ahead
+    assert [(c[0], c[1]) for c in calls] == [("generate", "MainThread")] * 2 + [("submit", "prefetch_prompts")] + \
+        [("generate", "MainThread")] * 3 + [("submit", "prefetch_prompts")] + [("generate", "MainThread")] * 2
+    for i in (2, 6):
+        ahead, made = calls[i][2], calls[i + 1][2]
+        assert list(map(id, ahead.pop("prompts"))) == list(map(id, made.pop("prompts"))) and ahead == made
+    assert calls[3][2]["logprobs"] == [0, 0] and calls[3][2]["n"] == 2  # (positions 2, 3: not a K-th)
+    first = [c[2] for c in calls if c[0] == "generate"]
+    calls.clear()
+    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "b"),
+                                                        "--no-prefetch-requests"]))
+    assert [c[0] for c in calls] == ["generate"] * 7
+    assert [c[2]["seeds"] for c in calls] == [c["seeds"] for c in first]
