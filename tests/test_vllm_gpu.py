@@ -216,6 +216,40 @@ def test_sleep_frees_memory(setup):
     eng.sleep_level = 1
 
 
+def test_requests_queued_while_asleep_run_as_generate_makes_them(setup):
+    """VLLMRollout.submit, as grpo's prefetch thread calls it during the update: the requests queued on another
+    thread with the engine asleep at level 2 (its scheduler paused), the weights then synced, the KV cache woken, and
+    generate with the same arguments runs them: the samples and log-probs generate makes without the queue, the
+    engine's queue empty after; a call with other arguments first drops them (validation's greedy answers stay)."""
+    import threading
+    eng, sd, recs = setup["eng"], setup["sd"], setup["prompts"]
+    kw = dict(n=4, temperature=1.0, top_p=1.0, max_tokens=12, seeds=[31, 32, 33, 34][:len(recs)],
+              logprobs=[1, 0, 2, 0][:len(recs)])
+    plain, base = eng.generate(recs, **kw), greedy(eng, recs)
+    eng.sleep_level = 2
+    for other in (False, True):
+        eng.sleep()
+        thread = threading.Thread(target=lambda: eng.submit(recs, **kw))
+        thread.start()
+        thread.join()
+        assert eng.queued is not None and eng.llm.llm_engine.get_num_unfinished_requests() > 0
+        eng.sync_weights(sd.items())
+        if other:
+            assert greedy(eng, recs) == base
+            continue
+        got = eng.generate(recs, **kw)
+        same = [a["response_ids"] == b["response_ids"] for g, w in zip(got, plain) for a, b in zip(g, w)]
+        print(f"[vllm] queued requests: {sum(same)}/{len(same)} samples identical to generate's own")
+        assert sum(same) >= len(same) - 2 and eng.llm.llm_engine.get_num_unfinished_requests() == 0
+        for g, w, k in zip(got, plain, kw["logprobs"]):
+            assert [a["logprobs"] is not None for a in g] == [j < k for j in range(4)]
+            for a, b in zip(g[:k], w[:k]):
+                if a["response_ids"] == b["response_ids"]:
+                    assert torch.allclose(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=0.05)
+    assert eng.queued is None and eng.llm.llm_engine.get_num_unfinished_requests() == 0
+    eng.sleep_level = 1
+
+
 # ------------------------------------------------------------------------------------------------ a KV cache too small
 def preempt_main(mode):
     """Log-probs when the KV cache cannot hold every running sample, so vLLM preempts requests and recomputes them
