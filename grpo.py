@@ -272,8 +272,8 @@ def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
 
 def early_requests(ctx, step, collect):
     """prefetch_prompts' submit: vLLM's intake of the requests the next step's generate makes (rollout_call's, or
-    collect.requests(ctx, drawn)'s), ~1 s a step off the critical path. None with --no-prefetch-requests, an engine
-    without one (HF), or a validation after this step (its generate would come first and drop them)."""
+    collect.requests(ctx, drawn)'s), ~1 s a step off the critical path. None without --prefetch-requests, with an
+    engine without an intake (HF), or a validation after this step (its generate would come first and drop them)."""
     cfg = ctx.cfg
     if cfg.prefetch_requests and hasattr(ctx.rollout, "submit") and not (
             cfg.val_freq and ctx.val is not None and (step + 1) % cfg.val_freq == 0):

@@ -375,13 +375,15 @@ class VLLMRollout:
         self.wake()
         queued, self.queued = self.queued, None
         if queued and queued[0] != _call_key(prompts, n, temperature, top_p, max_tokens, seeds, lengths, logprobs):
-            self.llm.llm_engine.abort_request(queued[1])  # another call came first (validation): not these
+            self.llm.llm_engine.abort_request(queued[1], internal=True)  # another call first (validation): not these
             queued = None
         with collector_paused():
             if queued:
                 _, ids, items, mine, per_item = queued
                 outs = self.llm.wait_for_completion(use_tqdm=False)
-                if [o.request_id for o in outs] != ids:  # (both sorted by id)
+                # (enqueue gives vLLM's internal ids, "<id>-<8 random characters>"; the outputs carry <id>)
+                if len(outs) != len(ids) or any(i != o.request_id and not i.startswith(f"{o.request_id}-")
+                                                for i, o in zip(ids, outs)):
                     raise RuntimeError(f"vLLM returned {len(outs)} requests, not the {len(ids)} queued")
             else:
                 items, mine = self._items(prompts, seeds, lengths, logprobs)
@@ -400,7 +402,7 @@ class VLLMRollout:
         if self.tp_group is not None:
             return False
         if self.queued:
-            self.llm.llm_engine.abort_request(self.queued[1])
+            self.llm.llm_engine.abort_request(self.queued[1], internal=True)
         items, mine = self._items(prompts, seeds, lengths, logprobs)
         reqs, params, per_item = self._requests(items, n, temperature, top_p, max_tokens)
         key = _call_key(prompts, n, temperature, top_p, max_tokens, seeds, lengths, logprobs)

@@ -338,6 +338,7 @@ class StandInLLM:
     def __init__(self):
         self.calls, self.events, self.levels, self.loaded, self.woken = [], [], [], [], []
         self.queue, self.ids = [], iter(range(10**9))  # (request id, prompt, params) held, as vLLM's waiting queue
+        self.ran = []  # the request ids of each run of the queue
         model = StandInModel(self)
         self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.events.append("reset_encoder"),
                                                 abort_request=self.abort,
@@ -346,15 +347,17 @@ class StandInLLM:
                                                     get_model=lambda: model)))
 
     def enqueue(self, reqs, params, use_tqdm=False):
+        """As vLLM's: returns the requests' internal ids ("<id>-<8 random characters>"); the outputs carry <id>."""
         self.calls.append(dict(reqs=list(reqs), params=list(params), queued=True))
         self.events.append("enqueue")
         ids = [str(next(self.ids)) for _ in reqs]
         self.queue += zip(ids, reqs, params)
-        return ids
+        return [f"{i}-{abs(hash(i)) % 10**8:08d}" for i in ids]
 
-    def abort(self, ids):
+    def abort(self, ids, internal=False):  # (vLLM takes ids as external ones unless told: internal ones match none)
         self.events.append("abort")
-        self.queue = [q for q in self.queue if q[0] not in set(ids)]
+        drop = {i.rsplit("-", 1)[0] if internal else i for i in ids}
+        self.queue = [q for q in self.queue if q[0] not in drop]
 
     def wait_for_completion(self, use_tqdm=False):
         self.events.append("wait")
@@ -369,6 +372,7 @@ class StandInLLM:
 
     def run(self):
         outs, held, self.queue = [], self.queue, []
+        self.ran.append([q[0] for q in held])
         for i, (rid, r, p) in enumerate(held):
             comps = []
             for j in range(p.n):
@@ -591,6 +595,7 @@ def test_requests_queued_ahead_are_the_ones_generate_runs(path, monkeypatch):
         assert eng.submit(queued, **kw)
         assert eng.generate(asked, **asked_kw) == want  # and not the queued ones too
         assert ev[-3:] == ["enqueue", "abort", "generate"] and not eng.llm.queue
+        assert len(eng.llm.ran[-1]) == len(eng.llm.calls[-1]["params"])  # the call's requests ran, nothing else
     eng.submit(prompts, **kw)
     eng.sleep()
     assert eng.queued is None and not eng.llm.queue

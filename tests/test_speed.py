@@ -205,8 +205,8 @@ def test_the_next_prompts_are_drawn_during_the_update_and_change_nothing(tmp_pat
 def test_the_next_steps_requests_reach_the_engine_during_the_update(tmp_path, monkeypatch):
     """With an engine that takes requests ahead (VLLMRollout.submit; here the HF engine given a recording one), the
     prefetch thread hands it each next step's generate call: exactly the call that step then makes (the same prompt
-    records, seeds, log-prob choices), none before a validation (its generate comes first), none with
-    --no-prefetch-requests; the drawn prompts are those of a run without."""
+    records, seeds, log-prob choices), none before a validation (its generate comes first), none without
+    --prefetch-requests (the default until a GPU run shows it); the drawn prompts are those of a run without."""
     calls, generate = [], rollout.HFRollout.generate
 
     def submit(self, **kw):
@@ -221,7 +221,7 @@ def test_the_next_steps_requests_reach_the_engine_during_the_update(tmp_path, mo
     args = ["--rollout-engine", "hf", "--rollout-batch-size", "2", "--global-batch-size", "2", "--rollout-n", "2",
             "--max-steps", "4", "--val-freq", "2", "--val-max-rows", "2", "--save-freq", "-1", "--resume", "never",
             "--max-response-length", "4"]
-    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "a")]))
+    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "a"), "--prefetch-requests"]))
     # validation, steps 1, 2 (+ validation), 3, 4 (+ validation): after steps 1 and 3 the next step's call goes ahead
     assert [(c[0], c[1]) for c in calls] == [("generate", "MainThread")] * 2 + [("submit", "prefetch_prompts")] + \
         [("generate", "MainThread")] * 3 + [("submit", "prefetch_prompts")] + [("generate", "MainThread")] * 2
@@ -231,7 +231,6 @@ def test_the_next_steps_requests_reach_the_engine_during_the_update(tmp_path, mo
     assert calls[3][2]["logprobs"] == [0, 0] and calls[3][2]["n"] == 2  # (positions 2, 3: not a K-th)
     first = [c[2] for c in calls if c[0] == "generate"]
     calls.clear()
-    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "b"),
-                                                        "--no-prefetch-requests"]))
+    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "b")]))  # (off: the default)
     assert [c[0] for c in calls] == ["generate"] * 7
     assert [c[2]["seeds"] for c in calls] == [c["seeds"] for c in first]
