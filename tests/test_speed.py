@@ -234,3 +234,17 @@ def test_the_next_steps_requests_reach_the_engine_during_the_update(tmp_path, mo
     grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "b")]))  # (off: the default)
     assert [c[0] for c in calls] == ["generate"] * 7
     assert [c[2]["seeds"] for c in calls] == [c["seeds"] for c in first]
+
+
+def test_the_realistic_workload_queues_the_call_it_makes(monkeypatch):
+    """bench.py's realistic workload tells grpo's prefetch (--prefetch-requests) the generate call its collect then
+    makes for the drawn prompts: the same forced lengths, seeds and log-prob choices."""
+    cfg = grpo.Config(n=4, max_response_length=64, seed=3)
+    drawn = [(pos, {"raw_prompt_ids": [pos]}) for pos in range(8, 12)]
+    ctx, made = SimpleNamespace(cfg=cfg), []
+    monkeypatch.setattr(grpo, "take_prompts", lambda ctx, count: drawn)
+    monkeypatch.setattr(grpo, "generate_and_score", lambda ctx, d, n, t, **kw: made.append(
+        grpo.rollout_call(ctx.cfg, d, n, t, **kw)))
+    bench.realistic_collect(ctx, 0, {})
+    assert bench.realistic_collect.requests is bench.realistic_requests and len(set(map(str, made[0]["lengths"]))) > 1
+    assert made == [bench.realistic_requests(ctx, drawn)]
