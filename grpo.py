@@ -272,7 +272,7 @@ def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
 
 def early_requests(ctx, step, collect):
     """prefetch_prompts' submit: vLLM's intake of the requests the next step's generate makes (rollout_call's, or
-    collect.requests(ctx, drawn)'s), ~1 s a step off the critical path. None without --prefetch-requests, with an
+    collect.requests(ctx, drawn)'s), off the critical path. None without --prefetch-requests, with an
     engine without an intake (HF), or a validation after this step (its generate would come first and drop them)."""
     cfg = ctx.cfg
     if cfg.prefetch_requests and hasattr(ctx.rollout, "submit") and not (

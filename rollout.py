@@ -395,7 +395,7 @@ class VLLMRollout:
 
     def submit(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
         """vLLM's intake of a later generate call's requests, now: each prompt through vLLM's input processing (the
-        HF processor on its images, ~1 s for the 3B bar's 64 prompts: otherwise inside generate, the GPU idle) and
+        HF processor on its images: inside generate, the GPU idle; at most ~1 s for the 3B bar's 64 prompts) and
         into its queue. grpo calls it on prefetch_prompts' thread while the trainer computes, the engine asleep (its
         scheduler paused: they wait for the wake). Not with tensor parallelism (_items gathers the group's prompts:
         a collective, the main thread's). Returns whether it queued them."""
