@@ -138,6 +138,10 @@ def setup(cfg: Config):
     ctx.rollout = rollout.make_rollout(cfg.rollout_engine, ctx.model_path, device, ctx.compute_dtype,
                                        **rollout.engine_options(cfg, limit_videos=videos))
     memory.engine_built(ctx.rollout, allocated)  # the engine's memory outside its pool: not the trainer's
+    intake = hasattr(ctx.rollout, "submit") and getattr(ctx.rollout, "tp_group", None) is None
+    if cfg.prefetch_requests and not intake:  # one line, not an option that silently does nothing
+        ctx.say("[rollout] --prefetch-requests does nothing here: the HF engine has no intake to move, and a tensor-"
+                "parallel vLLM group gathers its prompts on the main thread")
     memory.check_host_memory(cfg, ctx.model, ctx.rollout)  # offload: one line now, not the kernel's kill at step 1
     ctx.engine_stale = True  # the engine loaded the same weights, but syncing on step 1 too keeps every step alike
     if ckpt:
@@ -275,10 +279,11 @@ def early_requests(ctx, step, collect):
     collect.requests(ctx, drawn)'s), off the critical path. None without --prefetch-requests, with an
     engine without an intake (HF), or a validation after this step (its generate would come first and drop them)."""
     cfg = ctx.cfg
-    if cfg.prefetch_requests and hasattr(ctx.rollout, "submit") and not (
-            cfg.val_freq and ctx.val is not None and (step + 1) % cfg.val_freq == 0):
-        plan = getattr(collect, "requests", None) or (lambda c, d: rollout_call(c.cfg, d, c.cfg.n, c.cfg.temperature))
-        return lambda drawn: ctx.rollout.submit(**plan(ctx, drawn))
+    if (not cfg.prefetch_requests or not hasattr(ctx.rollout, "submit")
+            or (cfg.val_freq and ctx.val is not None and (step + 1) % cfg.val_freq == 0)):
+        return None
+    plan = getattr(collect, "requests", None) or (lambda c, d: rollout_call(c.cfg, d, c.cfg.n, c.cfg.temperature))
+    return lambda drawn: ctx.rollout.submit(**plan(ctx, drawn))
 
 
 def update_policy(ctx, samples, step):

@@ -39,7 +39,7 @@ RESUMABLE_CHANGES = {
     "logprob_max_token_len_per_device", "checkpoint_layers", "share_prompts",  # how the work is cut, not what is
     # computed
     "attn_implementation", "gpu_memory_utilization", "kv_cache_memory_gb", "max_num_batched_tokens", "enforce_eager",
-    "sleep_level", "tensor_parallel_size", "torch_compile", "offload_params", "offload_optimizer"}
+    "sleep_level", "tensor_parallel_size", "torch_compile", "offload_params", "offload_optimizer", "prefetch_requests"}
 
 
 def _read_json(path):

@@ -202,11 +202,12 @@ def test_the_next_prompts_are_drawn_during_the_update_and_change_nothing(tmp_pat
     assert len(open(tmp_path / "bad" / "metrics.jsonl").readlines()) == 1  # step 1 finished; step 2 took the error
 
 
-def test_the_next_steps_requests_reach_the_engine_during_the_update(tmp_path, monkeypatch):
+def test_the_next_steps_requests_reach_the_engine_during_the_update(tmp_path, monkeypatch, capsys):
     """With an engine that takes requests ahead (VLLMRollout.submit; here the HF engine given a recording one), the
     prefetch thread hands it each next step's generate call: exactly the call that step then makes (the same prompt
     records, seeds, log-prob choices), none before a validation (its generate comes first), none without
-    --prefetch-requests (the default until a GPU run shows it); the drawn prompts are those of a run without."""
+    --prefetch-requests (the default until a GPU run shows it), and with an engine that has no intake the option
+    says in one line that it does nothing; the drawn prompts are those of a run without."""
     calls, generate = [], rollout.HFRollout.generate
 
     def submit(self, **kw):
@@ -234,6 +235,11 @@ def test_the_next_steps_requests_reach_the_engine_during_the_update(tmp_path, mo
     grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "b")]))  # (off: the default)
     assert [c[0] for c in calls] == ["generate"] * 7
     assert [c[2]["seeds"] for c in calls] == [c["seeds"] for c in first]
+    assert "--prefetch-requests does nothing" not in capsys.readouterr().out
+    monkeypatch.delattr(rollout.HFRollout, "submit")  # an engine without an intake: the option says it does nothing
+    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "c"), "--max-steps", "1",
+                                                        "--prefetch-requests"]))
+    assert "[rollout] --prefetch-requests does nothing here" in capsys.readouterr().out
 
 
 def test_the_realistic_workload_queues_the_call_it_makes(monkeypatch):
