@@ -18,6 +18,7 @@ import re
 import sys
 import threading
 import time
+import types
 from typing import Annotated
 
 import jinja2
@@ -433,14 +434,13 @@ def take_prompts(ctx, count):
     them: from prefetch_prompts' thread when it drew these, else drawn here. The same records either way:
     draw_prompts is a function of the cursor (exact resume)."""
     t = time.time()
-    cursor, want, thread, box = ctx.prefetch or (None, None, None, {})
-    ctx.prefetch = None
-    if thread is not None:
-        thread.join()  # (a stale one too: never two threads encoding at once)
-    if (cursor, want) == (ctx.cursor, count):
-        if "error" in box:
-            raise box["error"]  # a bad row: the error the draw here would have raised
-        drawn = box["drawn"]
+    ahead, ctx.prefetch = ctx.prefetch, None
+    if ahead is not None:
+        ahead.thread.join()  # (a stale one too: never two threads encoding at once)
+    if ahead is not None and (ahead.cursor, ahead.count) == (ctx.cursor, count):
+        if "error" in ahead.box:
+            raise ahead.box["error"]  # a bad row: the error the draw here would have raised
+        drawn = ahead.box["drawn"]
     else:
         drawn = draw_prompts(ctx.train, ctx.cursor, count, ctx.rank, ctx.world, ctx.cfg.seed)
     ctx.cursor += count
@@ -468,7 +468,7 @@ def prefetch_prompts(ctx, submit=None):
             box["error"] = e
     thread = threading.Thread(target=draw, name="prefetch_prompts", daemon=True)
     thread.start()
-    ctx.prefetch = (cursor, count, thread, box)
+    ctx.prefetch = types.SimpleNamespace(cursor=cursor, count=count, thread=thread, box=box)
 
 
 @functools.lru_cache(maxsize=2)  # the current epoch (and the next, while a batch straddles them)

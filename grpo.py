@@ -69,7 +69,7 @@ class State:
     skipped_total: int = 0
     best: tuple | None = None  # (step, val/mean) of the best checkpoint, never deleted
     kl_coef: float = 0.0  # the KL penalty's coefficient now (an adaptive one moves; a checkpoint saves it)
-    prefetch: tuple | None = None  # the next prompts being drawn on a second thread: (cursor, count, thread, box)
+    prefetch: Any = None  # the next prompts being drawn on a second thread: .cursor, .count, .thread, .box (results)
     prefetch_count: int = 0  # how many prompts the last draw asked for (the next step's first asks for as many)
     prompt_seconds: float = 0.0  # this step's main-thread seconds in take_prompts (timing/prompts)
 
@@ -449,7 +449,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     T["update"] = time.time() - t
     peaks["update"] = memory.phase_peak_gb(ctx.rollout)
     if ctx.prefetch:
-        ctx.prefetch[2].join()  # (drawn and queued long before: the update takes longer)
+        ctx.prefetch.thread.join()  # (drawn and queued long before: the update takes longer)
     T["step"] = time.time() - t_step
     # ---- metrics: rewards, lengths, seconds, throughput, MFU, memory ----
     metrics.update(rundir.step_metrics(ctx, samples, T, peaks, metrics))
