@@ -100,8 +100,8 @@ def realistic_collect(ctx, step, metrics):
     """grpo.collect_rollouts with forced per-sample response lengths (the realistic workload)."""
     cfg = ctx.cfg
     drawn = grpo.take_prompts(ctx, cfg.rollout_batch_size)  # (drawn while the last step's update ran)
-    lengths = [response_lengths(cfg.seed, pos, cfg.n, cfg.max_response_length) for pos, _ in drawn]
-    return grpo.generate_and_score(ctx, drawn, cfg.n, cfg.temperature, lengths=lengths)
+    return grpo.generate_and_score(ctx, drawn, cfg.n, cfg.temperature,
+                                   lengths=realistic_requests(ctx, drawn)["lengths"])
 
 
 def realistic_requests(ctx, drawn):
