@@ -24,7 +24,7 @@ OPTIONAL = {"logprobs_flat"}  # rows of an option generate leaves off by default
 
 
 def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path, monkeypatch):
-    """bench.py engine-ablation against a stand-in vLLM (tests/test_rollout.py) that records every request: the rows
+    """bench.py engine-ablation against a stand-in vLLM (tests/vllm_standin.py) that records every request: the rows
     are the step's requests (grpo's prompts and seeds) with VLLMRollout's switches; each engine-level row's
     SamplingParams differ from bare's in exactly its own fields, bare plus all the additions is what
     VLLMRollout.generate sends (all_ours), every timed row starts cold, the sleep rows wake before generating and
@@ -32,7 +32,7 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
     all_ours_lp_all_n asks one request per prompt (all_ours splits a chosen prompt's), all_ours_no_lp is
     all_ours_lp_all_n without log-probs, all_ours_early queues all_ours's requests while asleep and runs them after
     the wake, and the table and JSON hold every row."""
-    from test_rollout import StandInLLM, standin_vllm
+    from vllm_standin import StandInLLM, standin_vllm
     seen, built = standin_vllm(monkeypatch)
     collector, standin_generate = [], StandInLLM.generate
     monkeypatch.setattr(StandInLLM, "generate", lambda self, *a, **k: collector.append(gc.isenabled())
