@@ -63,9 +63,10 @@ class Config:
     # models get, nothing on its V2 runner; README Speed)
     per_prompt_seeds: bool = True
     # vLLM's intake of the next step's requests (its processor on every image) on the prefetch thread while this step
-    # trains, not at the start of generating (not with tensor parallelism, nor before a validation). Off by default
-    # until a GPU run has shown it (CPU-tested against a stand-in vLLM only; BENCHMARKS.md session 16)
-    prefetch_requests: bool = False
+    # trains, not at the start of generating (never before a validation). auto: where it can (vLLM at tensor parallel
+    # 1: a TP group gathers its prompts on the main thread); on: the same, and one line where it cannot; off: at the
+    # start of generating (the 3B bar's generation 17.4 s against 18.2 s: BENCHMARKS.md session 17)
+    prefetch_requests: Literal["auto", "on", "off"] = "auto"
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
     limit_videos: int = 0  # videos per prompt the engine accepts; 0 = the most any training or validation row has
     # --- batch arithmetic (EasyR1's names: batch sizes count prompts, micro-batches count samples) ---

@@ -139,7 +139,7 @@ def setup(cfg: Config):
                                        **rollout.engine_options(cfg, limit_videos=videos))
     memory.engine_built(ctx.rollout, allocated)  # the engine's memory outside its pool: not the trainer's
     intake = hasattr(ctx.rollout, "submit") and getattr(ctx.rollout, "tp_group", None) is None
-    if cfg.prefetch_requests and not intake:  # one line, not an option that silently does nothing
+    if cfg.prefetch_requests == "on" and not intake:  # one line, not an option asked for that does nothing
         ctx.say("[rollout] --prefetch-requests does nothing here: the HF engine has no intake to move, and a tensor-"
                 "parallel vLLM group gathers its prompts on the main thread")
     memory.check_host_memory(cfg, ctx.model, ctx.rollout)  # offload: one line now, not the kernel's kill at step 1
@@ -276,10 +276,10 @@ def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
 
 def early_requests(ctx, step, collect):
     """prefetch_prompts' submit: vLLM's intake of the requests the next step's generate makes (rollout_call's, or
-    collect.requests(ctx, drawn)'s), off the critical path. None without --prefetch-requests, with an
+    collect.requests(ctx, drawn)'s), off the critical path. None with --prefetch-requests off, with an
     engine without an intake (HF), or a validation after this step (its generate would come first and drop them)."""
     cfg = ctx.cfg
-    if (not cfg.prefetch_requests or not hasattr(ctx.rollout, "submit")
+    if (cfg.prefetch_requests == "off" or not hasattr(ctx.rollout, "submit")
             or (cfg.val_freq and ctx.val is not None and (step + 1) % cfg.val_freq == 0)):
         return None
     plan = getattr(collect, "requests", None) or (lambda c, d: rollout_call(c.cfg, d, c.cfg.n, c.cfg.temperature))

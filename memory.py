@@ -39,6 +39,7 @@ import torch.distributed as dist
 import presets
 import tiny_model
 import tiny_moe
+import varlen
 from common import UserError, all_reduce_cpu
 
 # bytes per parameter of the policy's state (weights, gradients, AdamW's two moments), per --precision; pure bf16
@@ -435,15 +436,25 @@ def check_fits(c, dims, world, card_gib, what, slack=0.1):
                     + (f"; or less state per GPU: {', '.join(less)}" if less else ""))
 
 
-def known_dims(model_path):
+def known_dims(model_path, config=None):
     """dims_from_config of the model a run starts from, when it is known before loading (presets.known_config: a
-    readable config.json, or a hub name of a preset); None for any other (no check: a guess could stop a run that
-    fits)."""
-    cfg = presets.known_config(model_path)
+    readable config.json, or a hub name of a preset; or `config`, read already); None for any other (no check: a
+    guess could stop a run that fits)."""
+    cfg = config or presets.known_config(model_path)
     try:
         return None if cfg is None else dims_from_config(cfg)
     except (AttributeError, ValueError, TypeError):  # a model whose config lacks what the memory model reads
         return None
+
+
+def rows_padded(cfg, model_config):
+    """Whether the policy will train on padded rows, decided before loading as varlen.use_varlen_attention decides
+    after: --padding-free off, --attn-implementation, fp32 compute, a model that does not pack, no fast kernel on
+    this GPU (on the CPU the kernel is taken as present)."""
+    wide = cfg.precision != "bf16" and cfg.dtype == "fp32"
+    fast = cfg.attn_implementation is None and not wide and (
+        not torch.cuda.is_available() or varlen._fast_varlen_kernel(torch.cuda.current_device()) is not None)
+    return not varlen.varlen_choice(model_config, cfg.padding_free, "off", fast)["text"]
 
 
 def this_gpu_gib():
@@ -471,14 +482,20 @@ def auto_checkpoint_layers(c, dims, world, card_gib, error=0.15):
 def resolve_checkpoint_layers(cfg, world, card_gib=None):
     """(share, note) for a run's --checkpoint-layers: a number as given; `auto` by auto_checkpoint_layers on this
     rank's GPU (less bench.py's ballast), or 1 where no model or card says (the CPU, a model it does not know,
-    gradient checkpointing off). note: one line for the log, empty for a number."""
+    gradient checkpointing off), and with padded rows: the memory model was measured on packed ones (uniform in
+    shape), and the realistic workload's padded rows at the packed share ran out of memory (an update of 124 GiB
+    allocated where the model said 117, beside ~12 GiB of the allocator's gaps: BENCHMARKS.md session 17). note: one
+    line for the log, empty for a number."""
     if cfg.checkpoint_layers != "auto":
         return float(cfg.checkpoint_layers), ""
-    dims = known_dims(cfg.model_path) if cfg.gradient_checkpointing else None
+    model_config = presets.known_config(cfg.model_path) if cfg.gradient_checkpointing else None
+    dims = known_dims(cfg.model_path, model_config) if model_config is not None else None
     card_gib = card_gib or this_gpu_gib()
-    if dims is None or card_gib is None:
+    padded = dims is not None and card_gib is not None and rows_padded(cfg, model_config)
+    if dims is None or card_gib is None or padded:
         why = "gradient checkpointing is off" if not cfg.gradient_checkpointing else (
-            "no GPU" if card_gib is None else "the memory model does not know this model")
+            "no GPU" if card_gib is None else "the memory model does not know this model" if dims is None else
+            "padded rows: the memory model knows packed ones")
         return 1.0, f"--checkpoint-layers auto: every layer recomputes ({why})"
     share = auto_checkpoint_layers(asdict(cfg), dims, world, card_gib)
     update = memory_model(dims, **config_mode({**asdict(cfg), "checkpoint_layers": share}, world))["update"]

@@ -143,11 +143,20 @@ def _check_kernel(kernel, device):
 
 def use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free="auto", vision_varlen="auto"):
     """Resolve the two options to {"text": bool, "vision": bool} for this model and device."""
+    fast = (device.type == "cuda" and param_dtype in (torch.bfloat16, torch.float16) and attn_implementation is None
+            and _fast_varlen_kernel(device.index if device.index is not None else torch.cuda.current_device())
+            is not None)
+    return varlen_choice(hf.config, padding_free, vision_varlen, fast)
+
+
+def varlen_choice(config, padding_free, vision_varlen, fast):
+    """use_varlen_attention's choice for a model's config; fast: a fast kernel runs here, in the compute dtype, with
+    no --attn-implementation (before loading, memory.py asks this with fast taken from the options)."""
     for name, v in (("padding_free", padding_free), ("vision_varlen", vision_varlen)):
         if v not in ("auto", "on", "off"):
             raise ValueError(f"{name}={v!r}: choose auto, on or off")
-    mt = hf.config.model_type
-    has_vision = getattr(hf.config, "vision_config", None) is not None
+    mt = config.model_type
+    has_vision = getattr(config, "vision_config", None) is not None
     qwen3 = mt in ("qwen3_vl", "qwen3_vl_moe")
     # Qwen3-VL-MoE packs only when asked ("on"): its packed rows were never run on a GPU (the dense Qwen3-VL's were:
     # tests/test_varlen_gpu.py and the 8B bench, benchmarks/BENCHMARKS.md session 12)
@@ -155,9 +164,6 @@ def use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_f
     can = {"text": mt in ("qwen2_vl", "qwen2_5_vl") or qwen3 or not has_vision,
            "vision": mt in ("qwen2_vl", "qwen2_5_vl")}
     who = {"text": "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text LLMs are", "vision": "Qwen2-VL and Qwen2.5-VL are"}
-    fast = (device.type == "cuda" and param_dtype in (torch.bfloat16, torch.float16) and attn_implementation is None
-            and _fast_varlen_kernel(device.index if device.index is not None else torch.cuda.current_device())
-            is not None)
     out = {}
     for key, v, flag in (("text", padding_free, "--padding-free"), ("vision", vision_varlen, "--vision-varlen")):
         if v == "on" and not can[key] and (key == "text" or has_vision):  # no vision tower: nothing to switch

@@ -181,7 +181,7 @@ def test_config_diff_ignores_only_the_allow_list():
     saved = json.loads(json.dumps(asdict(G.Config())))
     assert rundir.config_diff(saved, replace(G.Config(), max_steps=9, save_freq=1, logger=["wandb"],
                                              micro_batch_size_per_device=2, logprob_max_token_len_per_device=65536,
-                                             checkpoint_layers=0.5, prefetch_requests=True)) == []  # how the work
+                                             checkpoint_layers=0.5, prefetch_requests="off")) == []  # how the work
     # is cut or scheduled, not what it computes
     assert rundir.config_diff(saved, replace(G.Config(), lr=1e-5, seed=3)) == ["lr: 1e-06 -> 1e-05", "seed: 1 -> 3"]
     del saved["lr"]  # a key the old run did not know: not compared

@@ -205,9 +205,9 @@ def test_the_next_prompts_are_drawn_during_the_update_and_change_nothing(tmp_pat
 def test_the_next_steps_requests_reach_the_engine_during_the_update(tmp_path, monkeypatch, capsys):
     """With an engine that takes requests ahead (VLLMRollout.submit; here the HF engine given a recording one), the
     prefetch thread hands it each next step's generate call: exactly the call that step then makes (the same prompt
-    records, seeds, log-prob choices), none before a validation (its generate comes first), none without
-    --prefetch-requests (the default until a GPU run shows it), and with an engine that has no intake the option
-    says in one line that it does nothing; the drawn prompts are those of a run without."""
+    records, seeds, log-prob choices), none before a validation (its generate comes first), none with
+    --prefetch-requests off, the same with auto (the default) as with on, and with an engine that has no intake `on`
+    says in one line that it does nothing (auto says nothing); the drawn prompts are those of a run without."""
     calls, generate = [], rollout.HFRollout.generate
 
     def submit(self, **kw):
@@ -222,24 +222,30 @@ def test_the_next_steps_requests_reach_the_engine_during_the_update(tmp_path, mo
     args = ["--rollout-engine", "hf", "--rollout-batch-size", "2", "--global-batch-size", "2", "--rollout-n", "2",
             "--max-steps", "4", "--val-freq", "2", "--val-max-rows", "2", "--save-freq", "-1", "--resume", "never",
             "--max-response-length", "4"]
-    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "a"), "--prefetch-requests"]))
+    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "a"), "--prefetch-requests", "on"]))
     # validation, steps 1, 2 (+ validation), 3, 4 (+ validation): after steps 1 and 3 the next step's call goes ahead
-    assert [(c[0], c[1]) for c in calls] == [("generate", "MainThread")] * 2 + [("submit", "prefetch_prompts")] + \
-        [("generate", "MainThread")] * 3 + [("submit", "prefetch_prompts")] + [("generate", "MainThread")] * 2
+    order = [("generate", "MainThread")] * 2 + [("submit", "prefetch_prompts")] + [("generate", "MainThread")] * 3 + \
+        [("submit", "prefetch_prompts")] + [("generate", "MainThread")] * 2
+    assert [(c[0], c[1]) for c in calls] == order
     for i in (2, 6):
         ahead, made = calls[i][2], calls[i + 1][2]
         assert list(map(id, ahead.pop("prompts"))) == list(map(id, made.pop("prompts"))) and ahead == made
     assert calls[3][2]["logprobs"] == [0, 0] and calls[3][2]["n"] == 2  # (positions 2, 3: not a K-th)
     first = [c[2] for c in calls if c[0] == "generate"]
     calls.clear()
-    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "b")]))  # (off: the default)
+    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "b"),
+                                                        "--prefetch-requests", "off"]))
     assert [c[0] for c in calls] == ["generate"] * 7
     assert [c[2]["seeds"] for c in calls] == [c["seeds"] for c in first]
     assert "--prefetch-requests does nothing" not in capsys.readouterr().out
-    monkeypatch.delattr(rollout.HFRollout, "submit")  # an engine without an intake: the option says it does nothing
-    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "c"), "--max-steps", "1",
-                                                        "--prefetch-requests"]))
-    assert "[rollout] --prefetch-requests does nothing here" in capsys.readouterr().out
+    calls.clear()
+    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "d")]))  # auto: as with on
+    assert [(c[0], c[1]) for c in calls] == order
+    monkeypatch.delattr(rollout.HFRollout, "submit")  # an engine without an intake: `on` says it does nothing
+    for flag, says in (("on", True), ("auto", False)):
+        grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / f"c{flag}"),
+                                                            "--max-steps", "1", "--prefetch-requests", flag]))
+        assert ("[rollout] --prefetch-requests does nothing here" in capsys.readouterr().out) == says
 
 
 def test_the_realistic_workload_queues_the_call_it_makes(monkeypatch):
