@@ -7,7 +7,9 @@
 #              image and ~100 text tokens per prompt, 3 steps (README: 56.8 and 58.6 s per step in two runs, each the
 #              mean of steps 2 and 3; 286-326 s for the call on 2026-12-02, the model built by an earlier call)
 #   realistic  (~6 min) the same prompts with seeded log-normal response lengths, padding-free training on (174 s on
-#              2026-12-02: README 28.9 s per step), then off
+#              2026-12-02: README 28.9 s per step; 24.3 s in session 17), then off (padded rows: bench's
+#              --checkpoint-layers auto recomputes every layer there; at the packed share, 29 of 36, session 17's ran
+#              out of memory in step 1)
 #   profile    (~4 min, no engine) the trainer alone on the 3B, 16 prompts x 8, 3 steps; the last step's kernel table
 #   8b         (~5.5 min: 314 s on 2026-12-02 with the model build) the Qwen3-VL-8B shape in pure bf16, 16 prompts x 8 x
 #              1024, 2 steps (README: 35.5 s per step with packed rows)
