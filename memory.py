@@ -452,8 +452,8 @@ def rows_padded(cfg, model_config):
     after: --padding-free off, --attn-implementation, fp32 compute, a model that does not pack, no fast kernel on
     this GPU (on the CPU the kernel is taken as present)."""
     wide = cfg.precision != "bf16" and cfg.dtype == "fp32"
-    fast = cfg.attn_implementation is None and not wide and (
-        not torch.cuda.is_available() or varlen._fast_varlen_kernel(torch.cuda.current_device()) is not None)
+    fast = cfg.attn_implementation is None and not wide and (  # (this rank's GPU: setup has not set it yet)
+        not torch.cuda.is_available() or varlen._fast_varlen_kernel(int(os.environ.get("LOCAL_RANK", "0"))) is not None)
     return not varlen.varlen_choice(model_config, cfg.padding_free, "off", fast)["text"]
 
 

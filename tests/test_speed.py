@@ -222,7 +222,8 @@ def test_the_next_steps_requests_reach_the_engine_during_the_update(tmp_path, mo
     args = ["--rollout-engine", "hf", "--rollout-batch-size", "2", "--global-batch-size", "2", "--rollout-n", "2",
             "--max-steps", "4", "--val-freq", "2", "--val-max-rows", "2", "--save-freq", "-1", "--resume", "never",
             "--max-response-length", "4"]
-    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "a"), "--prefetch-requests", "on"]))
+    grpo.train(cli(grpo.Config, grpo.DEMO, args=args + ["--output-dir", str(tmp_path / "a"),
+                                                        "--prefetch-requests", "on"]))
     # validation, steps 1, 2 (+ validation), 3, 4 (+ validation): after steps 1 and 3 the next step's call goes ahead
     order = [("generate", "MainThread")] * 2 + [("submit", "prefetch_prompts")] + [("generate", "MainThread")] * 3 + \
         [("submit", "prefetch_prompts")] + [("generate", "MainThread")] * 2
