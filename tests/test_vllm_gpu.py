@@ -303,6 +303,8 @@ def test_logprobs_hold_when_requests_are_preempted(launch, tmp_path):
 # ------------------------------------------------------------------------------------------------ torchrun SPMD
 def spmd_main(tp):
     """Each rank: own prompts, own seeds. DP replicas must not wait for each other; TP ranks gather."""
+    import threading
+
     import torch.distributed as dist
     import tiny_model
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -311,8 +313,19 @@ def spmd_main(tp):
                               enforce_eager=True, dtype="bfloat16")
     recs = make_prompts(path)
     mine = recs[rank % len(recs)::world] or recs[:1]  # different prompts on each rank
-    out = eng.generate(mine, n=2, temperature=1.0, top_p=1.0, max_tokens=16, seeds=[100 + rank] * len(mine))
+    kw = dict(n=2, temperature=1.0, top_p=1.0, max_tokens=16, seeds=[100 + rank] * len(mine))
+    out = eng.generate(mine, **kw)
     assert len(out) == len(mine) and all(len(g) == 2 for g in out)
+    # grpo's prefetch thread (--prefetch-requests auto): each rank queues its next call with its engine asleep; a TP
+    # group declines (its prompt gather is a collective, the main thread's) and generate makes the requests itself
+    eng.sleep()
+    queued = []
+    thread = threading.Thread(target=lambda: queued.append(eng.submit(mine, **kw)))
+    thread.start()
+    thread.join()
+    again = eng.generate(mine, **kw)
+    same = [a["response_ids"] == b["response_ids"] for g, w in zip(again, out) for a, b in zip(g, w)]
+    assert queued == [tp == 1] and sum(same) >= len(same) - 2, (queued, same)
     # same prompt + same seed on every rank -> the same samples, whichever replica runs it
     same = eng.generate(recs[:1], n=2, temperature=1.0, top_p=1.0, max_tokens=16, seeds=[5])[0]
     got = [None] * world
