@@ -179,3 +179,8 @@ class Config:
     project_name: str = "vlm_rl"  # for wandb
     experiment_name: str = ""  # for wandb; "" = the output folder's name
     debug_skip_sync: bool = False  # never send new weights to the engine: rollout/logprob_diff_* must then grow
+
+
+def bf16_compute(cfg, cuda):
+    """Whether the matmuls run in bf16 (pure bf16 always; --dtype auto: on a GPU), else fp32."""
+    return cfg.precision == "bf16" or cfg.dtype == "bf16" or (cfg.dtype == "auto" and cuda)

@@ -31,7 +31,7 @@ from algos import (adaptive_kl_coef, agg_loss, compute_advantages, correction_we
                    lr_factor, policy_loss, select_groups)
 from common import UserError, heap_freezer, one_line_errors
 from data import prefetch_prompts, take_prompts  # the prompt stream (drawn ahead on a thread)
-from config import Config  # the options; their defaults are EasyR1's (examples/config.yaml)
+from config import Config, bf16_compute  # the options; their defaults are EasyR1's (examples/config.yaml)
 # the demos' own defaults (no --model-path), where a flag does not say otherwise: DEMO, and TEXT_DEMO / VIDEO_DEMO on
 # top of it for the text and the video demo
 from tiny_model import DEMO, TEXT_DEMO, VIDEO_DEMO
@@ -107,8 +107,7 @@ def setup(cfg: Config):
         return ctx
     # --- policy (fp32 master weights, or bf16), reference (frozen, compute dtype), rollout engine (its own weights) ---
     pure_bf16 = cfg.precision == "bf16"
-    use_bf16 = pure_bf16 or cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
-    ctx.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    ctx.compute_dtype = torch.bfloat16 if bf16_compute(cfg, device.type == "cuda") else torch.float32
     ctx.lora = dict(r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules, exclude_modules=
                     cfg.lora_exclude_modules, modules_to_save=cfg.lora_modules_to_save,
                     target_experts=cfg.lora_target_experts) if cfg.lora_rank > 0 else None

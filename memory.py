@@ -41,6 +41,7 @@ import tiny_model
 import tiny_moe
 import varlen
 from common import UserError, all_reduce_cpu
+from config import bf16_compute
 
 # bytes per parameter of the policy's state (weights, gradients, AdamW's two moments), per --precision; pure bf16
 # with Kahan's compensation keeps KAHAN_BYTES more
@@ -450,9 +451,8 @@ def known_dims(model_path, config=None):
 def rows_padded(cfg, model_config):
     """Whether the policy will train on padded rows, decided before loading as varlen.use_varlen_attention decides
     after: --padding-free off, --attn-implementation, fp32 compute, a model that does not pack, no fast kernel on
-    this GPU (on the CPU the kernel is taken as present)."""
-    wide = cfg.precision != "bf16" and cfg.dtype == "fp32"
-    fast = cfg.attn_implementation is None and not wide and (  # (this rank's GPU: setup has not set it yet)
+    this GPU (on the CPU, where nothing trains at this share, the kernel is taken as present and auto as bf16)."""
+    fast = cfg.attn_implementation is None and bf16_compute(cfg, cuda=True) and (  # (LOCAL_RANK: not set yet)
         not torch.cuda.is_available() or varlen._fast_varlen_kernel(int(os.environ.get("LOCAL_RANK", "0"))) is not None)
     return not varlen.varlen_choice(model_config, cfg.padding_free, "off", fast)["text"]
 
@@ -482,10 +482,8 @@ def auto_checkpoint_layers(c, dims, world, card_gib, error=0.15):
 def resolve_checkpoint_layers(cfg, world, card_gib=None):
     """(share, note) for a run's --checkpoint-layers: a number as given; `auto` by auto_checkpoint_layers on this
     rank's GPU (less bench.py's ballast), or 1 where no model or card says (the CPU, a model it does not know,
-    gradient checkpointing off), and with padded rows: the memory model was measured on packed ones (uniform in
-    shape), and the realistic workload's padded rows at the packed share ran out of memory (an update of 124 GiB
-    allocated where the model said 117, beside ~12 GiB of the allocator's gaps: BENCHMARKS.md session 17). note: one
-    line for the log, empty for a number."""
+    gradient checkpointing off), and with padded rows (the model knows packed ones; padded ones at the packed share
+    ran out of memory: BENCHMARKS.md session 17). note: one line for the log, empty for a number."""
     if cfg.checkpoint_layers != "auto":
         return float(cfg.checkpoint_layers), ""
     model_config = presets.known_config(cfg.model_path) if cfg.gradient_checkpointing else None
