@@ -167,7 +167,7 @@ def _processor_without_torchvision(model_path):
     import transformers  # slow to import (~2 s): only where a model or processor loads
     from transformers.utils import is_torchvision_available  # (likewise)
     names = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
-             "qwen3_vl_moe": "Qwen3VLProcessor"}
+             "qwen3_vl_moe": "Qwen3VLProcessor", "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}
     if is_torchvision_available():
         return None
     model_type = getattr(transformers.AutoConfig.from_pretrained(model_path), "model_type", None)

@@ -45,6 +45,9 @@ def init_distributed():
 
 
 # ----------------------------------------------------------------------------------------------- model
+HYBRID = ("qwen3_5", "qwen3_5_moe")  # Qwen3.5: Gated DeltaNet layers between the attention ones (varlen.gdn_forward)
+
+
 def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
     """A VLM through AutoModelForImageTextToText, else a text LLM through AutoModelForCausalLM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # slow to import (~2 s)
@@ -79,8 +82,8 @@ class LogProbModel(nn.Module):
         self.has_vision = getattr(cfg, "vision_config", None) is not None and hasattr(hf_model.model,
                                                                                        "get_image_features")
         # who computes the rotary positions: collate() for Qwen2-VL/2.5-VL (3-D M-RoPE), text LLMs (1-D) and packed
-        # Qwen3-VL rows, on the CPU; None = the model itself (other VLMs, and Qwen3-VL's padded rows)
-        self.rope = ("mrope" if cfg.model_type in ("qwen2_vl", "qwen2_5_vl") else
+        # Qwen3-VL rows, and Qwen3.5's, on the CPU; None = the model itself (other VLMs, and Qwen3-VL's padded rows)
+        self.rope = ("mrope" if cfg.model_type in ("qwen2_vl", "qwen2_5_vl") + HYBRID else
                      "1d" if getattr(cfg, "vision_config", None) is None else None)
         self.packed = False  # build_actor: True when this model trains padding-free (one packed row per micro-batch)
         self.share_prompts = False  # build_actor: True when such a row holds each prompt once for all its samples
@@ -295,6 +298,10 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
                                              vision_varlen)
     if any(use_varlen.values()):
         varlen.set_varlen_attention(hf, **use_varlen)
+    gdn = varlen.use_gdn_forward(hf, device)  # Qwen3.5: the linear-attention layers see the samples' boundaries
+    if gdn == "torch" and device.type == "cuda" and dist.get_rank() == 0:
+        print("note: fla-core does not import here: the Gated DeltaNet layers run on the plain-torch path (correct, "
+              "slower; pip install fla-core for the Triton kernels)", flush=True)
     if gradient_checkpointing and trainable:
         if hasattr(hf, "activation_checkpointing_enable"):  # transformers 5's name; the old one warns
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -325,7 +332,8 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
                                     if torch.is_grad_enabled() else None)
     model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
     model.rope = "mrope" if model.packed and model.rope is None else model.rope  # (Qwen3-VL: positions from collate)
-    model.share_prompts = model.packed and share_prompts and model.router_logits is None
+    # a shared prompt's keys serve each response in attention; a recurrent layer would need its state forked instead
+    model.share_prompts = model.packed and share_prompts and model.router_logits is None and gdn is None
     # auto: on a GPU in bf16/fp16, for a model wide enough that fused kernels pay for the compilation (~100 s at
     # 3B); a tiny model's steps are launch-bound and would only wait for the compiler
     wide = getattr(getattr(hf.config, "text_config", hf.config), "hidden_size", 0) >= 1024

@@ -55,7 +55,8 @@ FILLER_WORDS = ("the a of is what which this image picture shows one word with i
                 "think so because therefore number count left right").split()
 MARKER = "BUILD_COMPLETE.json"
 CACHE_ROOT = os.path.expanduser("~/.cache/vlm_rl")
-ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen2", "qwen3_vl", "qwen3_vl_moe", "qwen3", "llama")
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen2", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3", "llama")
+QWEN3_VISION = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # 16-pixel patches, Qwen3-VL's processor
 TEXT_ARCHS = ("qwen2", "qwen3", "llama")  # causal LMs without a vision tower
 
 
@@ -125,6 +126,12 @@ def _vl_classes(arch):
     if arch == "qwen3_vl_moe":  # Qwen3-VL's vision tower and processor; sparse-MoE decoder layers
         from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, Qwen3VLProcessor  # (slow)
         return Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, Qwen3VLProcessor
+    if arch == "qwen3_5":  # Qwen3-VL's vision tower (no deepstack) before a hybrid LLM: Gated DeltaNet + attention
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor  # (slow)
+        return Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
+    if arch == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3VLProcessor  # (slow)
+        return Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3VLProcessor
     raise ValueError(f"unknown VL arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -149,7 +156,7 @@ def tiny_config(arch, ids, vocab_size):
         return _llama_config(ids, vocab_size)
     # Qwen3-VL interleaves the (time, height, width) frequencies (t h w t h w ...) instead of giving each a block;
     # [6, 5, 5] is its [24, 20, 20] scaled to 16 frequencies
-    q3vl = arch in ("qwen3_vl", "qwen3_vl_moe")  # the MoE: Qwen3-VL with experts in place of each dense MLP
+    q3vl = arch in QWEN3_VISION  # the MoE: Qwen3-VL with experts in place of each dense MLP
     mrope = None if arch in TEXT_ARCHS else [6, 5, 5] if q3vl else [4, 6, 6]
     text = _text_config(ids, vocab_size, hidden=128, intermediate=256, layers=2, heads=4,
                         kv_heads=2, mrope_section=mrope, tie=False)
@@ -178,7 +185,24 @@ def tiny_config(arch, ids, vocab_size):
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     if arch == "qwen3_vl_moe":
         text.update(tiny_moe.TINY)
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        text.update(QWEN3_5_TINY)  # (after the Qwen3-VL settings above: its own head size and rotary share)
+        vision.pop("deepstack_visual_indexes")
+        if arch == "qwen3_5_moe":
+            text.update({k: v for k, v in tiny_moe.TINY.items() if k not in ("decoder_sparse_step", "mlp_only_layers")},
+                        shared_expert_intermediate_size=96)
     return _vl_config(Cfg, Model, text, vision, ids, tie=False)
+
+
+# Qwen3.5 in small, in the checkpoints' pattern: of every 4 layers the first 3 are Gated DeltaNet (a 4-tap causal conv
+# and a gated delta-rule recurrence; key heads shared by 2 value heads, as 16 serve 32 in Qwen3.5-9B), the 4th full
+# attention (head 64 with an output gate; rotary on a quarter of it: 8 frequencies interleaved 3 / 3 / 2 over time,
+# height, width, as the real [11, 11, 10] of 32)
+QWEN3_5_TINY = dict(num_hidden_layers=4, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "mrope_section": [3, 3, 2],
+                                     "mrope_interleaved": True, "partial_rotary_factor": 0.25})
 
 
 def _llama_config(ids, vocab_size):
@@ -223,7 +247,7 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
     if ImgProc is None:
         ImgProc = transformers.Qwen2VLImageProcessor
     kw = {}
-    if arch in ("qwen3_vl", "qwen3_vl_moe"):  # the Qwen3-VL repos: 16-pixel patches, inputs scaled to [-1, 1]
+    if arch in QWEN3_VISION:  # the Qwen3-VL repos: 16-pixel patches, inputs scaled to [-1, 1]
         kw = dict(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     ImgProc(min_pixels=min_pixels, max_pixels=max_pixels, **kw).save_pretrained(out)
     proc_class = _vl_classes(arch)[2].__name__
@@ -239,7 +263,7 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
                                  "patch_size", "temporal_patch_size", "merge_size")}
     video.update(video_processor_type="Qwen2VLVideoProcessor", processor_class=proc_class,
                  min_pixels=min_pixels, max_pixels=max_pixels, size=size)
-    if arch in ("qwen3_vl", "qwen3_vl_moe"):  # its own video processor, which knows only `size` (as in the Qwen3-VL repos)
+    if arch in QWEN3_VISION:  # its own video processor, which knows only `size` (as in the Qwen3-VL repos)
         del video["min_pixels"], video["max_pixels"]
         video["video_processor_type"] = "Qwen3VLVideoProcessor"
     _write_json(os.path.join(out, "video_preprocessor_config.json"), video)
@@ -302,7 +326,7 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
     out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v3")  # v3: the MoE config names norm_topk_prob
 
     def build(tmp):
-        tok = build_tokenizer(split_digits=arch in ("qwen3", "qwen3_vl", "qwen3_vl_moe"))
+        tok = build_tokenizer(split_digits=arch in ("qwen3",) + QWEN3_VISION)
         ids = _token_ids(tok)
         vocab_size = (len(tok) + 63) // 64 * 64  # aligned rows, like Qwen's padded embeddings
         cfg = tiny_config(arch, ids, vocab_size)

@@ -10,6 +10,7 @@ SDPA call with a block-diagonal mask). fsdp_actor.build_actor turns the paths on
 import functools
 import inspect
 import sys
+import types
 import warnings
 
 import torch
@@ -157,13 +158,13 @@ def varlen_choice(config, padding_free, vision_varlen, fast):
             raise ValueError(f"{name}={v!r}: choose auto, on or off")
     mt = config.model_type
     has_vision = getattr(config, "vision_config", None) is not None
-    qwen3 = mt in ("qwen3_vl", "qwen3_vl_moe")
+    qwen3 = mt in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # (Qwen3.5: GDN boundaries, gdn_forward)
     # Qwen3-VL-MoE packs only when asked ("on"): its packed rows were never run on a GPU (the dense Qwen3-VL's were:
     # tests/test_varlen_gpu.py and the 8B bench, benchmarks/BENCHMARKS.md session 12)
     unproven = mt == "qwen3_vl_moe"
     can = {"text": mt in ("qwen2_vl", "qwen2_5_vl") or qwen3 or not has_vision,
            "vision": mt in ("qwen2_vl", "qwen2_5_vl")}
-    who = {"text": "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text LLMs are", "vision": "Qwen2-VL and Qwen2.5-VL are"}
+    who = {"text": "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and text LLMs are", "vision": "Qwen2-VL and Qwen2.5-VL are"}
     out = {}
     for key, v, flag in (("text", padding_free, "--padding-free"), ("vision", vision_varlen, "--vision-varlen")):
         if v == "on" and not can[key] and (key == "text" or has_vision):  # no vision tower: nothing to switch
@@ -253,6 +254,104 @@ def packed_layout(plens, rlens, owner, share=True):
     attn = dict(cu_seq_lens_q=cu(q_lens), cu_seq_lens_k=cu(k_lens), max_length_q=max(q_lens),
                 max_length_k=max(k_lens), **({"kv_index": torch.cat(kv)} if share else {}))
     return pieces, torch.tensor([j for r in resp for j in r], dtype=torch.long), attn
+
+
+# ----------------------------------------------------------------------------------------------- Gated DeltaNet
+# Qwen3.5's linear-attention layers carry state along the row: a 4-tap causal conv over the projected q, k, v and the
+# gated delta rule's recurrent state [heads, K, V]. transformers' pure-torch path runs both along the whole row and
+# drops the boundaries (its fallback takes cu_seqlens and ignores it), so on a packed row sample 2 would start from
+# sample 1's state: the trainer would disagree with vLLM, which runs samples apart. gdn_forward is the layer's own
+# math with the row's boundaries reaching both: fla-core's Triton kernels (cu_seqlens) on CUDA, plain torch elsewhere
+# (the conv's taps masked at each start, the recurrence on the samples laid out as a right-padded batch: pads come
+# after a sample's tokens, so a causal recurrence never reads them). Padded rows (no boundaries) are right-padded too.
+def gdn_layers(hf):
+    return [m for m in hf.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+
+
+@functools.cache
+def fla_kernels():
+    """(causal_conv1d, chunk_gated_delta_rule) of fla-core, or None where it does not import (CPU-only machines)."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 -- ImportError, or Triton failing to find a GPU
+        return None
+    return causal_conv1d, chunk_gated_delta_rule
+
+
+def use_gdn_forward(hf, device):
+    """Give every Gated DeltaNet layer of hf the boundary-aware forward. Returns "fla" or "torch" (None: no GDN)."""
+    layers = gdn_layers(hf)
+    for m in layers:
+        m.forward = types.MethodType(gdn_forward, m)
+    if not layers:
+        return None
+    return "fla" if device.type == "cuda" and fla_kernels() else "torch"
+
+
+def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
+    """hidden_states [B, T, H] -> [B, T, H]; a packed row (B = 1) has its boundaries in cu_seq_lens_q [S + 1]."""
+    if cache is not None or cache_params is not None:  # generation with a cache: transformers' own path
+        return type(self).forward(self, hidden_states, cache, attention_mask, **kwargs)
+    if attention_mask is not None and attention_mask.dim() == 2:  # (as transformers: pads' inputs zeroed)
+        hidden_states = hidden_states * attention_mask[:, :, None].to(hidden_states.dtype)
+    B, T, _ = hidden_states.shape
+    cu = kwargs.get("cu_seq_lens_q")  # [S + 1] or None
+    fast = hidden_states.is_cuda and fla_kernels() is not None
+    w = self.conv1d.weight.squeeze(1)  # [D, W]
+    qkv = self.in_proj_qkv(hidden_states)  # [B, T, D] with D = 2 x key_dim + value_dim
+    if fast:
+        qkv, _ = fla_kernels()[0](qkv, w, self.conv1d.bias, activation="silu",
+                                  cu_seqlens=None if cu is None else cu.long())
+    else:
+        qkv = F.silu(causal_conv_reference(qkv, w, self.conv1d.bias, cu))
+    q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    q, k = (x.reshape(B, T, -1, self.head_k_dim) for x in (q, k))  # [B, T, Hk, K]
+    v = v.reshape(B, T, -1, self.head_v_dim)  # [B, T, Hv, V]
+    beta = self.in_proj_b(hidden_states).sigmoid()  # [B, T, Hv]
+    g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)  # [B, T, Hv]
+    rep = self.num_v_heads // self.num_k_heads  # each key head serves `rep` value heads
+    q, k = (x.repeat_interleave(rep, dim=2) for x in (q, k))
+    if fast:
+        out, _ = fla_kernels()[1](q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
+                                  cu_seqlens=None if cu is None else cu.long())
+    else:
+        out = delta_rule_reference(sys.modules[type(self).__module__].torch_chunk_gated_delta_rule, q, k, v, g, beta, cu)
+    z = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)
+    out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(B, T, -1)  # the gated RMSNorm
+    return self.out_proj(out)
+
+
+def _starts(cu, T, device):
+    """[T] each position's place in its sample (cu None: the row is one sample)."""
+    pos = torch.arange(T, device=device)
+    if cu is None:
+        return pos
+    cu = cu.to(device=device, dtype=torch.long)
+    return pos - torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+
+
+def causal_conv_reference(x, w, bias, cu=None):
+    """Depthwise causal conv x [B, T, D], w [D, W] -> [B, T, D]: out[t] = sum_j w[:, W-1-j] x[t-j], taps reaching
+    back past the start of t's sample left out (what zero left-padding each sample alone gives)."""
+    T, W = x.shape[1], w.shape[1]
+    place = _starts(cu, T, x.device)  # [T]
+    xp = F.pad(x, (0, 0, W - 1, 0))  # [B, T + W - 1, D]
+    out = sum(xp[:, W - 1 - j:W - 1 - j + T] * w[:, W - 1 - j] * (place >= j)[:, None].to(x.dtype) for j in range(W))
+    return out if bias is None else out + bias
+
+
+def delta_rule_reference(chunk_rule, q, k, v, g, beta, cu=None):
+    """transformers' pure-torch chunked delta rule, run on each sample of a packed row apart (q, k [1, N, H, K], v
+    [1, N, H, V], g, beta [1, N, H]), the samples as one right-padded batch; cu None: the rows as they are."""
+    def call(*xs):
+        return chunk_rule(*xs[:3], g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=True)[0]
+    if cu is None:
+        return call(q, k, v, g, beta)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    batch = [torch.nn.utils.rnn.pad_sequence(x[0].split(lens), batch_first=True) for x in (q, k, v, g, beta)]
+    out = call(*batch)  # [S, Lmax, H, V]
+    return torch.cat([o[:n] for o, n in zip(out, lens)])[None]  # [1, N, H, V]
 
 
 # ----------------------------------------------------------------------------------------------- chunk log-probs

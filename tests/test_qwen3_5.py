@@ -1,0 +1,62 @@
+"""Qwen3.5 (hybrid: 3 of 4 layers Gated DeltaNet): the tiny models' layout, and packed rows that keep each sample's
+conv and recurrent state to itself (varlen.gdn_forward), against each sample run alone."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fsdp_actor as actor
+import tiny_model
+import varlen as V
+from test_actor import reference_logprobs
+from test_varlen import _grads, _samples
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def tiny(request, tmp_path_factory):
+    return tiny_model.build_tiny_model(str(tmp_path_factory.mktemp("q35") / request.param), arch=request.param)
+
+
+def test_tiny_model_has_the_checkpoints_layout(tiny):
+    """GDN layers in the checkpoints' pattern with every weight the engine must receive, under the hub's names."""
+    hf = actor.load_hf_model(tiny)
+    assert hf.config.text_config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    names = {n for n, _ in hf.named_parameters()}
+    for w in ("A_log", "dt_bias", "conv1d.weight", "norm.weight", "in_proj_qkv.weight", "in_proj_z.weight",
+              "in_proj_b.weight", "in_proj_a.weight", "out_proj.weight"):
+        assert f"model.language_model.layers.0.linear_attn.{w}" in names, w
+    assert "model.language_model.layers.3.self_attn.q_proj.weight" in names
+    assert not any("deepstack" in n for n in names) and len(V.gdn_layers(hf)) == 3
+
+
+def test_conv_reference_is_a_causal_depthwise_conv_restarted_at_each_sample():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(1, 11, 6, generator=g), torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
+    plain = F.conv1d(x.transpose(1, 2), w[:, None], b, padding=3, groups=6)[..., :11].transpose(1, 2)
+    assert torch.allclose(V.causal_conv_reference(x, w, b), plain, atol=1e-6)
+    cu = torch.tensor([0, 2, 7, 11], dtype=torch.int32)
+    alone = [F.conv1d(x[:, a:e].transpose(1, 2), w[:, None], b, padding=3, groups=6)[..., :e - a].transpose(1, 2)
+             for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    assert torch.allclose(V.causal_conv_reference(x, w, b, cu), torch.cat(alone, 1), atol=1e-6)
+
+
+def test_packed_rows_equal_each_sample_alone(tiny):
+    """One packed micro-batch (images, two images, text; responses of 1..9 tokens) against the padded rows and the
+    plain HF forward of each sample alone: per-token log-probs and every gradient, fp32 on the CPU."""
+    actor.init_distributed()
+    samples, pad = _samples(tiny)
+    lp_pad, g_pad = _grads(tiny, samples, pad, False, torch.float32)
+    lp_pack, g_pack = _grads(tiny, samples, pad, True, torch.float32)
+    ref = reference_logprobs(tiny, samples, pad)
+    for a, b, c in zip(lp_pack, lp_pad, ref, strict=True):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+        assert torch.allclose(a.double(), c, atol=1e-5), (a.double() - c).abs().max()
+    assert g_pad.keys() == g_pack.keys() and any(".linear_attn.A_log" in n for n in g_pad)
+    for n in g_pad:  # (to the tensor's norm: fp32 sums of many tokens in another order; dt_bias's is 2e-5 off)
+        assert (g_pack[n] - g_pad[n]).norm() <= 1e-3 * g_pad[n].norm() + 1e-12, (n, (g_pack[n] - g_pad[n]).norm() / g_pad[n].norm())
+
+
+def test_a_packed_row_never_shares_a_prompt_across_a_recurrence(tiny):
+    """A shared-prompt row would hand one response's state to the next: Qwen3.5 packs each sample whole."""
+    model = actor.build_actor(tiny, torch.device("cpu"), torch.float32, torch.float32, padding_free="on",
+                              share_prompts=True)
+    assert model.packed and not model.share_prompts and model.rope == "mrope"
