@@ -24,6 +24,7 @@ from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, LogitsPro
 import presets
 from common import UserError, collector_paused
 from fsdp_actor import load_hf_model, mm_token_types  # the same loading and M-RoPE inputs as the trainer
+from tiny_moe import per_expert
 
 
 # ------------------------------------------------------------------------------------------------ shared helpers
@@ -491,6 +492,8 @@ class VLLMRollout:
             self.wake(["weights"])  # load_weights writes into the weight memory: it must be mapped again
         model = self._inner_model()
         dev = next(model.parameters()).device
+        if self.model_type == "qwen3_5_moe":  # its loader takes the checkpoints' per-expert tensors
+            named_tensors = per_expert(named_tensors)
         loaded = model.load_weights((name, t.to(dev, non_blocking=True)) for name, t in named_tensors)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

@@ -104,3 +104,18 @@ def merged_expert(wrapper, w, a, b):
                            lora_B={"default": SimpleNamespace(weight=b.float())}, scaling=wrapper.scaling,
                            _did_swap_in_out_features=wrapper._did_swap_in_out_features, get_param=lambda: w)
     return w + ParamWrapper.get_delta_weight(view, "default")
+
+
+def per_expert(named_tensors):
+    """(name, tensor) pairs with transformers' fused experts ([E, 2I, H] gate|up, [E, H, I] down) split into the
+    hub's per-expert tensors (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`: Qwen3.5-MoE's checkpoints hold
+    them so, and vLLM's Qwen3.5 loader reads them so); every other pair as it comes. Views, no copies."""
+    for name, t in named_tensors:
+        base, _, kind = name.rpartition(".")
+        if not base.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj"):
+            yield name, t
+            continue
+        halves = t.chunk(2, dim=1) if kind == "gate_up_proj" else (t,)
+        for e in range(t.shape[0]):
+            for proj, x in zip(("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",), halves):
+                yield f"{base}.{e}.{proj}.weight", x[e]

@@ -60,3 +60,16 @@ def test_a_packed_row_never_shares_a_prompt_across_a_recurrence(tiny):
     model = actor.build_actor(tiny, torch.device("cpu"), torch.float32, torch.float32, padding_free="on",
                               share_prompts=True)
     assert model.packed and not model.share_prompts and model.rope == "mrope"
+
+
+def test_the_engine_gets_the_experts_as_the_checkpoint_holds_them(tmp_path):
+    """Qwen3.5-MoE: the trainer's fused expert tensors, split for vLLM's loader, are exactly the per-expert tensors
+    of the checkpoint on disk (gate before up), with every other name untouched."""
+    from safetensors.torch import load_file
+    from tiny_moe import per_expert
+    path = tiny_model.build_tiny_model(str(tmp_path / "m"), arch="qwen3_5_moe")
+    disk = load_file(f"{path}/model.safetensors")
+    sent = dict(per_expert(actor.load_hf_model(path).state_dict().items()))
+    assert sent.keys() == disk.keys()
+    for k in disk:
+        assert torch.equal(sent[k], disk[k]), k
