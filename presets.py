@@ -1,6 +1,6 @@
-"""Real-size models with random weights (bench.py's presets): the dimensions of the real Qwen2.5-VL / Qwen3-VL
-checkpoints (from their hub config.json files), built in code with tiny_model.py's tokenizer and processor, so a
-benchmark measures the real shapes without a download.
+"""Real-size models with random weights (benchmarks/bench.py's presets): the dimensions of the real Qwen2.5-VL /
+Qwen3-VL checkpoints (from their hub config.json files), built in code with tiny_model.py's tokenizer and processor, so
+a benchmark measures the real shapes without a download.
 
 A preset too big for the disk (the 30B-A3B's bf16 weights are 62 GB; the GPU machine has 64 GiB of disk) is written
 without weights: config, tokenizer and processor, and RANDOM_INIT, which says so. The trainer then builds the model

@@ -1,21 +1,26 @@
 """bench.py -- seconds per phase of a GRPO step on a real-sized, randomly initialised Qwen2.5-VL or Qwen3-VL.
 
-    python bench.py --preset qwen2_5_vl_3b --max-steps 3            # one GPU (the design card's speed bar)
-    python bench.py --preset qwen3_vl_8b --max-steps 3              # Qwen3-VL-8B's dimensions (deepstack, patch 16)
-    python bench.py report benchmarks/h200/*.jsonl                    # the tables of benchmarks/BENCHMARKS.md
-    python bench.py phases RUN_metrics.jsonl RUN_gpu.csv [RUN_host.csv]  # the GPU's (and host's) side per phase
-    python bench.py compare AMP_CKPT BF16_CKPT...                   # pure-bf16 demo runs against AMP's (Memory modes)
-    python bench.py pyspy pyspy_raw.txt.xz [root=FUNCTION]          # py-spy's stacks inside vLLM's engine step
-    torchrun --nproc_per_node 8 bench.py --preset qwen2_5_vl_7b --tensor-parallel-size 2
-    python bench.py --trainer-only --profile --max-steps 2           # no engine: log-probs + update, kernel table
-    python bench.py --workload realistic --padding-free off         # real response lengths, padded training
-    python bench.py --prepare-only                                   # just build the random model and the data
-    python bench.py --preset qwen2_5_vl_7b --lora-rank 64 --gpu-memory-cap-gb 40   # as if on a 40 GB card
-    python bench.py engine-ablation --preset qwen2_5_vl_3b            # a step's generation: the engine alone, then
-                                                                     # each of our additions (engine_bench.py)
-    python bench.py --sample-stacks 5                                # + where each step's generation loop spends
-                                                                     # its time (gen_stacks.json; also for the above)
-    bash benchmarks/gpu_moe30b.sh                                    # Qwen3-VL-30B-A3B on one H200: no weights on disk
+From the repository root (the trainer's files import from there):
+    python -m benchmarks.bench --preset qwen2_5_vl_3b --max-steps 3       # one GPU (the design card's speed bar)
+    python -m benchmarks.bench --preset qwen3_vl_8b --max-steps 3         # Qwen3-VL-8B's dimensions (deepstack,
+                                                                          # patch 16)
+    python -m benchmarks.bench report benchmarks/h200/*.jsonl             # the tables of benchmarks/BENCHMARKS.md
+    python -m benchmarks.bench phases RUN_metrics.jsonl RUN_gpu.csv [RUN_host.csv]  # the GPU's (and host's) side
+                                                                          # per phase
+    python -m benchmarks.bench compare AMP_CKPT BF16_CKPT...              # pure-bf16 demo runs against AMP's
+                                                                          # (Memory modes)
+    python -m benchmarks.bench pyspy pyspy_raw.txt.xz [root=FUNCTION]     # py-spy's stacks inside vLLM's engine step
+    torchrun --nproc_per_node 8 -m benchmarks.bench --preset qwen2_5_vl_7b --tensor-parallel-size 2
+    python -m benchmarks.bench --trainer-only --profile --max-steps 2     # no engine: log-probs + update, kernels
+    python -m benchmarks.bench --workload realistic --padding-free off    # real response lengths, padded training
+    python -m benchmarks.bench --prepare-only                             # just build the random model and the data
+    python -m benchmarks.bench --preset qwen2_5_vl_7b --lora-rank 64 --gpu-memory-cap-gb 40  # as if on a 40 GB card
+    python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b     # a step's generation: the engine alone,
+                                                                          # then each of our additions (engine_bench)
+    python -m benchmarks.bench --sample-stacks 5                          # + where each step's generation loop spends
+                                                                          # its time (gen_stacks.json; also above)
+    bash benchmarks/gpu_moe30b.sh                                         # Qwen3-VL-30B-A3B on one H200: no weights
+                                                                          # on disk
 
 Random weights with the real dimensions (presets.build_random_model: no download) and geo3k-like prompts: one
 512x512 figure and about 100 text tokens. A preset above presets.RANDOM_INIT_ABOVE parameters (the 30B-A3B, 32B, 72B),
@@ -50,11 +55,11 @@ import torch.distributed as dist
 import tyro
 from PIL import Image, ImageDraw
 
-import engine_bench
 import grpo
 import memory
 import presets
 import tiny_model
+from benchmarks import engine_bench
 from common import UserError, one_line_errors
 
 WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
@@ -323,7 +328,7 @@ def run(cfg, trainer_only=False, profile=False, workload="forced", sample_ms=0.0
 
 def _flat_checkpoint(path):
     """(model tensors, optimizer state) of a checkpoint folder, read on one process (a temporary torch.save)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # only `bench.py compare` reads one
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # only `bench compare` reads one
     with tempfile.TemporaryDirectory() as d:
         dcp_to_torch_save(path, os.path.join(d, "ck.pt"))
         ck = torch.load(os.path.join(d, "ck.pt"), weights_only=False)
@@ -446,7 +451,7 @@ def main():
             files = argv[1:]
             if not 2 <= len(files) <= 3 or not all(map(os.path.isfile, files)):
                 missing = [f for f in files if not os.path.isfile(f)]
-                raise UserError("usage: python bench.py phases RUN_metrics.jsonl RUN_gpu.csv [RUN_host.csv]"
+                raise UserError("usage: python -m benchmarks.bench phases RUN_metrics.jsonl RUN_gpu.csv [RUN_host.csv]"
                                 + (f" ({', '.join(missing)}: no such file)" if missing else ""))
             print(phases(*files))
         return
@@ -458,15 +463,15 @@ def main():
             opts = dict(a.split("=", 1) for a in argv[2:] if "=" in a)
             if len(argv) < 2 or not os.path.isfile(argv[1]) or set(opts) - {"root", "top"} \
                     or len(opts) != len(argv) - 2 or not opts.get("top", "1").isdigit():
-                raise UserError("usage: python bench.py pyspy RAW[.xz] [root=FUNCTION] [top=N] (RAW: py-spy's "
-                                "--format raw output, an existing file)")
+                raise UserError("usage: python -m benchmarks.bench pyspy RAW[.xz] [root=FUNCTION] [top=N] (RAW: "
+                                "py-spy's --format raw output, an existing file)")
             print(engine_bench.pyspy_table(argv[1], opts.get("root", "LLMEngine.step"), int(opts.get("top", 30))))
         return
     if argv[:1] == ["compare"]:  # pure-bf16 runs of the demo model against its AMP run (README: Memory modes)
         with one_line_errors():
             if len(argv) < 3 or not all(map(os.path.isdir, argv[1:])):
-                raise UserError("usage: python bench.py compare AMP_CHECKPOINT BF16_CHECKPOINT... (checkpoint "
-                                "folders of demo runs)")
+                raise UserError("usage: python -m benchmarks.bench compare AMP_CHECKPOINT BF16_CHECKPOINT... "
+                                "(checkpoint folders of demo runs)")
         from transformers import AutoModelForImageTextToText  # slow to import (~2 s)
         start = AutoModelForImageTextToText.from_pretrained(tiny_model.build_tiny_model(),
                                                             dtype=torch.float32).state_dict()
@@ -491,6 +496,9 @@ def main():
     on_disk = not (flags["--random-init"] or presets.too_big_for_disk(preset))  # else: no weights written
     model_path = os.path.join(workdir, "model" if on_disk else "model-random")
     data_path = os.path.join(workdir, "geo-v2.parquet")
+    if "-h" in argv or "--help" in argv:  # the usage above, then grpo's flags with the benchmark's defaults
+        print(__doc__)
+        tyro.cli(grpo.Config, args=["--help"], default=defaults(workdir, model_path, data_path))
     if rank == 0:  # rank 0 builds (once, cached); the others wait for its marker file
         os.makedirs(workdir, exist_ok=True)
         presets.build_random_model(model_path, preset, weights=on_disk)

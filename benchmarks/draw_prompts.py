@@ -1,8 +1,8 @@
 """benchmarks/draw_prompts.py -- seconds to draw (read, decode, template, tokenize, resize and normalise the images of)
 the bar's 64 prompts on one thread: the host work that grpo.prefetch_prompts moves off the start of each step's
 generation. The bar's data (bench.py's geo-v2 set, one 512x512 image per prompt) and processor, built without weights
-(`bench.py --prepare-only --random-init`, ~10 s on the CPU). Usage: `python benchmarks/draw_prompts.py [PRESET]`;
-prints one DRAW line of JSON (seconds per draw, at three cursors)."""
+(`python -m benchmarks.bench --prepare-only --random-init`, ~10 s on the CPU). Usage:
+`python benchmarks/draw_prompts.py [PRESET]`; prints one DRAW line of JSON (seconds per draw, at three cursors)."""
 import json
 import os
 import subprocess
@@ -12,14 +12,14 @@ from dataclasses import replace
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-import bench  # noqa: E402  (the repository's root, above)
-import data  # noqa: E402
+import data  # noqa: E402  (the repository's root, above)
 import fsdp_actor  # noqa: E402
+from benchmarks import bench  # noqa: E402
 
 
 def main(preset="qwen2_5_vl_3b", workdir="/tmp/draw_prompts"):
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--preset", preset, "--prepare-only",
-                    "--random-init"], env=dict(os.environ, BENCH_DIR=workdir), check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.bench", "--preset", preset, "--prepare-only", "--random-init"],
+                   cwd=ROOT, env=dict(os.environ, BENCH_DIR=workdir), check=True, capture_output=True)
     fsdp_actor.init_distributed()
     cfg = replace(bench.defaults(workdir, os.path.join(workdir, "model-random"),
                                  os.path.join(workdir, "geo-v2.parquet")), val_files="")

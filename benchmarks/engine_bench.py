@@ -1,10 +1,13 @@
-"""engine_bench.py -- `python bench.py engine-ablation`: a step's generation with the engine alone, then with each
-of our additions to it, in one run (one engine, the same prompts).
+"""engine_bench.py -- `python -m benchmarks.bench engine-ablation`: a step's generation with the engine alone, then
+with each of our additions to it, in one run (one engine, the same prompts). From the repository root:
 
-    python bench.py engine-ablation --preset qwen2_5_vl_3b                 # the 3B bar's step: 64 prompts x 8 x 1024
-    python bench.py engine-ablation --preset qwen2_5_vl_3b --repeats 2     # each row twice (the second round reversed)
-    python bench.py engine-ablation --bare-memory-share 0                  # no second engine (no memory-share row)
-    python bench.py engine-ablation --rows bare,all_ours --sample-stacks 5 # + the engine loop's stack, sampled
+    python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b              # the 3B bar's step: 64 x 8 x 1024
+    python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b --repeats 2  # each row twice (the second round
+                                                                                   # reversed)
+    python -m benchmarks.bench engine-ablation --bare-memory-share 0               # no second engine (no memory-share
+                                                                                   # row)
+    python -m benchmarks.bench engine-ablation --rows bare,all_ours --sample-stacks 5  # + the engine loop's stack,
+                                                                                       # sampled
 
 The requests are the step's: the prompts and seeds grpo.generate_and_score hands VLLMRollout.generate for step 1 of
 `bench.py` with the same options, turned into vLLM requests by VLLMRollout._requests, whose switches take away what
@@ -123,7 +126,7 @@ def sampled_stacks(counts, interval):
         return
     tid, stop = threading.get_ident(), threading.Event()
 
-    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the repository's root
 
     def where(f):  # vllm/v1/engine/llm_engine.py:301 step (a package's path from its top folder; ours bare)
         path = f.f_code.co_filename.split("site-packages" + os.sep)[-1].replace(here, "")
@@ -392,7 +395,7 @@ def child_command(argv, share, out_dir):
             skip = True
         elif a.split("=")[0] not in drop:
             keep.append(a)
-    return [sys.executable, os.path.abspath(os.path.join(os.path.dirname(__file__), "bench.py"))] + keep + [
+    return [sys.executable, "-m", "benchmarks.bench"] + keep + [  # (from the root, where this run started)
         "--rows", "bare", "--repeats", "1", "--bare-memory-share", "0", "--gpu-memory-utilization", str(share),
         "--output-dir", out_dir]
 

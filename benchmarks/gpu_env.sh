@@ -28,7 +28,7 @@ NGPU=$(nvidia-smi -L 2> /dev/null | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 prepare() {  # prepare PRESET: build the random model and the data set once, before the runs that share them
-  timeout "${PREPARE_LIMIT:-200}" python bench.py --preset "$1" --prepare-only > "$OUT/prepare_$1.log" 2>&1 \
+  timeout "${PREPARE_LIMIT:-200}" python -m benchmarks.bench --preset "$1" --prepare-only > "$OUT/prepare_$1.log" 2>&1 \
     || { echo "prepare $1 failed:"; tail -5 "$OUT/prepare_$1.log"; }
 }
 
@@ -59,8 +59,8 @@ run_bench() {  # run_bench NAME GPUS LIMIT_S BENCH_ARGS...: bench.py on GPUS ("0
   local launch=(python)
   [[ $gpus == *,* ]] && launch=(torchrun --standalone --nproc_per_node "$(tr ',' '\n' <<< "$gpus" | wc -l)")
   smi_start "$name"
-  CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "${launch[@]}" bench.py --output-dir "/tmp/$name" "$@" ${ARGS:-} \
-    > "$OUT/$name.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "${launch[@]}" -m benchmarks.bench --output-dir "/tmp/$name" "$@" \
+    ${ARGS:-} > "$OUT/$name.log" 2>&1
   local rc=$?
   smi_stop
   echo "$name: exit $rc ($(cat "/tmp/$name/metrics.jsonl" 2> /dev/null | grep -c '"timing/step"') steps)"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # benchmarks/gpu_memory.sh [MODE] -- the memory cells of README "Memory modes": each run's trainer peak per phase and
-# the engine's pool, next to bench.py's memory model (`python bench.py table`, written to $OUT/memory_table.md).
+# the engine's pool, next to bench.py's memory model (`python -m benchmarks.bench table`, written to
+# $OUT/memory_table.md).
 # Forced 1,024-token responses to 446-token prompts with one 512x512 image, 8 samples each, 2 steps (the first pays
 # the compilation; the table keeps the second). On the one-H200 device, after vLLM is installed (the top of
 # benchmarks/gpu_env.sh, from ../shared/gpu/README.md): `bash benchmarks/gpu_memory.sh 3b`. Modes, with their time:
@@ -55,4 +56,4 @@ case "$MODE" in
     run_bench m7b_amp_x2 0,1 "${LIMIT:-420}" $B7 --gpu-memory-utilization 0.3 ;;
   *) echo "usage: bash benchmarks/gpu_memory.sh [3b | 7b_lora_40 | 7b_lora_80 | 7b_x2]"; exit 2 ;;
 esac
-python bench.py table "$OUT"/*_summary.json > "$OUT/memory_table.md" 2>&1; grep '^| m' "$OUT/memory_table.md"
+python -m benchmarks.bench table "$OUT"/*_summary.json > "$OUT/memory_table.md" 2>&1; grep '^| m' "$OUT/memory_table.md"

@@ -34,6 +34,6 @@ PREPARE_LIMIT=120 prepare qwen3_vl_30b_a3b
 run_bench moe30b_lora_bf16 0 "${LIMIT:-480}" --preset qwen3_vl_30b_a3b --lora-rank 64 --precision bf16 \
   --sleep-level 2 --rollout-batch-size 8 --global-batch-size 8 --n 8 --max-response-length 512 \
   --kv-cache-memory-gb 6 --gpu-memory-utilization 0.5 --torch-compile off --checkpoint-layers 1 --max-steps "${STEPS:-3}"
-python bench.py report "$OUT"/moe30b_*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"
-python bench.py table "$OUT"/moe30b_*_summary.json > "$OUT/memory_table.md" 2>&1
+python -m benchmarks.bench report "$OUT"/moe30b_*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"
+python -m benchmarks.bench table "$OUT"/moe30b_*_summary.json > "$OUT/memory_table.md" 2>&1
 grep '^| moe30b' "$OUT/memory_table.md"

@@ -41,7 +41,8 @@
 #   pyspy      (135 s on a warm machine, 247 s on a fresh one with the install and the model build, 2026-12-02) bare
 #              and all of ours at the bar's 64 prompts, once each, under py-spy (its wheel in .gpu/wheels: `pip
 #              download py-spy --no-deps -d .gpu/wheels`): the engine loop's Python, unbiased. Its raw stacks come
-#              back compressed (pyspy_raw.txt.xz; the ~30 MB text would not); `python bench.py pyspy RAW.xz` reads them
+#              back compressed (pyspy_raw.txt.xz; the ~30 MB text would not); `python -m benchmarks.bench pyspy RAW.xz`
+#              reads them
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
@@ -72,13 +73,13 @@ ablation() {  # ablation GPU
   prepare qwen2_5_vl_3b
   local name=engine3b_ablation
   smi_start "$name"
-  CUDA_VISIBLE_DEVICES=$1 timeout "${LIMIT:-500}" python bench.py engine-ablation --preset qwen2_5_vl_3b \
+  CUDA_VISIBLE_DEVICES=$1 timeout "${LIMIT:-500}" python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b \
     --repeats "${REPEATS:-1}" --output-dir "/tmp/$name" ${ARGS:-} > "$OUT/$name.log" 2>&1
   echo "$name: exit $?"
   smi_stop
   cp "/tmp/$name/engine_ablation.json" "$OUT/$name.json" 2> /dev/null
   cp "/tmp/$name/memory_share/child.log" "$OUT/${name}_memory_share.log" 2> /dev/null
-  python -c "import json, sys, engine_bench; print(engine_bench.table(json.load(open(sys.argv[1]))))" \
+  python -c "import json, sys; from benchmarks import engine_bench as e; print(e.table(json.load(open(sys.argv[1]))))" \
     "$OUT/$name.json" 2> /dev/null || tail -20 "$OUT/$name.log"
 }
 
@@ -96,7 +97,8 @@ knobs() {  # knobs GPU: the issue-23 knobs against today's defaults, the trainer
   else
     echo "knobs3b_lp4x_ckpt75: skipped, $left s left in the call"
   fi
-  python bench.py table "$OUT"/knobs3b_*_summary.json 2> /dev/null | sed -n '/^Measured/,$p' > "$OUT/knobs_memory.md"
+  python -m benchmarks.bench table "$OUT"/knobs3b_*_summary.json 2> /dev/null | sed -n '/^Measured/,$p' \
+    > "$OUT/knobs_memory.md"
   cat "$OUT/knobs_memory.md"
 }
 
@@ -116,15 +118,15 @@ case "$MODE" in
       > "$OUT/pyspy_check.log" 2>&1 || { echo "py-spy does not run here:"; tail -3 "$OUT/pyspy_check.log"; spy=; }
     smi_start pyspy
     CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-420}" ${spy:+$spy record --nonblocking --idle --threads --rate 200 \
-      --format raw -o "$OUT/pyspy_raw.txt" --} python bench.py engine-ablation --preset qwen2_5_vl_3b \
+      --format raw -o "$OUT/pyspy_raw.txt" --} python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b \
       --rows bare,all_ours --repeats "${REPEATS:-1}" --bare-memory-share 0 --output-dir /tmp/pyspy ${ARGS:-} \
       > "$OUT/pyspy.log" 2>&1
     echo "pyspy: exit $?"
     smi_stop
     [ -f "$OUT/pyspy_raw.txt" ] && xz -6 -T4 "$OUT/pyspy_raw.txt"  # (uncompressed, too large to come back)
     cp /tmp/pyspy/engine_ablation.json "$OUT/pyspy_ablation.json" 2> /dev/null
-    python -c "import json, sys, engine_bench as e; r = json.load(open(sys.argv[1])); print(e.table(r)); \
-print(e.loop_table(r))" "$OUT/pyspy_ablation.json" 2> /dev/null || tail -20 "$OUT/pyspy.log"
+    python -c "import json, sys; from benchmarks import engine_bench as e; r = json.load(open(sys.argv[1])); \
+print(e.table(r)); print(e.loop_table(r))" "$OUT/pyspy_ablation.json" 2> /dev/null || tail -20 "$OUT/pyspy.log"
     exit ;;
   profile)  # the trainer alone (random responses instead of generation): where the 3B step's time goes
     prepare qwen2_5_vl_3b
@@ -145,9 +147,9 @@ print(e.loop_table(r))" "$OUT/pyspy_ablation.json" 2> /dev/null || tail -20 "$OU
   *) echo "usage: bash benchmarks/gpu_speed.sh [bar | realistic | profile | knobs | 8b | ablation | spread | pyspy | 8b_x2 | two]"
      exit 2 ;;
 esac
-python bench.py report "$OUT"/*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"
+python -m benchmarks.bench report "$OUT"/*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"
 for m in "$OUT"/*_metrics.jsonl; do  # the GPU's and the host's side of each phase
   r=${m%_metrics.jsonl}
-  [ -f "${r}_gpu.csv" ] && { echo "## $(basename "$r")"; python bench.py phases "$m" "${r}_gpu.csv" \
+  [ -f "${r}_gpu.csv" ] && { echo "## $(basename "$r")"; python -m benchmarks.bench phases "$m" "${r}_gpu.csv" \
     "$([ -f "${r}_host.csv" ] && echo "${r}_host.csv")"; echo; }
 done > "$OUT/phases.md" 2>&1

@@ -1,8 +1,10 @@
 """The GPU learning matrix: every built-in demo trained with vLLM, side by side on one GPU, each row asserted.
 
-    python matrix.py run                       # all rows at once (one H200: ~8 min; vLLM installed)
-    python matrix.py run --rows qwen3vl_colour,qwen3_text --out /tmp/m --timeout 450
-    python matrix.py table benchmarks/h200/matrix_*.json   # the markdown table of kept results (README, BENCHMARKS)
+From the repository root (the rows start grpo.py and dapo.py there):
+    python -m benchmarks.matrix run                    # all rows at once (one H200: ~8 min; vLLM installed)
+    python -m benchmarks.matrix run --rows qwen3vl_colour,qwen3_text --out /tmp/m --timeout 450
+    python -m benchmarks.matrix table benchmarks/h200/matrix_*.json  # the markdown table of kept results (README,
+                                                                      # BENCHMARKS)
 
 A row passes when greedy validation reaches its target (0.95; the text demo 0.90) within the demo's steps, the
 engine/trainer log-prob agreement (mean per token over the run) stays under 5e-3, and no optimizer step was
@@ -190,9 +192,10 @@ def collect(pairs, out, versions_from):
 
 
 def launch_parity(run_dir, path):
-    """`matrix.py parity` on a finished row's folder, in the background: its summary to `path`, its log beside."""
-    return subprocess.Popen([sys.executable, __file__, "parity", run_dir, "--json", path], stdout=subprocess.DEVNULL,
-                            stderr=open(path + ".log", "w"))
+    """`python -m benchmarks.matrix parity` on a finished row's folder, in the background: its summary to `path`, its
+    log beside."""
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.matrix", "parity", run_dir, "--json", path],
+                            stdout=subprocess.DEVNULL, stderr=open(path + ".log", "w"))
 
 
 def parity(run_dir, engine="vllm", samples=4):
@@ -295,7 +298,7 @@ def _ran(doc):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.matrix", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")

@@ -11,11 +11,13 @@ from dataclasses import asdict
 
 import pytest
 
-import bench
 import data
 import grpo
 import memory
 import tiny_model
+from benchmarks import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (python -m benchmarks.bench runs from here)
 
 
 def test_geo_prompts_have_one_512px_image_and_about_100_text_tokens(tmp_path):
@@ -42,7 +44,7 @@ def _trainer_only(launch, tmp_path, out, cfg_kw, run_kw, pre=""):
     proc = data.load_processor(path)
     parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 4, proc.tokenizer, size=112, text_tokens=20)
     script = (
-        "import bench, dataclasses, torch.distributed as dist\n" + pre +
+        "import dataclasses, torch.distributed as dist\nfrom benchmarks import bench\n" + pre +
         f"cfg = bench.defaults({str(tmp_path)!r}, {path!r}, {parquet!r})\n"
         "cfg = dataclasses.replace(cfg, rollout_batch_size=2, global_batch_size=2, n=4, min_pixels=56 * 56,\n"
         f"    max_pixels=112 * 112, max_steps=2, lr=1e-3, output_dir={str(out)!r}, {cfg_kw})\n"
@@ -281,8 +283,9 @@ def test_phases_reads_the_gpu_log_inside_each_phase(tmp_path):
     assert "laid back" in out[-1]
     # a wrong call: one line, exit code 2
     for args in ([str(tmp_path / "m.jsonl")], [str(tmp_path / "m.jsonl"), str(tmp_path / "nope.csv")]):
-        r = subprocess.run([sys.executable, bench.__file__, "phases", *args], capture_output=True, text=True)
-        assert r.returncode == 2 and r.stderr.startswith("error: usage: python bench.py phases") and \
+        r = subprocess.run([sys.executable, "-m", "benchmarks.bench", "phases", *args], cwd=ROOT, capture_output=True,
+                           text=True)
+        assert r.returncode == 2 and r.stderr.startswith("error: usage: python -m benchmarks.bench phases") and \
             len(r.stderr.strip().splitlines()) == 1 and ("nope.csv: no such file" in r.stderr) == (len(args) == 2), r
     # with the host's log: its rows inside each phase, averaged; the busiest thread named by the most rows
     host = ["timestamp, cores_busy, steal_pct, cpu_mhz, proc_cpu_pct, top_thread_pct, top_thread, "
@@ -311,7 +314,7 @@ def test_host_log_finds_the_run_and_its_busiest_thread(tmp_path):
     loop = ("import mmap, time\nx = b'x' * 4_000_000\nend = time.time() + 3\nwhile time.time() < end:\n"
             "    m = mmap.mmap(-1, len(x))\n    m[:] = x\n    m.close()\n")
     busy = subprocess.Popen([sys.executable, "-c", loop, "--output-dir", str(tmp_path / "probe_run")])
-    logs = [subprocess.Popen([sys.executable, os.path.join(os.path.dirname(bench.__file__), "benchmarks", "host_log.py"),
+    logs = [subprocess.Popen([sys.executable, os.path.join(os.path.dirname(bench.__file__), "host_log.py"),
                               str(tmp_path / f"{name}.csv"), pattern, "0.25"])
             for name, pattern in (("mine", f"--output-dir {tmp_path / 'probe_run'}"), ("none", "no such run"))]
     time.sleep(2.0)

@@ -4,16 +4,18 @@ import collections
 import gc
 import json
 import lzma
+import os
 import subprocess
 import sys
 import time
 from dataclasses import replace
 
-import bench
 import data
-import engine_bench
 import grpo
 import tiny_model
+from benchmarks import bench, engine_bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (python -m benchmarks.bench runs from here)
 
 
 # ------------------------------------------------------------------------------------------- engine-ablation
@@ -140,8 +142,8 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
 
 
 def test_bench_main_passes_the_engine_ablation_options(tmp_path, monkeypatch):
-    """`python bench.py engine-ablation ...`: bench.py's preset and grpo's flags make the config, the ablation's own
-    options reach engine_bench.run, and the whole command line goes to the memory_share child."""
+    """`python -m benchmarks.bench engine-ablation ...`: bench.py's preset and grpo's flags make the config, the
+    ablation's own options reach engine_bench.run, and the whole command line goes to the memory_share child."""
     got = {}
     monkeypatch.setenv("BENCH_DIR", str(tmp_path))
     monkeypatch.setattr(bench.presets, "build_random_model", lambda path, preset, **kw: None)
@@ -194,8 +196,8 @@ def test_engine_ablation_memory_share_row_runs_bare_alone_in_a_second_engine():
     argv = ["engine-ablation", "--preset", "qwen2_5_vl_3b", "--gpu-memory-utilization", "0.5", "--rows=bare,seeds",
             "--repeats", "2", "--output-dir", "/o", "--max-steps", "3", "--bare-memory-share", "0.6"]
     cmd = engine_bench.child_command(argv, 0.6, "/o/memory_share")
-    assert cmd[0] == sys.executable and cmd[1].endswith("bench.py")
-    assert cmd[2:] == ["engine-ablation", "--preset", "qwen2_5_vl_3b", "--max-steps", "3", "--rows", "bare",
+    assert cmd[:3] == [sys.executable, "-m", "benchmarks.bench"]
+    assert cmd[3:] == ["engine-ablation", "--preset", "qwen2_5_vl_3b", "--max-steps", "3", "--rows", "bare",
                        "--repeats", "1", "--bare-memory-share", "0", "--gpu-memory-utilization", "0.6",
                        "--output-dir", "/o/memory_share"]
 
@@ -283,12 +285,12 @@ def test_pyspy_table_shares_inside_the_engine_step(tmp_path):
                          "   20.0%  execute (vllm/run.py)"]
     assert "no samples inside nothing" in engine_bench.pyspy_table(str(tmp_path / "raw.txt"), root="nothing")
     # through bench.py, root= and top= as asked; a wrong call is one line and exit code 2
-    r = subprocess.run([sys.executable, bench.__file__, "pyspy", str(tmp_path / "raw.txt.xz"), "root=Scheduler.schedule",
-                        "top=2"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench", "pyspy", str(tmp_path / "raw.txt.xz"),
+                        "root=Scheduler.schedule", "top=2"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.splitlines()[1:] == ["  100.0%  Scheduler.schedule (vllm/sched.py)",
                                                               "   75.0%  f (x.py)"], r
     for args in (["pyspy", str(tmp_path / "nope.txt")], ["pyspy", str(tmp_path / "raw.txt"), "top=x"],
                  ["compare", str(tmp_path), str(tmp_path / "no_checkpoint")]):  # (bench.py compare's too)
-        r = subprocess.run([sys.executable, bench.__file__, *args], capture_output=True, text=True)
-        assert r.returncode == 2 and r.stderr.startswith(f"error: usage: python bench.py {args[0]}") and \
+        r = subprocess.run([sys.executable, "-m", "benchmarks.bench", *args], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.startswith(f"error: usage: python -m benchmarks.bench {args[0]}") and \
             len(r.stderr.strip().splitlines()) == 1, (args, r)

@@ -210,7 +210,7 @@ def test_checkpoint_layers_auto_keeps_what_fits_the_card():
     140.4 with the bound: the 0.75 that ran out of memory in session 11 kept 9). Smaller cards recompute more,
     a card too small for any share falls back to every layer, and no card, no known model or no checkpointing
     means every layer; a number passes through."""
-    import bench
+    from benchmarks import bench
     dims = memory.model_dims("qwen2_5_vl_3b")
     bar = asdict(bench.defaults("/w", "/m", "/d"))
     assert bar["checkpoint_layers"] == "auto"

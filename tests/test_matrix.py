@@ -7,7 +7,7 @@ import subprocess
 import sys
 import types
 
-import matrix
+from benchmarks import matrix
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEPT = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "h200", "matrix_*.json")))
@@ -109,7 +109,7 @@ def test_readme_and_benchmarks_quote_the_generated_matrix():
     docs = [json.load(open(f)) for f in KEPT]
     text = matrix.table(docs)
     for doc in ("README.md", "benchmarks/BENCHMARKS.md"):
-        assert text in open(os.path.join(ROOT, doc)).read(), f"{doc}: paste `python matrix.py table " \
+        assert text in open(os.path.join(ROOT, doc)).read(), f"{doc}: paste `python -m benchmarks.matrix table " \
             "benchmarks/h200/matrix_*.json`"
     latest = {r["row"]: r for d in docs for r in d["rows"]}
     assert set(latest) <= set(matrix.ROWS) and all(not r["failures"] for r in latest.values())
@@ -130,8 +130,8 @@ def test_parity_of_a_trained_run_on_the_cpu(tmp_path):
                     "--val-freq", "0", "--val-max-rows", "6", "--rollout-batch-size", "4", "--global-batch-size", "4",
                     "--n", "4", "--output-dir", run], check=True, env=env, capture_output=True)
     out = str(tmp_path / "parity.json")
-    subprocess.run([sys.executable, os.path.join(ROOT, "matrix.py"), "parity", run, "--engine", "hf", "--json", out],
-                   check=True, env=env, capture_output=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.matrix", "parity", run, "--engine", "hf", "--json", out],
+                   cwd=ROOT, check=True, env=env, capture_output=True)
     p = json.load(open(out))
     assert p["prompts"] == 6 and p["greedy_equal"] == 1.0 and p["failures"] == []
     assert 6 * 4 <= sum(c["tokens"] for c in p["classes"].values()) <= 6 * 4 * 4  # 4 samples, 1 to 4 tokens each

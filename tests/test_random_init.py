@@ -115,11 +115,11 @@ def test_vllm_starts_with_load_format_dummy_only_without_weights(folders, monkey
 
 
 def test_bench_trains_two_steps_without_weights_on_disk(tmp_path, launch):
-    """`bench.py --random-init` on the tiny MoE preset with LoRA, on the CPU (HF engine): no weight file is written,
+    """`python -m benchmarks.bench --random-init` on the tiny MoE preset with LoRA, on the CPU (HF engine): no weight file is written,
     two steps train, and the engine's log-probs of what it sampled equal the trainer's (on placeholders they would
     differ by ~0.2 per token: seen when the engine's first sync sent only the LoRA layers)."""
     out = tmp_path / "run"
-    launch.run([sys.executable, "bench.py", "--preset", PRESET, "--random-init", "--max-steps", "2",
+    launch.run([sys.executable, "-m", "benchmarks.bench", "--preset", PRESET, "--random-init", "--max-steps", "2",
                 "--rollout-batch-size", "2", "--global-batch-size", "2", "--n", "4", "--max-response-length", "8",
                 "--min-pixels", "3136", "--max-pixels", "12544", "--lora-rank", "4", "--lr", "1e-3",
                 "--rollout-logprobs-every", "1", "--output-dir", out], tmp_path / "bench.log", BENCH_DIR=tmp_path / "bench")

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import algos
-import bench
 import data
 import flops
 import fsdp_actor as actor
 import grpo
 import rollout
 import tiny_model
+from benchmarks import bench
 from common import UserError
 from easyr1_config import cli
 
