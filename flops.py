@@ -21,8 +21,27 @@ def lm_forward_flops(cfg, seqlens):
     h, L, heads = t.hidden_size, t.num_hidden_layers, t.num_attention_heads
     kv = getattr(t, "num_key_value_heads", None) or heads
     hd = getattr(t, "head_dim", None) or h // heads
+    gdn = sum(x == "linear_attention" for x in getattr(t, "layer_types", None) or [])
+    if gdn:
+        return _hybrid_forward_flops(t, gdn, seqlens)
     weights = L * (3 * h * t.intermediate_size + h * (2 * heads * hd + 2 * kv * hd)) + 2 * t.vocab_size * h
     return 2 * weights * sum(seqlens) + 2 * L * heads * hd * sum(s * s for s in seqlens)
+
+
+def _hybrid_forward_flops(t, gdn, seqlens):
+    """Qwen3.5: `gdn` Gated DeltaNet layers, the others gated attention (q_proj twice as wide: its output gate); MoE
+    layers count the k routed experts, the shared one and the router. The delta rule's own work is veRL's recurrent
+    count, 5 x d_k x d_v per value head per token (state read, outer-product update, output read)."""
+    h, L, heads, kv, hd = t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    kd, hv = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads
+    vd = hv * t.linear_value_head_dim
+    E = getattr(t, "num_experts", 0) or 0
+    mlp = (3 * h * (t.num_experts_per_tok * t.moe_intermediate_size + t.shared_expert_intermediate_size) + h * E
+           if E else 3 * h * t.intermediate_size)
+    weights = (gdn * (h * (2 * kd + 2 * vd + 2 * hv) + vd * h) + (L - gdn) * h * (3 * heads * hd + 2 * kv * hd)
+               + L * mlp + 2 * t.vocab_size * h)
+    core = 5 * t.linear_key_head_dim * t.linear_value_head_dim * hv * gdn
+    return (2 * weights + core) * sum(seqlens) + 2 * (L - gdn) * heads * hd * sum(s * s for s in seqlens)
 
 
 def vision_forward_flops(vc, grids):

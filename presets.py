@@ -13,7 +13,7 @@ import os
 import torch
 
 import tiny_moe
-from tiny_model import (ARCHS, TEXT_ARCHS, _atomic_build, _save_generation_config, _save_processor, _text_config,
+from tiny_model import (ARCHS, QWEN3_VISION, TEXT_ARCHS, _atomic_build, _save_generation_config, _save_processor, _text_config,
                         _token_ids, _vl_classes, _vl_config, _write_json, build_tokenizer, tiny_config)
 
 RANDOM_INIT = "random_init.json"  # in a model folder without weights: {"preset", "seed"}
@@ -37,6 +37,19 @@ PRESETS = {
     "qwen2_5_vl_72b": dict(hidden=8192, intermediate=29568, layers=80, heads=64, kv_heads=8,
                            vocab_size=152064, tie=False),
     **tiny_moe.PRESETS,  # Qwen3-VL-30B-A3B
+    # Qwen3.5 (hybrid): of every 4 layers 3 Gated DeltaNet (16 key heads of 128 shared by 32 value heads, a 4-tap
+    # conv) and 1 gated attention (head 256, rotary on a quarter); a 27-block ViT (patch 16, no deepstack). 9B and 27B
+    # dense, 35B-A3B with 256 experts of 512 (8 routed) and a shared one (transformers' Qwen3.5 config defaults are the
+    # 9B's; the 27B's and 35B-A3B's attention, MLP and experts as slime's Megatron scripts give them; the 27B's GDN
+    # value heads are not in them: 48, the count that makes 27B parameters, the 9B's 32 would make 25.8B)
+    "qwen3_5_9b": dict(arch="qwen3_5", hidden=4096, intermediate=12288, layers=32, heads=16, kv_heads=4,
+                       vocab_size=248320, tie=False),
+    "qwen3_5_27b": dict(arch="qwen3_5", hidden=5120, intermediate=17408, layers=64, heads=24, kv_heads=4,
+                        vocab_size=248320, tie=False, linear_value_heads=48),
+    "qwen3_5_35b_a3b": dict(arch="qwen3_5_moe", hidden=2048, intermediate=0, layers=40, heads=16, kv_heads=2,
+                            vocab_size=248320, tie=False,
+                            moe=dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                                     shared_expert_intermediate_size=512, router_aux_loss_coef=0.001)),
     # the tiny demo MoE (tiny_model.tiny_config, its own small vocabulary) as a preset: bench.py's paths on the CPU
     "tiny_qwen3_vl_moe": dict(arch="qwen3_vl_moe", tiny=True),
 }
@@ -44,7 +57,8 @@ PRESETS = {
 # knows these models without their config.json
 HUB_NAMES = {"Qwen/Qwen2.5-VL-3B-Instruct": "qwen2_5_vl_3b", "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2_5_vl_7b",
              "Qwen/Qwen2.5-VL-32B-Instruct": "qwen2_5_vl_32b", "Qwen/Qwen2.5-VL-72B-Instruct": "qwen2_5_vl_72b",
-             "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl_8b", **tiny_moe.HUB_NAMES}
+             "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl_8b", **tiny_moe.HUB_NAMES,
+             **{f"Qwen/Qwen3.5-{n}": f"qwen3_5_{n.lower().replace('-', '_')}" for n in ("9B", "27B", "35B-A3B")}}
 
 
 def preset_config(preset, ids):
@@ -55,7 +69,17 @@ def preset_config(preset, ids):
     arch = p.get("arch", "qwen2_5_vl")
     if p.get("tiny"):  # the demo's vocabulary: the tokenizer's (its special tokens last), in rows of 64
         return tiny_config(arch, ids, (max(ids.values()) + 64) // 64 * 64)
-    if arch in ("qwen3_vl", "qwen3_vl_moe"):
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"], p["heads"],
+                            p["kv_heads"], mrope_section=[11, 11, 10], tie=p["tie"], max_pos=262144)
+        text.update(head_dim=256, linear_num_key_heads=16, linear_num_value_heads=p.get("linear_value_heads", 32),
+                    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                    full_attention_interval=4, **p.get("moe", {}))
+        text["rope_parameters"].update(rope_theta=10000000.0, mrope_interleaved=True, partial_rotary_factor=0.25)
+        vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=p["hidden"],
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                      hidden_act="gelu_pytorch_tanh", in_channels=3)
+    elif arch in ("qwen3_vl", "qwen3_vl_moe"):
         text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"],
                             p["heads"], p["kv_heads"], mrope_section=[24, 20, 20], tie=p["tie"],
                             max_pos=262144)
@@ -86,7 +110,7 @@ def build_random_model(out_dir, preset, seed=0, device=None, weights=True) -> st
     arch = PRESETS.get(preset, {}).get("arch", "qwen2_5_vl")
 
     def build(tmp):
-        tok = build_tokenizer(split_digits=arch in ("qwen3_vl", "qwen3_vl_moe"))
+        tok = build_tokenizer(split_digits=arch in QWEN3_VISION)
         ids = _token_ids(tok)
         cfg = preset_config(preset, ids)
         if weights:

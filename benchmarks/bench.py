@@ -397,7 +397,7 @@ def table(paths):
            "parameter):", "",
            "| model | mode | 1 GPU | 2 GPUs | 4 GPUs | 8 GPUs |", "|---|---|---|---|---|---|"]
     for preset in ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b", "qwen2_5_vl_32b", "qwen2_5_vl_72b",
-                   "qwen3_vl_30b_a3b"):
+                   "qwen3_vl_30b_a3b", "qwen3_5_9b", "qwen3_5_27b", "qwen3_5_35b_a3b"):
         dims = memory.model_dims(preset)
         for name, kw in modes:
             cells = [memory.memory_model(dims, world=w, mb_tokens=11 * memory.TOKENS_PER_SAMPLE, **kw)

@@ -48,6 +48,8 @@ ROWS = {
     "rloo": ("grpo.py", ["--adv-estimator", "rloo"], 0.95, "RLOO, Qwen2.5-VL colour"),
     "qwen3vl_moe": ("grpo.py", ["--demo-model", "qwen3_vl_moe"], 0.95, "Qwen3-VL-MoE colour (4 experts, top 2)"),
     "qwen2vl_colour": ("grpo.py", ["--demo-model", "qwen2_vl"], 0.95, "Qwen2-VL colour"),
+    "qwen35_colour": ("grpo.py", ["--demo-model", "qwen3_5"], 0.95, "Qwen3.5 colour (Gated DeltaNet hybrid)"),
+    "qwen35_moe": ("grpo.py", ["--demo-model", "qwen3_5_moe"], 0.95, "Qwen3.5-MoE colour (GDN, 4 experts + shared)"),
 }
 MAX_DIFF_MEAN = 5e-3
 MIN_GREEDY_EQUAL = 0.99  # parity: the share of validation prompts on which vLLM's greedy answer is the HF engine's

@@ -73,3 +73,22 @@ def test_the_engine_gets_the_experts_as_the_checkpoint_holds_them(tmp_path):
     assert sent.keys() == disk.keys()
     for k in disk:
         assert torch.equal(sent[k], disk[k]), k
+
+
+def test_flops_count_every_projection_once_and_attention_only_in_attention_layers():
+    """The 9B shape's forward FLOPs: 2 per weight of every linear layer of the language model (embedding and head
+    included, veRL's convention), the delta rule's 5 d_k d_v per value head in the 24 GDN layers, s^2 attention in
+    the 8 others; the weights counted from the model itself (meta device), not from the formula's own terms."""
+    import flops
+    import presets
+    cfg = presets.preset_config("qwen3_5_9b", tiny_model._token_ids(tiny_model.build_tokenizer()))
+    t = cfg.text_config
+    with torch.device("meta"):
+        from transformers import Qwen3_5ForConditionalGeneration
+        lm = Qwen3_5ForConditionalGeneration(cfg)
+    linear = sum(m.weight.numel() for n, m in lm.named_modules()
+                 if isinstance(m, torch.nn.Linear) and ".visual." not in f".{n}") + t.vocab_size * t.hidden_size
+    s = [100, 300]
+    core = 5 * 128 * 128 * 32 * 24 * sum(s)
+    attn = 2 * 8 * t.num_attention_heads * t.head_dim * sum(x * x for x in s)
+    assert flops.lm_forward_flops(cfg, s) == 2 * linear * sum(s) + core + attn

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# benchmarks/gpu_qwen3_5.sh MODE -- Qwen3.5 (Gated DeltaNet hybrid) on ONE H200, after vLLM is installed (the top of
+# benchmarks/gpu_env.sh; fla-core and einops travel in .gpu/wheels: ../shared/gpu/fetch_wheels.sh). Modes:
+#   tests    tests/test_qwen3_5_gpu.py: fla-core's kernels on packed rows against each sample alone, the engine gets one
+#            GDN layer after a sync and after a level-2 sleep (dense and MoE), the two demos' agreement (~6 min)
+#   matrix   the learning matrix's two Qwen3.5 rows side by side, then each row's parity check (~5 min)
+#   9b       the Qwen3.5-9B shape (9.41B, random weights), pure bf16, 16 prompts x 8 x 1024 tokens, 2 steps (~7 min)
+#   9b_bare  its generation beside bare vLLM on the same model, one call (engine-ablation rows bare, all_ours)
+#   35b      the Qwen3.5-35B-A3B shape (35.1B, 256 experts), LoRA r64 on a bf16 base, --sleep-level 2, nothing on disk,
+#            8 prompts x 8 x 512 tokens, as the Qwen3-VL-30B-A3B row (benchmarks/gpu_moe30b.sh) (~8 min)
+# Results in $OUT: each run's log, metrics, summary, and report.md / memory_table.md for the benches.
+set -u
+cd "$(dirname "$0")/.."
+source benchmarks/gpu_env.sh
+case "${1:-}" in
+  tests)
+    python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in ('qwen3_5', 'qwen3_5_moe')]" \
+      > "$OUT/build.log" 2>&1
+    timeout "${LIMIT:-560}" python -m pytest -m gpu -q -s tests/test_qwen3_5_gpu.py > "$OUT/test_qwen3_5_gpu.log" 2>&1
+    echo "tests/test_qwen3_5_gpu.py: exit $?: $(tail -1 "$OUT/test_qwen3_5_gpu.log")"
+    grep -E "^\[(gdn|qwen3_5)" "$OUT/test_qwen3_5_gpu.log"
+    exit ;;
+  matrix)
+    timeout "${LIMIT:-560}" python -m benchmarks.matrix run --rows qwen35_colour,qwen35_moe --parity \
+      --out "$OUT/matrix" --timeout "${ROW_LIMIT:-420}" > "$OUT/matrix.log" 2>&1
+    echo "matrix: exit $?"; tail -8 "$OUT/matrix.log"
+    exit ;;
+  9b)
+    prepare qwen3_5_9b
+    run_bench bench9b_qwen35_bf16_1gpu_16x8 0 "${LIMIT:-480}" --preset qwen3_5_9b --precision bf16 \
+      --max-steps "${STEPS:-2}" --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 ;;
+  9b_bare)
+    prepare qwen3_5_9b
+    timeout "${LIMIT:-480}" python -m benchmarks.bench engine-ablation --preset qwen3_5_9b --precision bf16 \
+      --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 --rows bare,all_ours \
+      --repeats "${REPEATS:-1}" --bare-memory-share 0 --output-dir /tmp/abl9b > "$OUT/ablation9b.log" 2>&1
+    echo "9b engine-ablation: exit $?"; cp /tmp/abl9b/engine_ablation.json "$OUT/ablation9b.json" 2> /dev/null
+    python -c "import json, sys; from benchmarks import engine_bench as e; print(e.table(json.load(open(sys.argv[1]))))" \
+      "$OUT/ablation9b.json" 2> /dev/null || tail -20 "$OUT/ablation9b.log"
+    exit ;;
+  35b)
+    PREPARE_LIMIT=120 prepare qwen3_5_35b_a3b
+    run_bench moe35b_qwen35_lora_bf16 0 "${LIMIT:-480}" --preset qwen3_5_35b_a3b --lora-rank 64 --precision bf16 \
+      --sleep-level 2 --rollout-batch-size 8 --global-batch-size 8 --n 8 --max-response-length 512 \
+      --kv-cache-memory-gb 6 --gpu-memory-utilization 0.5 --torch-compile off --checkpoint-layers 1 \
+      --max-steps "${STEPS:-3}" ;;
+  *) echo "usage: bash benchmarks/gpu_qwen3_5.sh [tests | matrix | 9b | 9b_bare | 35b]"; exit 2 ;;
+esac
+python -m benchmarks.bench report "$OUT"/*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"
+python -m benchmarks.bench table "$OUT"/*_summary.json > "$OUT/memory_table.md" 2>&1; grep -E '^\| (bench9b|moe35b)' "$OUT/memory_table.md"
