@@ -24,6 +24,7 @@ import presets
 import varlen
 import video
 from common import UserError, _cpu_group, all_reduce_cpu, free_port  # noqa: F401 (all_reduce_cpu: actor.all_reduce_cpu)
+from families import QWEN_VL, mm_token_types, soft_capped  # noqa: F401 (mm_token_types: actor.mm_token_types)
 from tiny_moe import expert_wrappers, merged_expert, router_aux_loss, routers
 from varlen import ChunkLogProbs  # (LogProbModel.forward's argument `varlen` hides the module there)
 
@@ -79,8 +80,10 @@ class LogProbModel(nn.Module):
         cfg = hf_model.config
         self.forbidden = [i for i in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None))
                           if isinstance(i, int) and i >= 0]
-        self.has_vision = getattr(cfg, "vision_config", None) is not None and hasattr(hf_model.model,
-                                                                                       "get_image_features")
+        # the generic path (any other image-text family): the processor's inputs through the model's own forward
+        self.generic = getattr(cfg, "vision_config", None) is not None and cfg.model_type not in QWEN_VL
+        self.has_vision = not self.generic and getattr(cfg, "vision_config", None) is not None and hasattr(
+            hf_model.model, "get_image_features")
         # who computes the rotary positions: collate() for Qwen2-VL/2.5-VL (3-D M-RoPE), text LLMs (1-D) and packed
         # Qwen3-VL rows, and Qwen3.5's, on the CPU; None = the model itself (other VLMs, and Qwen3-VL's padded rows)
         self.rope = ("mrope" if cfg.model_type in ("qwen2_vl", "qwen2_5_vl") + HYBRID else
@@ -91,6 +94,7 @@ class LogProbModel(nn.Module):
         # and the load-balancing loss made of them (aux_loss); None = off, the default for RL
         self.router_logits, self.aux_loss = None, None
         self.chunk_kernels = varlen.LOGPROB_KERNELS  # build_actor: their compiled twins with --torch-compile
+        self.softcap = getattr(cfg.get_text_config(), "final_logit_softcapping", None)  # Gemma: cap x tanh(z / cap)
 
     def forward(self, input_ids, resp_idx, targets, mm_inputs, owner=None, position_ids=None, varlen=None,
                 temperature=1.0, chunk_size=4096, entropy=True):
@@ -107,8 +111,9 @@ class LogProbModel(nn.Module):
         h = hidden.flatten(0, 1).index_select(0, resp_idx)  # [n, H] (an index, not a boolean mask: no host sync)
         head = self.hf.get_output_embeddings()
         logps, ents = [], []
+        kernels = soft_capped(self.chunk_kernels, self.softcap) if self.softcap else self.chunk_kernels
         for hc, tc in zip(h.split(chunk_size), targets.split(chunk_size)):  # backward recomputes each chunk's logits
-            lp, ent = ChunkLogProbs.apply(hc, tc, head.weight, temperature, self.forbidden, entropy, self.chunk_kernels)
+            lp, ent = ChunkLogProbs.apply(hc, tc, head.weight, temperature, self.forbidden, entropy, kernels)
             logps.append(lp)
             ents.append(ent)
         return torch.cat(logps), torch.cat(ents) if entropy else None  # [n], [n]
@@ -120,6 +125,9 @@ class LogProbModel(nn.Module):
         # (cu_seq_lens_q/k, max_length_q/k) keeps each sample's attention inside the sample.
         kw = dict(attention_mask=None, use_cache=False, position_ids=position_ids, **(varlen or {}))
         if not mm_inputs and not self.has_vision:
+            if self.generic and dist.get_world_size() > 1:  # the other ranks' vision blocks would wait for this one
+                raise UserError(f"{self.hf.config.model_type}: a micro-batch without images on one of several ranks "
+                                "(the generic path runs the vision tower only on images): train on one GPU")
             return self.hf.model(input_ids=input_ids, **kw).last_hidden_state
         if not mm_inputs:
             # Every rank must run the same sharded modules in the same order (each vision block is an FSDP unit
@@ -133,10 +141,9 @@ class LogProbModel(nn.Module):
                     3, *input_ids.shape)
             return self.hf.model(inputs_embeds=embeds, **kw).last_hidden_state
         owner, counts, vcounts = owner  # per row: its distinct prompt; per distinct prompt: its images, its videos
-        if "image_grid_thw" not in mm_inputs and "video_grid_thw" not in mm_inputs:
-            raise NotImplementedError(f"{type(self.hf).__name__}: images and videos are supported for Qwen-VL-style "
-                                      "models (processor outputs pixel_values(_videos) + image/video_grid_thw); got "
-                                      f"{sorted(mm_inputs)}")
+        if self.generic:  # the processor's tensors, one copy per row (collate), and its token types as it makes them
+            return self.hf.model(input_ids=input_ids, **mm_inputs, **mm_token_types(self.hf, input_ids, mm_inputs),
+                                 **kw).last_hidden_state
         grids = {k: mm_inputs[k] for k in ("image_grid_thw", "video_grid_thw") if k in mm_inputs}
         row_grids = {k: torch.cat([g.split(c)[i] for i in owner]) for (k, g), c in  # [items as the rows show them, 3]
                      zip(grids.items(), [counts if k == "image_grid_thw" else vcounts for k in grids])}
@@ -240,24 +247,6 @@ def _tensors(x):
     return [t for v in x for t in _tensors(v)] if isinstance(x, (list, tuple)) else []
 
 
-def mm_token_types(hf, input_ids, mm_inputs):
-    """transformers >= 5 builds Qwen-VL's 3-D (M-RoPE) positions only when told which tokens are image (1) and
-    video (2) pads; without it the model silently falls back to 1-D positions and disagrees with vLLM."""
-    cfg = hf.config
-    if not mm_inputs or not _takes_mm_token_types(type(hf.model)):
-        return {}
-    types = torch.zeros_like(input_ids)
-    for tid, v in ((getattr(cfg, "image_token_id", None), 1), (getattr(cfg, "video_token_id", None), 2)):
-        if tid is not None:
-            types[input_ids == tid] = v
-    return {"mm_token_type_ids": types}
-
-
-@functools.cache
-def _takes_mm_token_types(model_cls):  # once per class: this runs on every forward
-    return "mm_token_type_ids" in inspect.signature(model_cls.forward).parameters
-
-
 def recompute_first_layers(hf, share):
     """Only the first ceil(share x L) of the language model's L decoder layers recompute (vision blocks all do: a
     small share of the compute), the rest keep their activations. The first, not every k-th (Megatron's "block"
@@ -299,9 +288,10 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     if any(use_varlen.values()):
         varlen.set_varlen_attention(hf, **use_varlen)
     gdn = varlen.use_gdn_forward(hf, device)  # Qwen3.5: the linear-attention layers see the samples' boundaries
-    if gdn == "torch" and device.type == "cuda" and dist.get_rank() == 0:
-        print("note: fla-core does not import here: the Gated DeltaNet layers run on the plain-torch path (correct, "
-              "slower; pip install fla-core for the Triton kernels)", flush=True)
+    if gdn in ("torch", "fla forward") and device.type == "cuda" and dist.get_rank() == 0:
+        print(f"note: the Gated DeltaNet layers {'train' if gdn == 'fla forward' else 'run'} on the plain-torch path "
+              "(correct, slower): fla-core " + ("refuses its backward here (Triton < 3.7.1 on Hopper)" if gdn ==
+                                                "fla forward" else "does not import (pip install fla-core)"), flush=True)
     if gradient_checkpointing and trainable:
         if hasattr(hf, "activation_checkpointing_enable"):  # transformers 5's name; the old one warns
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -400,8 +390,10 @@ def collate(samples, pad_id, device, model=None):
         resp_idx = resp_mask.flatten().nonzero().squeeze(1)  # [n]
     mm = {}
     keys = {k for p in prompts for k in p["mm_inputs"]}  # Qwen-VL: pixel_values [P, D], image_grid_thw [I, 3]
+    per_row = keys and not any(k.endswith("_grid_thw") for k in keys)  # another family's (generic): a copy per row
     for key in keys:
-        mm[key] = to_device(torch.cat([p["mm_inputs"][key] for p in prompts if key in p["mm_inputs"]]), device)
+        mm[key] = to_device(torch.cat([p["mm_inputs"][key] for p in ([prompts[o] for o in owner] if per_row else
+                                                                      prompts) if key in p["mm_inputs"]]), device)
     counts = [len(p["mm_inputs"].get("image_grid_thw", ())) for p in prompts]  # images per distinct prompt
     vcounts = [len(p["mm_inputs"].get("video_grid_thw", ())) for p in prompts]  # videos per distinct prompt
     position_ids = None

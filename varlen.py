@@ -272,21 +272,40 @@ def gdn_layers(hf):
 def fla_kernels():
     """(causal_conv1d, chunk_gated_delta_rule) of fla-core, or None where it does not import (CPU-only machines)."""
     try:
-        from fla.modules.causal_conv1d import causal_conv1d
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.modules.causal_conv1d import causal_conv1d  # optional (fla-core): the GPU kernels
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # (likewise)
     except Exception:  # noqa: BLE001 -- ImportError, or Triton failing to find a GPU
         return None
     return causal_conv1d, chunk_gated_delta_rule
 
 
+@functools.cache
+def fla_trains(device_index):
+    """Whether fla-core's delta-rule backward runs here: fla-core 0.6 refuses it on Hopper under Triton 3.4-3.7.0,
+    which computes it wrong (its issue #640; the H200 image has Triton 3.6). Probed once on a small input."""
+    x = [torch.randn(1, 64, 2, 32, device=f"cuda:{device_index}", requires_grad=True) for _ in range(3)]
+    g = torch.full((1, 64, 2), -0.1, device=x[0].device, requires_grad=True)
+    try:
+        out, _ = fla_kernels()[1](*x, g=g, beta=torch.sigmoid(g), use_qk_l2norm_in_kernel=True)
+        out.sum().backward()
+        return True
+    except RuntimeError as e:
+        warnings.warn(f"fla-core's delta-rule backward is unusable here ({str(e)[:200]}); the Gated DeltaNet layers "
+                      "train on the plain-torch path (correct, slower), their no-grad passes on fla-core")
+        return False
+
+
 def use_gdn_forward(hf, device):
-    """Give every Gated DeltaNet layer of hf the boundary-aware forward. Returns "fla" or "torch" (None: no GDN)."""
+    """Give every Gated DeltaNet layer of hf the boundary-aware forward. Returns "fla", "fla forward" (fla-core
+    without its backward: training forwards take the plain path) or "torch"; None: no GDN layer."""
     layers = gdn_layers(hf)
     for m in layers:
         m.forward = types.MethodType(gdn_forward, m)
     if not layers:
         return None
-    return "fla" if device.type == "cuda" and fla_kernels() else "torch"
+    if device.type != "cuda" or not fla_kernels():
+        return "torch"
+    return "fla" if fla_trains(device.index or 0) else "fla forward"
 
 
 def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
@@ -312,7 +331,7 @@ def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
     g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)  # [B, T, Hv]
     rep = self.num_v_heads // self.num_k_heads  # each key head serves `rep` value heads
     q, k = (x.repeat_interleave(rep, dim=2) for x in (q, k))
-    if fast:
+    if fast and (not torch.is_grad_enabled() or fla_trains(hidden_states.device.index)):
         out, _ = fla_kernels()[1](q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
                                   cu_seqlens=None if cu is None else cu.long())
     else:

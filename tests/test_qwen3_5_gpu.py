@@ -42,10 +42,13 @@ def test_fla_kernels_on_a_packed_row_equal_each_sample_alone():
         lay = Qwen3_5GatedDeltaNet(cfg, 0).cuda().to(dtype)
         lay.load_state_dict(layer.state_dict())
         V.use_gdn_forward(lay, torch.device("cuda"))
+        with torch.no_grad():  # (no-grad: fla-core's forward, also where its backward is refused: V.fla_trains)
+            plain = lay(xs.to(dtype), **kw)
         out = lay(xs.to(dtype), **kw)
         (out.float() * ws).sum().backward()
-        return out.float(), {n: p.grad.float() for n, p in lay.named_parameters()}
+        return plain.float(), {n: p.grad.float() for n, p in lay.named_parameters()}
 
+    print(f"[gdn] fla-core trains here: {V.fla_trains(torch.cuda.current_device())}")
     fast, g_fast = run_layer(torch.bfloat16, x, w, cu_seq_lens_q=cu)
     fla = V.fla_kernels
     V.fla_kernels = lambda: None  # the plain-torch path, sample by sample
