@@ -44,7 +44,7 @@ def test_real_models_get_easyr1_defaults():
 def test_the_demo_gets_its_own_and_flags_win(capsys):
     demo = cli(grpo.Config, grpo.DEMO, args=[])
     assert {k: getattr(demo, k) for k in grpo.DEMO} == grpo.DEMO
-    # the README's demo table was measured with these
+    # the demos' table (docs/demos.md) was measured with these
     assert (demo.lr, demo.n, demo.max_response_length, demo.max_pixels, demo.rollout_batch_size) == (
         1e-3, 16, 4, 12544, 16)
     assert "defaults: demo (tiny model); set: nothing" in capsys.readouterr().out
@@ -80,8 +80,10 @@ def test_every_key_of_easyr1s_example_is_mapped_or_explained():
             assert entry[0] in opts or k in listed, k
 
 
-def test_readme_migration_table_is_the_tables():
-    assert E.markdown() in open(os.path.join(ROOT, "README.md")).read()
+def test_docs_migration_table_is_the_tables():
+    """docs/easyr1.md (README "Coming from EasyR1" links it) holds easyr1_config.TABLE as `python easyr1_config.py`
+    prints it."""
+    assert E.markdown() in open(os.path.join(ROOT, "docs", "easyr1.md")).read()
 
 
 def test_example_config_values_and_overrides(capsys):
@@ -162,6 +164,6 @@ def test_run_sh_recipes_parse_and_pass_the_option_checks(recipe, nproc, tmp_path
     cfg = cli(grpo.Config, grpo.DEMO, args=args)
     assert cfg.model_path == "Qwen/Qwen2.5-VL-7B-Instruct" and cfg.output_dir == str(tmp_path / "out")
     E.check(cfg, nproc)
-    if recipe == "lora_7b_40gb":  # the cell measured on the H200 capped to 40 GB (README, Memory modes)
+    if recipe == "lora_7b_40gb":  # the cell measured on the H200 capped to 40 GB (BENCHMARKS.md, Memory modes)
         assert (cfg.lora_rank, cfg.precision, cfg.max_token_len_per_device, cfg.kv_cache_memory_gb) == \
             (64, "bf16", 8192, 1.5)

@@ -1,5 +1,5 @@
 """What a user sees when the input is wrong: one `error:` line naming the option, file or row (exit code 2, no
-traceback, printed once under torchrun), and no silent failure. README "When something is wrong" lists these.
+traceback, printed once under torchrun), and no silent failure. docs/errors.md lists these.
 
 The option checks and the data check run in this process as grpo.py's __main__ runs them (they fail before any
 model loads); the reward check, the skipped-step stop, torchrun and data.py check run as the user runs them, in a
