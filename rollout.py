@@ -13,50 +13,23 @@ logprobs_mode="processed_logprobs" (its default "raw_logprobs" ignores the tempe
 default) this is the trainer's log_softmax(logits / T), the same tokens forbidden. Greedy: untempered logits.
 """
 import dataclasses
+import importlib.util
 import os
 import warnings
 
 import torch
 import torch.distributed as dist
-from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, LogitsProcessorList,
+from transformers import (AutoConfig, GenerationConfig, LogitsProcessorList,
                           SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper)
 
 import presets
 from common import UserError, collector_paused
+from families import QWEN_VL, special_token_ids, vllm_overrides  # noqa: F401 (rollout.special_token_ids)
 from fsdp_actor import load_hf_model, mm_token_types  # the same loading and M-RoPE inputs as the trainer
 from tiny_moe import per_expert
 
 
 # ------------------------------------------------------------------------------------------------ shared helpers
-def special_token_ids(model_path):
-    """(eos_ids, forbidden_ids) of a checkpoint folder, read the same way by both engines so they stop alike.
-    eos: generation_config's eos list (Qwen lists <|im_end|> and <|endoftext|>) plus the tokenizer's eos.
-    forbidden: the image/video pad ids; sampling one would corrupt the next forward's vision placement."""
-    eos = []
-
-    def add(x):
-        for i in (x if isinstance(x, (list, tuple)) else [x]):
-            if isinstance(i, int) and i >= 0 and i not in eos:
-                eos.append(i)
-
-    try:
-        add(GenerationConfig.from_pretrained(model_path).eos_token_id)
-    except (OSError, ValueError):  # no generation_config.json
-        pass
-    cfg = AutoConfig.from_pretrained(model_path)
-    if not eos:
-        add(getattr(cfg.get_text_config(), "eos_token_id", None))
-    try:
-        add(AutoTokenizer.from_pretrained(model_path).eos_token_id)
-    except Exception:  # a folder without tokenizer files still works from the configs
-        pass
-    if not eos:
-        raise ValueError(f"{model_path}: no eos_token_id in generation_config, config or tokenizer")
-    forbidden = [i for i in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None))
-                 if isinstance(i, int) and i >= 0]
-    return eos, forbidden
-
-
 # A prompt's samples in vLLM use the seeds request_seed(s) + j, j < n (vLLM derives a request's j-th sample's seed as
 # `seed + j`). The callers' per-prompt seeds are consecutive (one per stream position), so passing them on as they
 # are gave prompts pos and pos + 1 n - 1 noise streams in common, and the next step's prompts the same ones again:
@@ -291,6 +264,9 @@ class VLLMRollout:
                   enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", disable_log_stats=True)
         hf_config = AutoConfig.from_pretrained(model_path)
         self.model_type = hf_config.model_type
+        kw["hf_overrides"] = vllm_overrides(hf_config)  # Gemma 4's full-attention heads under vLLM's names ({} else)
+        if self.model_type not in QWEN_VL:  # min/max_pixels: Qwen-VL's image budget (other families: their own)
+            engine_kwargs.pop("mm_processor_kwargs", None)
         if hasattr(hf_config, "vision_config"):  # text-only models reject these
             kw["limit_mm_per_prompt"] = limit_mm_per_prompt or {"image": 1, "video": 0}
             if kw["limit_mm_per_prompt"].get("video"):
@@ -302,6 +278,10 @@ class VLLMRollout:
         if world > 1 or dist.is_initialized():  # SPMD whenever a trainer set up torch.distributed, even 1 rank
             _init_world_for_external_dp()
             kw["distributed_executor_backend"] = "external_launcher"
+        text_cfg = hf_config.get_text_config()
+        if "linear_attention" in (getattr(text_cfg, "layer_types", None) or []) and not importlib.util.find_spec("flashinfer"):
+            # Qwen3.5's GDN prefill: vLLM 0.26 picks FlashInfer's kernel on Hopper by default, and fails without it
+            kw["additional_config"] = {"gdn_prefill_backend": "triton"}
         kw.update(engine_kwargs)
         known = _engine_arg_names()
         dropped = [k for k in kw if k not in known]

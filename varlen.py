@@ -335,7 +335,9 @@ def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
         out, _ = fla_kernels()[1](q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
                                   cu_seqlens=None if cu is None else cu.long())
     else:
-        out = delta_rule_reference(sys.modules[type(self).__module__].torch_chunk_gated_delta_rule, q, k, v, g, beta, cu)
+        # inspect.unwrap: transformers' name dispatches to fla-core's kernel wherever fla-core imports
+        torch_rule = inspect.unwrap(sys.modules[type(self).__module__].torch_chunk_gated_delta_rule)
+        out = delta_rule_reference(torch_rule, q, k, v, g, beta, cu)
     z = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)
     out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(B, T, -1)  # the gated RMSNorm
     return self.out_proj(out)

@@ -92,3 +92,23 @@ def test_flops_count_every_projection_once_and_attention_only_in_attention_layer
     core = 5 * 128 * 128 * 32 * 24 * sum(s)
     attn = 2 * 8 * t.num_attention_heads * t.head_dim * sum(x * x for x in s)
     assert flops.lm_forward_flops(cfg, s) == 2 * linear * sum(s) + core + attn
+
+
+def test_the_plain_path_is_torchs_even_where_transformers_dispatches_to_a_kernel(tiny, monkeypatch):
+    """Where fla-core imports, transformers' torch_chunk_gated_delta_rule is a wrapper that calls fla-core's kernel
+    (whose backward is wrong on Hopper under Triton < 3.7.1): the plain path must reach the torch function under it."""
+    import functools
+    import sys
+    hf = actor.load_hf_model(tiny)
+    mod = sys.modules[type(V.gdn_layers(hf)[0]).__module__]
+    torch_rule = mod.torch_chunk_gated_delta_rule
+
+    @functools.wraps(torch_rule)
+    def dispatched(*a, **kw):
+        raise RuntimeError("a kernel, not the torch path")
+    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", dispatched)
+    V.use_gdn_forward(hf, torch.device("cpu"))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    hf.model.language_model(input_ids=ids, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4,
+                            max_length_k=4)
