@@ -81,6 +81,7 @@ def test_packed_logprobs_equal_padded_on_the_gpu():
     for packed in (False, True):
         model = actor.build_actor(path, torch.device("cuda"), torch.float32, torch.bfloat16,
                                   padding_free="on" if packed else "off", vision_varlen="off")
+        assert model.packed == packed
         with torch.no_grad():
             out[packed], _ = actor.compute_logprobs(model, samples, pad, torch.device("cuda"), 1.0, max_tokens=10_000,
                                                     max_samples=64)
