@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch recipes. Pick one: `bash run.sh demo|demo2|qwen25vl_7b|lora_7b_40gb|multinode|dapo [extra grpo.py
+# Launch recipes. Pick one: `bash run.sh demo|demo2|qwen25vl_7b|qwen35_9b|lora_7b_40gb|multinode|dapo [extra grpo.py
 # options]`.
 # Options after the recipe name are appended to its own (the last spelling of an option wins).
 # Batch sizes count prompts (EasyR1's convention); grpo.py prints the derived arithmetic at start.
@@ -24,6 +24,9 @@ case "$recipe" in
       --lr 1e-6 --kl-coef 1e-2 --kl-penalty low_var_kl --clip-ratio-low 0.2 --clip-ratio-high 0.3 \
       --tensor-parallel-size 2 --gpu-memory-utilization 0.6 \
       --max-steps 300 --val-freq 5 --save-freq 5 --output-dir outputs/qwen25vl_7b_geo3k "$@" ;;
+  qwen35_9b)  # one node, 8 GPUs: geometry3k with Qwen3.5-9B (hybrid Gated DeltaNet; pip install fla-core), from
+    # examples/qwen3_5_9b_geo3k.yaml (EasyR1's config layout); options after the recipe name still win
+    torchrun --standalone --nproc_per_node 8 grpo.py --config examples/qwen3_5_9b_geo3k.yaml "$@" ;;
   lora_7b_40gb)  # ONE 40 GB GPU: Qwen2.5-VL-7B with LoRA (rank 64) in pure bf16. Measured as bench.py's 7B cell on an
     # H200 capped to 40 GB (README, Memory modes): the KV cache fixed at 1.5 GB leaves room for the engine's activations
     # beside the trainer; 8k-token micro-batches. LoRA's usual lr is ~10x full fine-tuning's.
@@ -51,5 +54,5 @@ case "$recipe" in
       --tensor-parallel-size 2 --output-dir outputs/multinode "$@" ;;
   dapo)  # DAPO on the demo task
     python dapo.py "$@" ;;
-  *) echo "unknown recipe $recipe (demo|demo2|qwen25vl_7b|lora_7b_40gb|multinode|dapo)"; exit 2 ;;
+  *) echo "unknown recipe $recipe (demo|demo2|qwen25vl_7b|qwen35_9b|lora_7b_40gb|multinode|dapo)"; exit 2 ;;
 esac

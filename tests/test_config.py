@@ -146,7 +146,8 @@ def test_easyr1_precision_and_offload_map_to_ours():
         E.translate(y, grpo.Config)
 
 
-@pytest.mark.parametrize("recipe, nproc", [("qwen25vl_7b", 8), ("lora_7b_40gb", 1), ("multinode", 16)])
+@pytest.mark.parametrize("recipe, nproc", [("qwen25vl_7b", 8), ("lora_7b_40gb", 1), ("multinode", 16),
+                                           ("qwen35_9b", 8)])
 def test_run_sh_recipes_parse_and_pass_the_option_checks(recipe, nproc, tmp_path):
     """Each real-model line of run.sh, as bash expands it (python and torchrun replaced by a recorder), parses and
     passes the checks that run before a model loads: a misspelt option or a batch that does not divide fails here."""
@@ -162,7 +163,8 @@ def test_run_sh_recipes_parse_and_pass_the_option_checks(recipe, nproc, tmp_path
     argv = (tmp_path / "argv").read_text().splitlines()
     args = argv[argv.index("grpo.py") + 1:]
     cfg = cli(grpo.Config, grpo.DEMO, args=args)
-    assert cfg.model_path == "Qwen/Qwen2.5-VL-7B-Instruct" and cfg.output_dir == str(tmp_path / "out")
+    want = "Qwen/Qwen3.5-9B" if recipe == "qwen35_9b" else "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert cfg.model_path == want and cfg.output_dir == str(tmp_path / "out")
     E.check(cfg, nproc)
     if recipe == "lora_7b_40gb":  # the cell measured on the H200 capped to 40 GB (BENCHMARKS.md, Memory modes)
         assert (cfg.lora_rank, cfg.precision, cfg.max_token_len_per_device, cfg.kv_cache_memory_gb) == \
