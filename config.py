@@ -17,9 +17,10 @@ class Config:
     # --- model and data (empty model_path / train_files = the built-in demo) ---
     model_path: str = ""  # HF hub name or local folder; "" builds the tiny demo VLM in code
     # the demo's tiny model (no model_path): qwen2_5_vl / qwen3_vl (colour or video task), qwen2_vl / qwen3_vl_moe /
-    # qwen3_5 / qwen3_5_moe (colour; Qwen3.5: Gated DeltaNet hybrid), qwen3 / llama (largest digit)
-    demo_model: Literal["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3",
-                        "llama"] = "qwen2_5_vl"
+    # qwen3_5 / qwen3_5_moe (colour; Qwen3.5: Gated DeltaNet hybrid), gemma4 / internvl (colour; the generic path
+    # for other image-text families), qwen3 / llama (largest digit)
+    demo_model: Literal["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma4",
+                        "internvl", "qwen3", "llama"] = "qwen2_5_vl"
     demo_task: Literal["color", "video"] = "color"  # the VL demos' task: a picture's colour, or a clip's last colour
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)

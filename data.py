@@ -27,6 +27,7 @@ import torch.distributed as dist
 import tyro
 from PIL import Image
 
+import families
 import tiny_model
 import video
 from common import MAX_PIXELS, MIN_PIXELS, UserError, first_line, one_line_errors
@@ -153,7 +154,7 @@ def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: i
         raise UserError(f"--model-path {model_path}: could not load its tokenizer/processor ({first_line(e)}); "
                         "give a model folder (with config.json) or a hub name") from e
     ip = getattr(proc, "image_processor", None)
-    if ip is not None and (min_pixels or max_pixels):
+    if hasattr(ip, "merge_size") and (min_pixels or max_pixels):  # Qwen-VL's budget (other families: their own)
         lo = min_pixels or ip.size["shortest_edge"]
         hi = max_pixels or ip.size["longest_edge"]
         ip.size = {"shortest_edge": lo, "longest_edge": hi}  # transformers 5
@@ -163,7 +164,8 @@ def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: i
 
 
 def _processor_without_torchvision(model_path):
-    """Qwen2(.5)-VL's processor from its parts with the PIL image backend; None where AutoProcessor works."""
+    """Qwen-VL's processor from its parts with the PIL image backend (others: without their video processor);
+    None where AutoProcessor works."""
     import transformers  # slow to import (~2 s): only where a model or processor loads
     from transformers.utils import is_torchvision_available  # (likewise)
     names = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
@@ -171,8 +173,8 @@ def _processor_without_torchvision(model_path):
     if is_torchvision_available():
         return None
     model_type = getattr(transformers.AutoConfig.from_pretrained(model_path), "model_type", None)
-    if model_type not in names:
-        return None
+    if model_type not in names:  # any other family: AutoProcessor without its video processor (images only)
+        return families.processor_without_video(model_path)
     tok = transformers.AutoTokenizer.from_pretrained(model_path)
     cls = getattr(transformers, names[model_type])
     proc = cls.__new__(cls)  # skips the __init__ check that demands a video processor
@@ -261,6 +263,12 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
         if raw and not hasattr(proc, "image_processor"):
             raise UserError(f"rows have {key} ({key!r}) but the model has a tokenizer, no image processor "
                             f"(a text LLM?): use a VL model, or data without {key}")
+    if raw_videos and not hasattr(proc.image_processor, "merge_size"):
+        raise UserError(f"rows have videos ({video_key!r}): videos train with the Qwen-VL families only (Qwen2-VL, "
+                        "Qwen2.5-VL, Qwen3-VL, Qwen3.5); other families take images")
+    own = getattr(proc, "image_token", None)  # the family's own placeholder (<|image_pad|>, <|image|>, ...)
+    if own and own in text:
+        raise BadRow(PLACEHOLDERS, f"the text holds {own!r}, the model's own image token: mark images with <image>")
     images, videos, fps = [], [], []
     for k, im in enumerate(raw_images):
         try:

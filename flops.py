@@ -13,6 +13,7 @@ prompt), in the style veRL uses for Qwen3-VL's ViT: 2 FLOPs per weight per patch
 4 x s^2 x width per layer, with s the window (Qwen2.5-VL's windowed layers) or the frame (full-attention layers),
 and the patch merger per merged token. Each distinct image counts once per pass (that is how the actor runs it).
 """
+import families
 
 
 def lm_forward_flops(cfg, seqlens):
@@ -20,7 +21,7 @@ def lm_forward_flops(cfg, seqlens):
     t = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     h, L, heads = t.hidden_size, t.num_hidden_layers, t.num_attention_heads
     kv = getattr(t, "num_key_value_heads", None) or heads
-    hd = getattr(t, "head_dim", None) or h // heads
+    hd = sum(families.head_dims(t)) / L  # (Gemma 4's differ by layer: their mean)
     gdn = sum(x == "linear_attention" for x in getattr(t, "layer_types", None) or [])
     if gdn:
         return _hybrid_forward_flops(t, gdn, seqlens)

@@ -312,6 +312,9 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
             for prm in hf.parameters():
                 prm.data = prm.data.to(dtype)
     model = LogProbModel(hf)
+    if model.generic and trainable and dist.get_rank() == 0:
+        print(f"note: {hf.config.model_type} takes the generic path: padded rows, its processor's inputs through "
+              "transformers' own forward, each image once per sample (Qwen-VL's pack and share them)", flush=True)
     if router_aux_loss_coef > 0 and trainable:
         if not routers(hf):
             raise UserError(f"--router-aux-loss-coef {router_aux_loss_coef}: {type(hf).__name__} has no MoE router")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import data
 import easyr1_config
+import families
 import fsdp_actor as actor
 import memory
 import rewards
@@ -81,6 +82,7 @@ def setup(cfg: Config):
     """Everything the loop needs: distributed state, data, reward, policy, reference, engine."""
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     easyr1_config.check(cfg, ranks)
+    families.check_family(cfg.model_path, cfg.rollout_engine)  # a model neither path trains: one line, now
     # can these GPUs hold it (memory model)? one line now, not out of memory after minutes of loading
     memory.check_before_loading(cfg, ranks)
     cfg.checkpoint_layers, layers_note = memory.resolve_checkpoint_layers(cfg, ranks)

@@ -36,6 +36,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+import families
 import presets
 import tiny_model
 import tiny_moe
@@ -312,9 +313,8 @@ def dims_from_config(cfg):
 
 def hd_frac(t):
     """heads x head_dim over the hidden size: 1 for Qwen2.5-VL and the 8B, 2 for the 30B-A3B (32 x 128 = 4096 of
-    a 2048 residual stream)."""
-    return t.num_attention_heads * (getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads) \
-        / t.hidden_size
+    a 2048 residual stream); the layers' mean where they differ (Gemma 4)."""
+    return t.num_attention_heads * sum(families.head_dims(t)) / t.num_hidden_layers / t.hidden_size
 
 
 def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offload_params=False,

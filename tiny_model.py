@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
 
+import tiny_families
 import tiny_moe
 from common import UserError
 
@@ -58,6 +59,7 @@ CACHE_ROOT = os.path.expanduser("~/.cache/vlm_rl")
 ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen2", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3", "llama")
 QWEN3_VISION = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # 16-pixel patches, Qwen3-VL's processor
 TEXT_ARCHS = ("qwen2", "qwen3", "llama")  # causal LMs without a vision tower
+FAMILIES = ("gemma4", "internvl")  # other image-text families (tiny_families.py): the generic path
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -80,10 +82,12 @@ def _corpus(n_lines=3000, seed=0):
     return lines
 
 
-def build_tokenizer(vocab_size=512, split_digits=False):
+def build_tokenizer(vocab_size=512, split_digits=False, specials=SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>",
+                    template=CHAT_TEMPLATE, **named):
     """Byte-level BPE (like Qwen's) trained on the synthetic corpus, plus Qwen special tokens. split_digits: one
     token per digit, as Qwen's own tokenizers do (the Qwen3 models use it: numbers then read digit by digit; the
-    older tiny models keep the merged numbers their demo numbers were measured with)."""
+    older tiny models keep the merged numbers their demo numbers were measured with). Other families
+    (tiny_families.py): their own special tokens, eos, pad, chat template and named tokens (image_token=...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # slow to import (~2 s)
     from transformers import PreTrainedTokenizerFast  # slow to import (~2 s)
 
@@ -93,15 +97,13 @@ def build_tokenizer(vocab_size=512, split_digits=False):
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                      pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL_TOKENS), min_frequency=2,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                 pad_token="<|endoftext|>", unk_token=None,
-                                 additional_special_tokens=SPECIAL_TOKENS,
-                                 model_max_length=32768)
-    hf.chat_template = CHAT_TEMPLATE
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, unk_token=None,
+                                 additional_special_tokens=list(specials), model_max_length=32768, **named)
+    hf.chat_template = template
     return hf
 
 
@@ -321,11 +323,13 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
         if rank == 0:
             build_tiny_model(out_dir, arch, seed)
         dist.barrier()
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if arch not in ARCHS + FAMILIES:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + FAMILIES}")
     out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v3")  # v3: the MoE config names norm_topk_prob
 
     def build(tmp):
+        if arch in FAMILIES:
+            return tiny_families.build(arch, tmp, seed, build_tokenizer, _text_config, CHAT_TEMPLATE, SPECIAL_TOKENS)
         tok = build_tokenizer(split_digits=arch in ("qwen3",) + QWEN3_VISION)
         ids = _token_ids(tok)
         vocab_size = (len(tok) + 63) // 64 * 64  # aligned rows, like Qwen's padded embeddings

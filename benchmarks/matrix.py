@@ -50,6 +50,8 @@ ROWS = {
     "qwen2vl_colour": ("grpo.py", ["--demo-model", "qwen2_vl"], 0.95, "Qwen2-VL colour"),
     "qwen35_colour": ("grpo.py", ["--demo-model", "qwen3_5"], 0.95, "Qwen3.5 colour (Gated DeltaNet hybrid)"),
     "qwen35_moe": ("grpo.py", ["--demo-model", "qwen3_5_moe"], 0.95, "Qwen3.5-MoE colour (GDN, 4 experts + shared)"),
+    "gemma4_colour": ("grpo.py", ["--demo-model", "gemma4"], 0.95, "Gemma 4 colour (generic path)"),
+    "internvl_colour": ("grpo.py", ["--demo-model", "internvl"], 0.95, "InternVL colour (generic path)"),
 }
 MAX_DIFF_MEAN = 5e-3
 MIN_GREEDY_EQUAL = 0.99  # parity: the share of validation prompts on which vLLM's greedy answer is the HF engine's
@@ -114,7 +116,7 @@ def failures(s):
 def run(names, out, timeout, runs_dir, with_parity=False):
     os.makedirs(out, exist_ok=True)
     subprocess.run([sys.executable, "-c", "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in "
-                    "tiny_model.ARCHS]; tiny_model.demo_data(); tiny_model.demo_max_data(); "
+                    "tiny_model.ARCHS + tiny_model.FAMILIES]; tiny_model.demo_data(); tiny_model.demo_max_data(); "
                     "tiny_model.demo_video_data()"], check=True)  # the models and data once, before the rows race to build them
     procs, t0 = {}, time.time()
     for name in names:

@@ -17,9 +17,11 @@ FILES.update({BENCH if f == "__init__.py" else f"{BENCH}.{f[:-3]}": os.path.join
 
 # the floors, bottom first; a file imports files of its own floor or lower ones, never a higher one
 FLOORS = [
-    ["common", "conftest"],  # the floor: the user-error type, its one-line report, shared constants, CPU collectives
-    ["config", "tiny_model", "tiny_moe", "presets", "flops", "varlen", "algos"],  # the options; the demos (models,
-    # tasks, settings, the MoE's experts); the real-size random models; FLOPs; kernels; the formulas
+    ["common", "conftest", "tiny_families"],  # the floor: the user-error type, its one-line report, shared
+    # constants, CPU collectives; the tiny non-Qwen checkpoints (tiny_model hands them its tokenizer)
+    ["config", "tiny_model", "tiny_moe", "presets", "families", "flops", "varlen", "algos"],  # the options; the demos
+    # (models, tasks, settings, the MoE's experts); the real-size random models; the families' differences; FLOPs;
+    # kernels; the formulas
     ["video", "data", "easyr1_config"],  # the data (data.py reaches the demos through data_files); the command line
     ["memory", "fsdp_actor", "rollout", "rewards", "rundir"],  # the stages
     ["grpo"],  # the loop
@@ -113,8 +115,9 @@ def test_every_file_imports_only_its_floor_or_below():
     assert up == [], "\n".join(up)
     assert g["common"] == [], "the floor imports no file of this project"
     # the demos' tasks are reached by the data layer through one door (data.data_files), and import no data file
-    assert [m for m in FLOORS[2] if "tiny_model" in g[m]] == ["data"] and g["tiny_model"] == ["common", "tiny_moe"]
-    assert g["tiny_moe"] == []  # the MoE's settings and checkpoint layout: below the builder, importing nothing
+    assert [m for m in FLOORS[2] if "tiny_model" in g[m]] == ["data"] and g["tiny_model"] == ["common", "tiny_families",
+                                                                                              "tiny_moe"]
+    assert g["tiny_moe"] == g["tiny_families"] == []  # the MoE's settings and layout, the other families' builds
 
 
 def test_find_cycle_finds_one():

@@ -1,0 +1,145 @@
+"""The generic path for image-text families other than Qwen-VL (families.py), on the tiny Gemma 4 and InternVL
+(tiny_families.py): their real module layout; the trainer's per-token log-probs and gradients equal a plain
+`model(**processor(...))` forward (fp32); the HF engine generates with the processor's inputs; honest refusals (a
+model neither path trains: one line, exit 2, before loading); the data check knows each family's image token."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+import families
+import fsdp_actor as actor
+import memory
+import rollout
+import tiny_model
+from config import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PIXELS = dict(min_pixels=56 * 56, max_pixels=112 * 112)
+
+
+@pytest.fixture(scope="module", params=["gemma4", "internvl"])
+def tiny(request, tmp_path_factory):
+    arch = request.param
+    path = tiny_model.build_tiny_model(str(tmp_path_factory.mktemp("fam") / arch), arch=arch)
+    hf = actor.load_hf_model(path)  # a 30x head: logits of +-30 and more, where Gemma's soft cap bites
+    hf.get_output_embeddings().weight.data *= 30
+    hf.save_pretrained(path)
+    proc = data.load_processor(path, **PIXELS)
+    rows = data.load_rows(tiny_model.demo_data()[1])
+    prompts = [data.encode_prompt(rows[i], proc, format_prompt=tiny_model.DEMO_FORMAT_PROMPT, **PIXELS)
+               for i in range(3)]
+    # several samples per prompt, responses of 1..5 tokens (padded rows of different lengths in one micro-batch)
+    g = torch.Generator().manual_seed(0)
+    samples = [{"prompt": prompts[i % 3], "response_ids": torch.randint(0, 400, (1 + i % 5,), generator=g).tolist()}
+               for i in range(7)]
+    return arch, path, proc, samples
+
+
+def test_tiny_models_have_the_families_layout(tiny):
+    arch, path, proc, _ = tiny
+    hf = actor.load_hf_model(path)
+    names = {n for n, _ in hf.named_parameters()}
+    if arch == "gemma4":
+        t = hf.config.text_config
+        assert t.layer_types == ["sliding_attention", "full_attention"] * 2 and t.num_kv_shared_layers == 2
+        assert [t.per_layer_config[i].head_dim for i in range(4)] == [32, 64, 32, 64]  # per-layer head sizes
+        assert t.final_logit_softcapping == 30.0 and t.hidden_size_per_layer_input == 16
+        assert hf.model.language_model.layers[1].self_attn.q_proj.weight.shape == (4 * 64, 128)
+        assert "model.language_model.embed_tokens_per_layer.weight" in names and "model.embed_vision." \
+            "embedding_projection.weight" in names
+        assert type(proc).__name__ == "Gemma4Processor" and proc.image_token == "<|image|>"
+        assert families.vllm_overrides(hf.config) == {"text_config": {"global_head_dim": 64}}
+    else:
+        assert hf.config.text_config.model_type == "qwen2" and hf.config.downsample_ratio == 0.5
+        assert "model.multi_modal_projector.linear_1.weight" in names
+        assert "model.vision_tower.encoder.layer.0.lambda_1" in names  # InternViT's layer scale
+        assert type(proc).__name__ == "InternVLProcessor" and proc.image_token == "<IMG_CONTEXT>"
+        assert families.vllm_overrides(hf.config) == {}
+    assert actor.LogProbModel(hf).generic and not actor.LogProbModel(hf).has_vision
+
+
+def _reference(path, proc, samples):
+    """Each sample alone through the plain HF model: the processor's own outputs for the prompt (token types too),
+    the response appended as text tokens; per-token log-probs (float64 log-softmax) and the weighted sum's grads."""
+    hf = actor.load_hf_model(path).train(False)
+    forbidden = actor.LogProbModel(hf).forbidden
+    w = torch.Generator().manual_seed(1)
+    out = []
+    for s in samples:
+        p = s["prompt"]
+        enc = proc(text=[proc.tokenizer.decode(p["raw_prompt_ids"])], images=p["images"], return_tensors="pt",
+                   add_special_tokens=False)
+        assert enc["input_ids"][0].tolist() == p["prompt_ids"]  # (what the trainer reads: the processor's tokens)
+        r = torch.tensor([s["response_ids"]])
+        kw = {k: v for k, v in enc.items() if k != "attention_mask"}
+        kw["input_ids"] = torch.cat([enc["input_ids"], r], 1)
+        if "mm_token_type_ids" in kw:
+            kw["mm_token_type_ids"] = torch.cat([kw["mm_token_type_ids"], torch.zeros_like(r)], 1)
+        logits = hf(**kw).logits[0].double()
+        logits[:, forbidden] = float("-inf")
+        Lp = len(p["prompt_ids"])
+        lp = torch.log_softmax(logits, -1)[Lp - 1:-1].gather(-1, r[0][:, None]).squeeze(-1)
+        (lp * torch.rand(lp.shape, generator=w)).sum().backward()  # (fp32 draws, as the trainer's)
+        out.append(lp.detach())
+    return out, {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+
+
+def test_logprobs_and_grads_equal_a_plain_forward(tiny):
+    arch, path, proc, samples = tiny
+    actor.init_distributed()
+    torch.manual_seed(0)
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=True)
+    assert model.generic and not model.packed
+    w = torch.Generator().manual_seed(1)
+    batch, resp_len = actor.collate(samples, proc.tokenizer.pad_token_id, torch.device("cpu"), model)
+    assert batch["input_ids"].shape[0] == len(samples)  # padded rows, one per sample
+    lp, _ = model(**batch)
+    lps = lp.detach().split(resp_len.tolist())
+    torch.cat([x * torch.rand(x.shape, generator=w, dtype=x.dtype) for x in lp.split(resp_len.tolist())]).sum() \
+        .backward()
+    grads = {n.removeprefix("hf."): p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    ref, ref_grads = _reference(path, proc, samples)
+    for a, b in zip(lps, ref, strict=True):
+        assert torch.allclose(a.double(), b, atol=1e-5), (a.double() - b).abs().max()
+    assert grads.keys() == ref_grads.keys() and any("vision" in n for n in grads)
+    for n, g in grads.items():
+        assert (g - ref_grads[n]).norm() <= 1e-4 * ref_grads[n].norm() + 1e-8, (n, (g - ref_grads[n]).norm())
+
+
+def test_the_hf_engine_generates_with_the_processor_inputs(tiny):
+    """The engine's sampled tokens' log-probs are the trainer's (the same forbidden tokens, soft cap, inputs)."""
+    arch, path, proc, samples = tiny
+    actor.init_distributed()
+    prompts = [samples[0]["prompt"], samples[1]["prompt"]]
+    out = rollout.HFRollout(path, "cpu").generate(prompts, 3, 1.0, 1.0, 4, [1, 2])
+    got = [dict(prompt=p, response_ids=r["response_ids"]) for p, group in zip(prompts, out) for r in group]
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
+    lps, _ = actor.compute_logprobs(model, got, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0, 10_000, 8)
+    engine = [torch.tensor(r["logprobs"]) for group in out for r in group]
+    for a, b in zip(lps, engine, strict=True):
+        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
+def test_the_data_check_knows_each_familys_image_token(tiny):
+    arch, path, proc, _ = tiny
+    row = {"problem": f"What is {proc.image_token} here?", "answer": "red", "images": []}
+    with pytest.raises(data.BadRow, match="the model's own image token"):
+        data.encode_prompt(row, proc)
+    assert memory.known_dims(path)["layers"] == (4 if arch == "gemma4" else 2)  # no traceback on per-layer heads
+    memory.check_before_loading(Config(model_path=path), 1, card_gib=80)
+
+
+def test_a_family_neither_path_trains_gets_one_line_before_loading(tmp_path):
+    """An audio model (Whisper: no image-text or text-generation class for it): one line naming the families that
+    work, exit 2, before anything loads (no weights in the folder: loading would fail otherwise)."""
+    from transformers import WhisperConfig
+    WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1).save_pretrained(tmp_path)
+    p = subprocess.run([sys.executable, "grpo.py", "--model-path", str(tmp_path), "--output-dir",
+                        str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = [x for x in (p.stdout + p.stderr).splitlines() if "error" in x.lower() or "Traceback" in x]
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --model-path"), p.stdout + p.stderr
+    assert "whisper" in lines[0] and "Gemma 4, InternVL" in lines[0] and "Loading" not in p.stderr

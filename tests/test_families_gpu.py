@@ -1,0 +1,94 @@
+"""vLLM with the tiny Gemma 4 and InternVL (the generic path, families.py; GPU only, skipped elsewhere).
+
+    pytest -m gpu tests/test_families_gpu.py -s       # each engine check runs in its own process (one vLLM each)
+    PYTHONPATH=.:tests python tests/test_families_gpu.py gemma4    # the same checks by hand: gemma4 | internvl
+
+Per family: vLLM expands the one-placeholder prompt (the chat template's <|image|> / <IMG_CONTEXT>) into exactly the
+tokens the HF processor made (Gemma 4: <|image> + 70 soft tokens + <image|>; InternVL: <img> + 4 per tile + </img>),
+the engine's log-probs agree with HF's forward on the same weights (Gemma 4: soft-capped logits, per-layer head sizes
+through families.vllm_overrides), a sync of every HF in-memory name changes greedy output and restoring gives it
+back exactly; and the demo's engine/trainer agreement over 4 steps (the matrix rows: benchmarks/matrix.py).
+"""
+import sys
+
+import pytest
+import torch
+
+import rollout
+import tiny_model
+from test_grpo_gpu import engine_memory, run
+from test_qwen3_gpu import mean_logprob_diff
+from test_vllm_gpu import greedy, perturb, sharpen
+
+pytestmark = pytest.mark.gpu
+
+
+def prompts(path):
+    """Three one-image prompts of different sizes and a two-image one, as the trainer encodes them."""
+    import data
+    from PIL import Image, ImageDraw
+    proc = data.load_processor(path)
+    ims = []
+    for i, rgb in enumerate(tiny_model.COLORS.values()):
+        im = Image.new("RGB", (84 + 28 * i, 56 + 14 * i), (255, 255, 255))
+        ImageDraw.Draw(im).rectangle([10, 10, 50, 40], fill=rgb)
+        ims.append(im)
+    rows = [{"problem": "<image>What is the color of the shape?", "answer": "a", "images": [im]} for im in ims[:3]]
+    rows.append({"problem": "<image> and <image>: which is blue?", "answer": "a", "images": ims[2:]})
+    return [data.encode_prompt(r, proc, min_pixels=56 * 56, max_pixels=112 * 112) for r in rows]
+
+
+def check(arch):
+    rollout._set_vllm_env()
+    path = tiny_model.build_tiny_model(arch=arch)
+    eng = rollout.VLLMRollout(path, **engine_memory(0.25), max_model_len=1024, enforce_eager=True, dtype="bfloat16",
+                              limit_mm_per_prompt={"image": 2, "video": 0})
+    recs = prompts(path)
+    from vllm import SamplingParams
+    outs = eng.llm.generate([eng._vllm_prompt(r) for r in recs], SamplingParams(max_tokens=1), use_tqdm=False)
+    got = [list(o.prompt_token_ids) for o in outs]
+    for g, r in zip(got, recs):
+        assert g == r["prompt_ids"], (len(g), len(r["prompt_ids"]))  # vLLM's expansion is the HF processor's
+    ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()  # bf16-rounded weights, fp32 compute
+    sd = {k: v.to(torch.bfloat16) for k, v in sharpen(ref.state_dict()).items()}
+    eng.sync_weights(sd.items())  # every HF in-memory name through vLLM's hf_to_vllm_mapper
+    ref.load_state_dict({k: v.float() for k, v in sd.items()})
+    d = mean_logprob_diff(eng, ref, recs)
+    print(f"[{arch}] vLLM vs HF mean |logp diff| {d:.4f}")
+    assert d < 0.1
+    base = greedy(eng, recs)
+    assert greedy(eng, recs) == base
+    for name, keep in (("all", lambda k: True), ("vision tower only", lambda k: "vision_tower" in k)):
+        new = perturb(sd, keep, scale=0.5)
+        eng.sync_weights(new.items())
+        changed = greedy(eng, recs)
+        print(f"[{arch}] perturbed {name} ({len(new)} tensors): greedy changed for "
+              f"{sum(a != b for a, b in zip(changed, base))}/{len(base)} prompts")
+        if name == "all":
+            assert changed != base
+        else:  # the engine computes with exactly the new vision weights (its encoder cache reset)
+            ref.load_state_dict({k: v.float() for k, v in new.items()}, strict=False)
+            d = mean_logprob_diff(eng, ref, recs)
+            print(f"[{arch}] after the vision update: vLLM vs HF mean |logp diff| {d:.4f}")
+            assert d < 0.1
+        eng.sync_weights(sd.items())
+        ref.load_state_dict({k: v.float() for k, v in sd.items()})
+        assert greedy(eng, recs) == base  # restored exactly
+    print(f"FAMILIES_GPU_OK {arch} vllm={eng.version}", flush=True)
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "internvl"])
+def test_vllm_engine_expansion_logprobs_and_sync(launch, tmp_path, arch):
+    pytest.importorskip("vllm")
+    launch.script(__file__, arch, tmp_path / f"{arch}.log", f"FAMILIES_GPU_OK {arch}")
+
+
+@pytest.mark.parametrize("demo", ["gemma4", "internvl"])
+def test_demo_engine_agrees_with_trainer_after_every_sync(tmp_path, demo, launch):
+    rows = run(launch, tmp_path, "--demo-model", demo)
+    diffs = [r["rollout/logprob_diff_mean"] for r in rows]
+    assert len(diffs) == 4 and max(diffs) < 0.01, diffs
+
+
+if __name__ == "__main__":
+    check(sys.argv[1])

@@ -1,0 +1,108 @@
+"""Tiny checkpoints of the non-Qwen families (tiny_model.build_tiny_model's arch "gemma4" / "internvl"), built in
+code from transformers' own classes with the real module layout, their own processor class and special tokens, a
+chat template in the family's format, saved with save_pretrained as a hub folder is laid out (AutoProcessor and
+vLLM load them; without torchvision data.load_processor does, the video processor left out).
+
+  gemma4    Gemma 4's image-text shape (the E2B/E4B layout) in small: sliding and full attention layers with their
+            own head sizes (32 / 64) and rotary (default / proportional, a quarter of the dims), per-layer inputs,
+            the last 2 layers reusing the keys/values of earlier ones, a double-wide MLP there, the final logits
+            soft-capped at 30; the vision tower with 2-D positions and 2x2 pooling (3x3 in the hub's; 70 soft tokens an
+            image, the fewest the processor allows).
+  internvl  InternVL3's layout (transformers' InternVLForConditionalGeneration): an InternViT (layer-scaled,
+            mean-pooled) of 56-pixel tiles (crop_to_patches: the tiles of an image, then its thumbnail), pixel
+            shuffle 0.5 and a 2-layer projector before a Qwen2 LLM; 4 <IMG_CONTEXT> tokens a tile.
+"""
+import torch
+
+GEMMA4_TOKENS = dict(image_token="<|image|>", boi_token="<|image>", eoi_token="<image|>", audio_token="<|audio|>",
+                     boa_token="<|audio>", eoa_token="<audio|>")
+GEMMA4_SPECIALS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|video|>", *GEMMA4_TOKENS.values()]
+# Gemma 4's turn format: <bos><|turn>user\n ... <turn|>\n<|turn>model\n (the assistant's role is "model")
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|turn>{{ 'model' if message['role'] == 'assistant' else "
+    "message['role'] }}\n{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<|image|>{% elif item['type'] == 'text' %}"
+    "{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+INTERNVL_TOKENS = dict(start_image_token="<img>", end_image_token="</img>", context_image_token="<IMG_CONTEXT>",
+                       video_token="<video>")
+
+
+class _Saved(dict):
+    """A sub-processor that cannot be built here (a video processor needs torchvision): its settings, saved as one."""
+    _auto_class = None
+
+
+def _save_processor(cls, out, **parts):
+    """cls(**parts).save_pretrained(out), with _Saved parts let through its type check."""
+    from transformers import ProcessorMixin  # slow to import (~2 s)
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, n, a: None if isinstance(a, _Saved) else check(
+        self, n, a)
+    try:
+        cls(**parts).save_pretrained(out)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+def _generation_config(out, eos, pad, bos):
+    from transformers import GenerationConfig  # slow to import (~2 s)
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad, bos_token_id=bos, do_sample=False).save_pretrained(out)
+
+
+def build(arch, out, seed, make_tokenizer, text_config, qwen_template, qwen_specials):
+    """Write the tiny `arch` checkpoint into folder `out`; tiny_model's tokenizer, text config, Qwen chat template and
+    special tokens come as arguments (it imports this file)."""
+    import transformers  # slow to import (~2 s)
+    if arch == "gemma4":
+        tok = make_tokenizer(specials=GEMMA4_SPECIALS, eos="<eos>", pad="<pad>", template=GEMMA4_TEMPLATE,
+                                bos_token="<bos>", **GEMMA4_TOKENS)
+        ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA4_SPECIALS}
+        V = (len(tok) + 63) // 64 * 64
+        text = dict(vocab_size=V, vocab_size_per_layer_input=V, hidden_size=128, intermediate_size=256,
+                    num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=64,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
+                    hidden_size_per_layer_input=16, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                    final_logit_softcapping=30.0, max_position_embeddings=4096, pad_token_id=ids["<pad>"],
+                    eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"], tie_word_embeddings=True)
+        vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=32, patch_size=8, pooling_kernel_size=2,
+                      position_embedding_size=1024, default_output_length=70, standardize=True)
+        cfg = transformers.Gemma4Config(
+            text_config=text, vision_config=vision, audio_config=None, image_token_id=ids["<|image|>"],
+            boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"], video_token_id=ids["<|video|>"],
+            audio_token_id=ids["<|audio|>"], boa_token_id=ids["<|audio>"], eoa_token_index=ids["<audio|>"])
+        model_cls, eos = transformers.Gemma4ForConditionalGeneration, [ids["<eos>"], ids["<turn|>"]]
+        image = dict(max_soft_tokens=70, patch_size=8, pooling_kernel_size=2)
+        proc = dict(cls=transformers.Gemma4Processor, image_seq_length=70, chat_template=GEMMA4_TEMPLATE,
+                    image_processor=transformers.Gemma4ImageProcessorPil(**image),
+                    feature_extractor=transformers.Gemma4AudioFeatureExtractor(),
+                    video_processor=_Saved(video_processor_type="Gemma4VideoProcessor", **image))
+        pad, bos = ids["<pad>"], ids["<bos>"]
+    elif arch == "internvl":
+        # InternVL3-hf: Qwen2's chat format, each image one <IMG_CONTEXT> on its own line (the processor expands it)
+        template = qwen_template.replace("<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>\n")
+        specials = qwen_specials + list(INTERNVL_TOKENS.values())
+        tok = make_tokenizer(specials=specials, template=template, **INTERNVL_TOKENS)
+        ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
+        text = text_config(ids, (len(tok) + 63) // 64 * 64, hidden=128, intermediate=256, layers=2, heads=4,
+                              kv_heads=2, mrope_section=None, tie=False)
+        vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=56, patch_size=14, hidden_act="gelu")
+        cfg = transformers.InternVLConfig(text_config={**text, "model_type": "qwen2"}, vision_config=vision,
+                                          image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=4,
+                                          downsample_ratio=0.5, tie_word_embeddings=False)
+        model_cls, eos = transformers.InternVLForConditionalGeneration, [ids["<|im_end|>"], ids["<|endoftext|>"]]
+        image = dict(size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1, max_patches=4,
+                     image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+        proc = dict(cls=transformers.InternVLProcessor, image_seq_length=4, chat_template=template,
+                    image_processor=transformers.GotOcr2ImageProcessorPil(**image),
+                    video_processor=_Saved(video_processor_type="InternVLVideoProcessor", **image))
+        pad, bos = ids["<|endoftext|>"], ids["<|endoftext|>"]
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    cfg.architectures = [model_cls.__name__]
+    torch.manual_seed(seed)
+    model_cls(cfg).to(torch.float32).eval().save_pretrained(out)
+    _generation_config(out, eos, pad, bos)
+    _save_processor(proc.pop("cls"), out, tokenizer=tok, **proc)
