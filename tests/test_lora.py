@@ -44,6 +44,17 @@ def lora_actor(path, seed=0, **kw):
     return model.eval()
 
 
+def lora_checkpoint(model, path, tmp_path):
+    """A training checkpoint of a LoRA actor (step 1, the options merge.py reads); returns its folder."""
+    opt, sched = actor.build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    ckpt = str(tmp_path / "ckpt" / "step_1")
+    os.makedirs(os.path.dirname(ckpt))
+    cfg = {"model_path": path, "lora_rank": LORA["r"], "lora_alpha": LORA["alpha"],
+           "lora_target_modules": LORA["target_modules"], "lora_exclude_modules": LORA["exclude_modules"]}
+    rundir.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": cfg})
+    return ckpt
+
+
 def logprobs(model, samples, proc):
     return actor.compute_logprobs(model, samples, proc.tokenizer.pad_token_id, torch.device("cpu"), 1.0,
                                   max_tokens=10_000, max_samples=8)[0]
@@ -91,12 +102,7 @@ def test_merged_weights_reproduce_the_actor(setup, modules_to_save):
 def test_lora_checkpoint_merges_to_dense_and_adapter_folders(setup, tmp_path):
     path, proc, samples = setup
     model = lora_actor(path, seed=2)
-    opt, sched = actor.build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
-    ckpt = str(tmp_path / "ckpt" / "step_1")
-    os.makedirs(os.path.dirname(ckpt))
-    cfg = {"model_path": path, "lora_rank": LORA["r"], "lora_alpha": LORA["alpha"],
-           "lora_target_modules": LORA["target_modules"], "lora_exclude_modules": LORA["exclude_modules"]}
-    rundir.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": cfg})
+    ckpt = lora_checkpoint(model, path, tmp_path)
     size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
     full = sum(p.numel() for p in model.parameters()) * 4
     assert size < full / 4  # adapters (and their optimizer state) only, not the base weights

@@ -117,11 +117,9 @@ def test_the_plain_path_is_torchs_even_where_transformers_dispatches_to_a_kernel
 def test_lora_adapts_the_gdn_projections_and_merges_to_a_folder_that_reproduces_the_actor(tmp_path):
     """--lora-rank on Qwen3.5 (all-linear): adapters on the GDN layers' five projections as on attention and MLP;
     the conv, A_log, dt_bias and the gated norm stay frozen. merge.py's dense folder gives the actor's log-probs."""
-    import os
     import memory
     import merge
-    import rundir
-    from test_lora import LORA, lora_actor
+    from test_lora import lora_actor, lora_checkpoint
     actor.init_distributed()
     path = tiny_model.build_tiny_model(str(tmp_path / "m"), arch="qwen3_5")
     samples, pad = _samples(path)
@@ -130,12 +128,7 @@ def test_lora_adapts_the_gdn_projections_and_merges_to_a_folder_that_reproduces_
     assert adapted == {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"}, adapted
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert not any(k in n for n in trainable for k in ("conv1d", "A_log", "dt_bias", ".norm."))
-    opt, sched = actor.build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
-    ckpt = str(tmp_path / "ckpt" / "step_1")
-    os.makedirs(os.path.dirname(ckpt))
-    cfg = {"model_path": path, "lora_rank": LORA["r"], "lora_alpha": LORA["alpha"],
-           "lora_target_modules": LORA["target_modules"], "lora_exclude_modules": LORA["exclude_modules"]}
-    rundir.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": cfg})
+    ckpt = lora_checkpoint(model, path, tmp_path)
 
     def logprobs(m):
         return actor.compute_logprobs(m, samples, pad, torch.device("cpu"), 1.0, max_tokens=10_000, max_samples=8)[0]

@@ -14,9 +14,9 @@ import fsdp_actor as actor
 import rollout
 import tiny_model
 import varlen as V
-from test_grpo_gpu import engine_memory, run
-from test_qwen3_gpu import PX, mean_logprob_diff, vl_prompts
-from test_vllm_gpu import greedy, sharpen
+from test_grpo_gpu import run
+from test_qwen3_gpu import PX, engine_checked, mean_logprob_diff, vl_prompts
+from test_vllm_gpu import greedy
 
 pytestmark = pytest.mark.gpu
 GDN = "model.language_model.layers.1.linear_attn."  # one of the three linear-attention layers
@@ -93,20 +93,9 @@ def test_packed_logprobs_equal_padded_on_the_gpu():
 def check(arch):
     rollout._set_vllm_env()
     path = tiny_model.build_tiny_model(arch=arch)
-    eng = rollout.VLLMRollout(path, **engine_memory(0.25), max_model_len=1024, enforce_eager=True, dtype="bfloat16",
-                              limit_mm_per_prompt={"image": 2, "video": 0}, mm_processor_kwargs=PX)
     recs = vl_prompts(path)
-    from vllm import SamplingParams
-    outs = eng.llm.generate([eng._vllm_prompt(r) for r in recs], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert [list(o.prompt_token_ids) for o in outs] == [r["prompt_ids"] for r in recs]  # vLLM's expansion is ours
-    ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()  # bf16-rounded weights, fp32 compute
-    sd = {k: v.to(torch.bfloat16) for k, v in sharpen(ref.state_dict()).items()}
-    eng.sync_weights(sd.items())
-    ref.load_state_dict({k: v.float() for k, v in sd.items()})
-    d = mean_logprob_diff(eng, ref, recs)
-    print(f"[{arch}] vLLM vs HF mean |logp diff| {d:.4f}")
-    assert d < 0.1
-    base = greedy(eng, recs)
+    eng, ref, sd, base = engine_checked(path, arch, recs, limit_mm_per_prompt={"image": 2, "video": 0},
+                                        mm_processor_kwargs=PX)
     g = torch.Generator().manual_seed(123)  # every tensor of the layer, 1-D ones included (A_log, dt_bias, norm)
     new = {k: (v.float() + torch.randn(v.shape, generator=g).to(v.device)).to(v.dtype) for k, v in sd.items()
            if k.startswith(GDN)}

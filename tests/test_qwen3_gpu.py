@@ -50,6 +50,24 @@ def mean_logprob_diff(eng, ref, recs, temperature=0.7):
     return torch.cat(diffs).mean().item()
 
 
+def engine_checked(path, arch, recs, **kw):
+    """A vLLM engine on `path` whose prompt expansion is ours, synced with the sharpened weights, whose log-probs
+    agree with HF's (bf16-rounded weights, fp32 compute). Returns (engine, HF model, weights sent, greedy answers)."""
+    eng = rollout.VLLMRollout(path, **engine_memory(0.25), max_model_len=1024, enforce_eager=True,
+                              dtype="bfloat16", **kw)
+    from vllm import SamplingParams
+    outs = eng.llm.generate([eng._vllm_prompt(r) for r in recs], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert [list(o.prompt_token_ids) for o in outs] == [r["prompt_ids"] for r in recs]  # vLLM's expansion is ours
+    ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()
+    sd = {k: v.to(torch.bfloat16) for k, v in sharpen(ref.state_dict()).items()}
+    eng.sync_weights(sd.items())
+    ref.load_state_dict({k: v.float() for k, v in sd.items()})
+    d = mean_logprob_diff(eng, ref, recs)
+    print(f"[{arch}] vLLM vs HF mean |logp diff| {d:.4f}")
+    assert d < 0.1
+    return eng, ref, sd, greedy(eng, recs)
+
+
 def check(arch):
     """One engine: prompt expansion, log-probs against HF, the streamed sync of every tensor (for Qwen3-VL: a change
     of the deepstack mergers alone must reach the engine), restore."""
@@ -57,20 +75,8 @@ def check(arch):
     rollout._set_vllm_env()
     path = tiny_model.build_tiny_model(arch=arch)
     kw = dict(limit_mm_per_prompt={"image": 2, "video": 0}, mm_processor_kwargs=PX) if arch == "qwen3_vl" else {}
-    eng = rollout.VLLMRollout(path, **engine_memory(0.25), max_model_len=1024, enforce_eager=True,
-                              dtype="bfloat16", **kw)
     recs = vl_prompts(path) if arch == "qwen3_vl" else text_prompts(path)
-    from vllm import SamplingParams
-    outs = eng.llm.generate([eng._vllm_prompt(r) for r in recs], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert [list(o.prompt_token_ids) for o in outs] == [r["prompt_ids"] for r in recs]  # vLLM's expansion is ours
-    ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()  # bf16-rounded weights, fp32 compute
-    sd = {k: v.to(torch.bfloat16) for k, v in sharpen(ref.state_dict()).items()}
-    eng.sync_weights(sd.items())
-    ref.load_state_dict({k: v.float() for k, v in sd.items()})
-    d = mean_logprob_diff(eng, ref, recs)
-    print(f"[{arch}] vLLM vs HF mean |logp diff| {d:.4f}")
-    assert d < 0.1
-    base = greedy(eng, recs)
+    eng, ref, sd, base = engine_checked(path, arch, recs, **kw)
     assert greedy(eng, recs) == base
     parts = {"all": lambda k: True}
     if arch == "qwen3_vl":
