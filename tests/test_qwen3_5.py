@@ -51,8 +51,10 @@ def test_packed_rows_equal_each_sample_alone(tiny):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
         assert torch.allclose(a.double(), c, atol=1e-5), (a.double() - c).abs().max()
     assert g_pad.keys() == g_pack.keys() and any(".linear_attn.A_log" in n for n in g_pad)
-    for n in g_pad:  # (to the tensor's norm: fp32 sums of many tokens in another order; dt_bias's is 2e-5 off)
-        assert (g_pack[n] - g_pad[n]).norm() <= 1e-3 * g_pad[n].norm() + 1e-12, (n, (g_pack[n] - g_pad[n]).norm() / g_pad[n].norm())
+    for n in g_pad:  # relative to the tensor's norm: 1e-5, but 1e-3 for the decay gate's parameters, whose gradients
+        # sum exp(cumsum) terms over every token in the delta rule's fp32 (seen: 2e-5 dense, 3e-4 MoE; 7e-6 the rest)
+        tol = 1e-3 if n.endswith(("A_log", "dt_bias", "in_proj_a.weight")) else 1e-5
+        assert (g_pack[n] - g_pad[n]).norm() <= tol * g_pad[n].norm() + 1e-12, (n, (g_pack[n] - g_pad[n]).norm())
 
 
 def test_a_packed_row_never_shares_a_prompt_across_a_recurrence(tiny):
@@ -137,3 +139,25 @@ def test_lora_adapts_the_gdn_projections_and_merges_to_a_folder_that_reproduces_
     check = actor.build_actor(dense, torch.device("cpu"), torch.float32, torch.float32, gradient_checkpointing=False)
     for a, b in zip(want, logprobs(check.eval()), strict=True):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()  # merged logits equal the actor's (fp32)
+
+
+def test_the_check_before_loading_knows_qwen3_5_by_its_hub_name(tmp_path, monkeypatch, capsys):
+    """`--model-path Qwen/Qwen3.5-27B` with no download: its dimensions come from the preset of its hub name, and one
+    80 GB GPU in AMP stops with one line that names how many such GPUs the memory model says it takes (its AMP
+    row in BENCHMARKS.md "Memory modes": 84.6 GiB on each of 8, so 16)."""
+    import types
+    import grpo
+    from test_errors import grpo_main
+
+    def loading(*a, **k):
+        raise RuntimeError("past the check")
+    monkeypatch.setattr(grpo.actor, "init_distributed", loading)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        grpo_main(["--model-path", "Qwen/Qwen3.5-27B", "--output-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "about 485 GiB per GPU on 1 GPU" in err and "it takes 16 such GPUs" in err, err
