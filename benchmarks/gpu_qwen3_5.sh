@@ -8,6 +8,8 @@
 #   9b_bare  its generation beside bare vLLM on the same model, one call (engine-ablation rows bare, all_ours)
 #   35b      the Qwen3.5-35B-A3B shape (35.1B, 256 experts), LoRA r64 on a bf16 base, --sleep-level 2, nothing on disk,
 #            8 prompts x 8 x 512 tokens, as the Qwen3-VL-30B-A3B row (benchmarks/gpu_moe30b.sh) (~8 min)
+# Seen on the H200 (BENCHMARKS.md session 18): vLLM 0.26 needs compressed-tensors 0.17.0 and loguru for Qwen3.5
+# (in .gpu/wheels beside fetch_wheels.sh's: pip download --no-deps compressed-tensors==0.17.0 loguru).
 # Results in $OUT: each run's log, metrics, summary, and report.md / memory_table.md for the benches.
 set -u
 cd "$(dirname "$0")/.."

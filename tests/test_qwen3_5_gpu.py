@@ -14,7 +14,7 @@ import fsdp_actor as actor
 import rollout
 import tiny_model
 import varlen as V
-from test_grpo_gpu import run
+from test_grpo_gpu import engine_memory, run
 from test_qwen3_gpu import PX, engine_checked, mean_logprob_diff, vl_prompts
 from test_vllm_gpu import greedy
 
@@ -117,6 +117,32 @@ def check(arch):
     print(f"QWEN3_5_GPU_OK {arch} vllm={eng.version}", flush=True)
 
 
+def check_merged(out_dir):
+    """merge.py's dense folder of a Qwen3.5 LoRA checkpoint (adapters on the GDN projections too) starts in vLLM as it
+    is, and the engine computes what HF computes from the same folder."""
+    import pathlib
+    from test_lora import lora_actor, lora_checkpoint
+    import merge
+    rollout._set_vllm_env()
+    actor.init_distributed()
+    tmp = pathlib.Path(out_dir)
+    model = lora_actor(tiny_model.build_tiny_model(arch="qwen3_5"), seed=3)
+    folder = merge.merge(lora_checkpoint(model, tiny_model.build_tiny_model(arch="qwen3_5"), tmp), str(tmp / "dense"),
+                         dtype="bfloat16")
+    eng = rollout.VLLMRollout(folder, **engine_memory(0.25), max_model_len=1024, enforce_eager=True, dtype="bfloat16",
+                              limit_mm_per_prompt={"image": 2, "video": 0}, mm_processor_kwargs=PX)
+    ref = rollout.load_hf_model(folder, torch.bfloat16).float().cuda().eval()
+    d = mean_logprob_diff(eng, ref, vl_prompts(folder))
+    print(f"[merged] vLLM on merge.py's folder vs HF on it: mean |logp diff| {d:.4f}")
+    assert d < 0.05
+    print("QWEN3_5_GPU_OK merged", flush=True)
+
+
+def test_vllm_loads_a_merged_qwen3_5_lora_folder(launch, tmp_path):
+    pytest.importorskip("vllm")
+    launch.script(__file__, f"merged:{tmp_path}", tmp_path / "merged.log", "QWEN3_5_GPU_OK merged")
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 def test_vllm_engine_gets_one_gdn_layer_after_sync_and_sleep(launch, tmp_path, arch):
     pytest.importorskip("vllm")
@@ -132,4 +158,4 @@ def test_demo_engine_agrees_with_trainer_after_every_sync(tmp_path, demo, launch
 
 
 if __name__ == "__main__":
-    check(sys.argv[1])
+    check_merged(sys.argv[1][7:]) if sys.argv[1].startswith("merged:") else check(sys.argv[1])
