@@ -288,10 +288,6 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     if any(use_varlen.values()):
         varlen.set_varlen_attention(hf, **use_varlen)
     gdn = varlen.use_gdn_forward(hf, device)  # Qwen3.5: the linear-attention layers see the samples' boundaries
-    if gdn in ("torch", "fla forward") and device.type == "cuda" and dist.get_rank() == 0:
-        print(f"note: the Gated DeltaNet layers {'train' if gdn == 'fla forward' else 'run'} on the plain-torch path "
-              "(correct, slower): fla-core " + ("refuses its backward here (Triton < 3.7.1 on Hopper)" if gdn ==
-                                                "fla forward" else "does not import (pip install fla-core)"), flush=True)
     if gradient_checkpointing and trainable:
         if hasattr(hf, "activation_checkpointing_enable"):  # transformers 5's name; the old one warns
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 import families
 import presets
-import tiny_model
 import tiny_moe
 import varlen
 from common import UserError, all_reduce_cpu
@@ -174,13 +173,7 @@ def resident(model, device, offload):
 # memory is released but its tensors still exist, so torch.cuda.max_memory_allocated() includes the engine's whole
 # pool, awake or not. The trainer's own peak (weights, gradients, optimizer state, activations) is that minus the
 # pool's bytes (the engine's pool_bytes(), constant after start-up).
-_BALLAST = []  # bench.py --gpu-memory-cap-gb: memory taken away to emulate a smaller card (not the trainer's)
-
-
-def occupy(gb):
-    """Hold `gb` GiB of GPU memory until the process ends (a smaller card); the memory/* keys leave it out."""
-    _BALLAST.append(torch.empty(int(gb * 2**30), dtype=torch.uint8, device="cuda"))
-
+BALLAST = []  # benchmarks/bench.py --gpu-memory-cap-gb: memory taken away to emulate a smaller card (not the trainer's)
 
 def sleep(engine):
     """Put the engine to sleep; returns the GPU memory free with it awake and asleep (memory/free_engine_*_gb)."""
@@ -205,7 +198,7 @@ def phase_peak_gb(engine=None):
     """The trainer's peak GPU memory (GiB) since the last call, then a new phase begins; None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    pool = _engine_bytes(engine) + sum(t.numel() for t in _BALLAST)
+    pool = _engine_bytes(engine) + sum(t.numel() for t in BALLAST)
     peak = max(torch.cuda.max_memory_allocated() - pool, 0) / 2**30
     torch.cuda.reset_peak_memory_stats()
     return peak
@@ -286,11 +279,6 @@ def check_host_memory(cfg, model, engine):
 # What a run needs of each GPU, computed from bytes per parameter and the activations' dimensions: bench.py's table
 # and, before anything loads, grpo.py's and bench.py's check that the chosen GPUs can hold the run (check_fits).
 GIB = 2**30
-
-
-def model_dims(preset):
-    """dims_from_config of a bench preset (presets.py: the real checkpoints' dimensions)."""
-    return dims_from_config(presets.preset_config(preset, tiny_model._token_ids(tiny_model.build_tokenizer())))
 
 
 def dims_from_config(cfg):
@@ -462,7 +450,7 @@ def this_gpu_gib():
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
-    return (props.total_memory - sum(t.numel() for t in _BALLAST)) / GIB
+    return (props.total_memory - sum(t.numel() for t in BALLAST)) / GIB
 
 
 def auto_checkpoint_layers(c, dims, world, card_gib, error=0.15):
@@ -546,7 +534,7 @@ def oom_explained(ctx, step):
         if torch.cuda.is_available():
             gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
             card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            ballast = sum(t.numel() for t in _BALLAST)
+            ballast = sum(t.numel() for t in BALLAST)
             engine = _engine_bytes(ctx.rollout)  # (allocated in torch's view even while its pages are released)
             trainer = max(torch.cuda.memory_allocated() - engine - ballast, 0)
             awake = "asleep" if getattr(ctx.rollout, "asleep", None) else f"{gib(engine)}"

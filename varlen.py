@@ -303,9 +303,12 @@ def use_gdn_forward(hf, device):
         m.forward = types.MethodType(gdn_forward, m)
     if not layers:
         return None
+    if device.type == "cuda" and not fla_kernels():
+        warnings.warn("fla-core does not import: the Gated DeltaNet layers run on the plain-torch path (correct, "
+                      "slower; pip install fla-core)")
     if device.type != "cuda" or not fla_kernels():
         return "torch"
-    return "fla" if fla_trains(device.index or 0) else "fla forward"
+    return "fla" if fla_trains(device.index or 0) else "fla forward"  # (fla_trains warns when it is refused)
 
 
 def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):

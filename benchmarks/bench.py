@@ -62,6 +62,17 @@ import tiny_model
 from benchmarks import engine_bench
 from common import UserError, one_line_errors
 
+
+def occupy(gb):
+    """Hold `gb` GiB of GPU memory until the process ends (a smaller card); the memory/* keys leave it out."""
+    memory.BALLAST.append(torch.empty(int(gb * 2**30), dtype=torch.uint8, device="cuda"))
+
+
+def model_dims(preset):
+    """memory.dims_from_config of a preset (presets.py: the real checkpoints' dimensions)."""
+    return memory.dims_from_config(presets.preset_config(preset, tiny_model._token_ids(tiny_model.build_tokenizer())))
+
+
 WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
          "of x if is parallel to perpendicular measure degrees round answer nearest tenth").split()
 
@@ -361,14 +372,14 @@ def compare_runs(init, amp, others):
 
 def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
     """Run as if the GPU had only `cap_gb` (a smaller card): the rest of it is taken by a ballast tensor held for
-    the whole run (memory.occupy: left out of the memory/* keys), and vLLM's gpu_memory_utilization, a share of the
+    the whole run (occupy: left out of the memory/* keys), and vLLM's gpu_memory_utilization, a share of the
     *whole* card, becomes `engine_share` of the cap (its weights and KV cache), unless --gpu-memory-utilization
     already asks for less. Not torch.cuda.set_per_process_memory_fraction: that limit counts reserved segments, and
     vLLM's sleep-mode pool stays reserved while asleep (only its physical pages are released), so the trainer could
     never reuse what the sleeping engine gave back, as it can on a real card of that size."""
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # (before init_distributed: this rank's GPU)
     free, total = (x / 2**30 for x in torch.cuda.mem_get_info())
-    memory.occupy(max(0.0, total - cap_gb))
+    occupy(max(0.0, total - cap_gb))
     util = min(cfg.gpu_memory_utilization, engine_share * cap_gb / total)
     print(f"[bench] GPU memory capped to {cap_gb:.0f} of {total:.0f} GiB ({free:.0f} were free); vLLM "
           f"gpu_memory_utilization {util:.3f} ({util * total:.1f} GiB)", flush=True)
@@ -377,7 +388,7 @@ def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
 
 def run_model(summary):
     """The memory model for one bench run, from its bench_summary.json."""
-    return memory.memory_model(memory.model_dims(summary["preset"]),
+    return memory.memory_model(model_dims(summary["preset"]),
                                **memory.config_mode(summary["config"], summary["world"]),
                                engine_gb=summary.get("memory/engine_pool_gb") or 0.0)
 
@@ -398,7 +409,7 @@ def table(paths):
            "| model | mode | 1 GPU | 2 GPUs | 4 GPUs | 8 GPUs |", "|---|---|---|---|---|---|"]
     for preset in ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b", "qwen2_5_vl_32b", "qwen2_5_vl_72b",
                    "qwen3_vl_30b_a3b", "qwen3_5_9b", "qwen3_5_27b", "qwen3_5_35b_a3b"):
-        dims = memory.model_dims(preset)
+        dims = model_dims(preset)
         for name, kw in modes:
             cells = [memory.memory_model(dims, world=w, mb_tokens=11 * memory.TOKENS_PER_SAMPLE, **kw)
                      for w in (1, 2, 4, 8)]
@@ -514,7 +525,7 @@ def main():
     card = memory.this_gpu_gib()  # (no ballast yet: the whole card)
     if card is not None:  # one line now, rather than out of memory after minutes of loading
         with one_line_errors():
-            memory.check_fits(asdict(cfg), memory.model_dims(preset), int(os.environ.get("WORLD_SIZE", "1")),
+            memory.check_fits(asdict(cfg), model_dims(preset), int(os.environ.get("WORLD_SIZE", "1")),
                               float(opts["--gpu-memory-cap-gb"] or card), f"--preset {preset}")
     if opts["--gpu-memory-cap-gb"]:
         cfg = cap_gpu_memory(cfg, float(opts["--gpu-memory-cap-gb"]))

@@ -139,7 +139,7 @@ def test_table_shows_a_run_that_did_not_finish(tmp_path):
 def test_computed_only_presets_have_the_checkpoints_sizes(preset, billions):
     """The table's computed-only rows: the presets' dimensions give the published checkpoints' parameter counts
     (Qwen2.5-VL-32B-Instruct 33.5B, -72B-Instruct 73.4B), so a wrong hidden size or layer count shows."""
-    assert memory.model_dims(preset)["params"] / 1e9 == pytest.approx(billions, rel=0.005)
+    assert bench.model_dims(preset)["params"] / 1e9 == pytest.approx(billions, rel=0.005)
 
 
 def test_memory_model_tracks_every_measured_run():
@@ -163,7 +163,7 @@ def test_memory_model_tracks_every_measured_run():
 def test_offloaded_optimizer_state_counts_in_the_step_only():
     """--offload-optimizer: the state is off the GPU while generating, and on it for the optimizer step, whose peak
     (weights + gradients + state + reference) stands even when the micro-batch's activations are small."""
-    dims = memory.model_dims("qwen2_5_vl_3b")
+    dims = bench.model_dims("qwen2_5_vl_3b")
     m = memory.memory_model(dims, offload_optimizer=True, mb_tokens=1024)
     p = m["parts"]
     assert m["gen"] == pytest.approx(p["weights"] + p["ref"])
@@ -179,7 +179,7 @@ def test_offloaded_optimizer_state_counts_in_the_step_only():
 def test_smallest_card_holds_the_measured_cells(preset, kw, card):
     """The table's "(card)" for one GPU agrees with what ran: a measured cell is never put on a bigger card than the
     one it ran on, and the 8B in pure bf16, whose trainer alone took 133 GB in its update, not on a smaller one."""
-    dims = memory.model_dims(preset)
+    dims = bench.model_dims(preset)
     got = memory.smallest_card(memory.memory_model(dims, mb_tokens=11 * memory.TOKENS_PER_SAMPLE, **kw), dims, 1)
     assert got is not None and got <= card
     if preset == "qwen3_vl_8b":
@@ -201,7 +201,7 @@ def test_qwen3_vl_30b_a3b_preset_and_its_easyr1_script():
     """Qwen3-VL-30B-A3B-Instruct: 31.07B parameters (the hub's 31.1B), each layer an FSDP unit of 128 experts
     (0.62B parameters gathered at once), a token's MLP 8 x 768 wide; LoRA adapts attention only. EasyR1's example
     (bf16 weights, bf16 AdamW, 8 GPUs) is the computed "bf16 (Kahan)" cell on 8 GPUs: it fits an 80 GB card."""
-    dims = memory.model_dims("qwen3_vl_30b_a3b")
+    dims = bench.model_dims("qwen3_vl_30b_a3b")
     assert dims["params"] / 1e9 == pytest.approx(31.07, rel=0.002) and dims["moe"]
     assert dims["layer_params"] == pytest.approx(2 * 2048 * 4096 + 2 * 2048 * 512 + 128 * (3 * 2048 * 768 + 2048))
     assert dims["inter"] == 8 * 768
@@ -241,7 +241,7 @@ def test_the_30b_recipe_fits_one_h200_by_the_memory_model(tmp_path):
     from common import UserError
     cfg, preset = _recipe_config(tmp_path)
     assert preset == "qwen3_vl_30b_a3b" and (cfg.lora_rank, cfg.precision, cfg.sleep_level) == (64, "bf16", 2)
-    dims = memory.model_dims(preset)
+    dims = bench.model_dims(preset)
     m = memory.memory_model(dims, **memory.config_mode(asdict(cfg), 1))
     card = 139.0  # GiB an H200 leaves to a process (140.4 less the CUDA context)
     engine = 2 * dims["params"] / memory.GIB + cfg.kv_cache_memory_gb + memory.ENGINE_LEAST_GIB - 1.5

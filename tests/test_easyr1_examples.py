@@ -19,6 +19,7 @@ import easyr1_config as E
 import grpo
 import memory
 from data import UserError
+from benchmarks import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENDORED = os.path.join(ROOT, "tests", "easyr1_examples")
@@ -152,7 +153,7 @@ def test_the_qwen3_vl_30b_script_fits_the_computed_table(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = parse_and_check(words, grpo.Config, monkeypatch)
     assert cfg.model_path == "Qwen/Qwen3-VL-30B-A3B-Instruct" and cfg.precision == "bf16"
-    dims = memory.model_dims("qwen3_vl_30b_a3b")
+    dims = bench.model_dims("qwen3_vl_30b_a3b")
     assert memory.known_dims(cfg.model_path) == dims
     m = memory.memory_model(dims, precision=cfg.precision, lora_rank=cfg.lora_rank, world=8, kl_coef=cfg.kl_coef,
                             mb_tokens=cfg.max_token_len_per_device)

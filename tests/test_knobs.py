@@ -20,6 +20,7 @@ import tiny_model
 from common import UserError
 from easyr1_config import check, cli
 from test_varlen import _samples
+from benchmarks import bench
 
 CPU = torch.device("cpu")
 
@@ -182,7 +183,7 @@ def test_selective_checkpointing_gives_the_loss_and_gradients_of_full_checkpoint
 
 # ------------------------------------------------------------------------------ the memory model
 def test_the_memory_model_counts_the_kept_layers_and_the_log_prob_micro_batch():
-    dims = memory.model_dims("qwen2_5_vl_3b")  # 36 layers
+    dims = bench.model_dims("qwen2_5_vl_3b")  # 36 layers
     base = memory.memory_model(dims, mb_tokens=32768)
     half = memory.memory_model(dims, mb_tokens=32768, recompute=0.5)
     layer = 32768 * 2 * (4 * dims["hidden"] + 3 * dims["inter"]) / memory.GIB  # one layer's bf16 activations
@@ -210,8 +211,7 @@ def test_checkpoint_layers_auto_keeps_what_fits_the_card():
     140.4 with the bound: the 0.75 that ran out of memory in session 11 kept 9). Smaller cards recompute more,
     a card too small for any share falls back to every layer, and no card, no known model or no checkpointing
     means every layer; a number passes through."""
-    from benchmarks import bench
-    dims = memory.model_dims("qwen2_5_vl_3b")
+    dims = bench.model_dims("qwen2_5_vl_3b")
     bar = asdict(bench.defaults("/w", "/m", "/d"))
     assert bar["checkpoint_layers"] == "auto"
     assert memory.auto_checkpoint_layers(bar, dims, 1, 140.4) == 29 / 36

@@ -9,6 +9,7 @@ import torch
 import fsdp_actor as actor
 import memory
 from test_train import DENSE_REWARD, run
+from benchmarks import bench
 
 LR = 1e-6  # EasyR1's RL learning rate: the size where bf16 round-to-nearest drops every update
 
@@ -303,7 +304,7 @@ def test_host_memory_check_stops_every_rank_when_one_node_is_short(tmp_path):
 
 def test_the_memory_model_knows_a_model_from_its_config_json_or_its_hub_name(tmp_path, monkeypatch):
     """grpo.py's check before loading reads the model's dimensions from its config.json (memory.dims_from_config):
-    they equal the preset's (memory.model_dims) for the tiny MoE's folder, for the 30B-A3B's config as the hub lays
+    they equal the preset's (bench.model_dims) for the tiny MoE's folder, for the 30B-A3B's config as the hub lays
     it out (num_experts), and for a config in the HF cache (no download); a preset's hub name needs no config; any
     other model is not checked (None)."""
     import huggingface_hub
@@ -312,14 +313,14 @@ def test_the_memory_model_knows_a_model_from_its_config_json_or_its_hub_name(tmp
     import tiny_model
     import tiny_moe
     moe = tiny_model.build_tiny_model(arch="qwen3_vl_moe")
-    assert memory.known_dims(moe) == memory.model_dims("tiny_qwen3_vl_moe")
+    assert memory.known_dims(moe) == bench.model_dims("tiny_qwen3_vl_moe")
     assert memory.known_dims(moe)["moe"] and not memory.known_dims(tiny_model.build_tiny_model())["moe"]
     ids = tiny_model._token_ids(tiny_model.build_tokenizer())
     big = tmp_path / "30b"
     presets.preset_config("qwen3_vl_30b_a3b", ids).save_pretrained(big)
     tiny_moe.hub_layout(str(big))
     assert '"num_experts": 128' in (big / "config.json").read_text()
-    want = memory.model_dims("qwen3_vl_30b_a3b")
+    want = bench.model_dims("qwen3_vl_30b_a3b")
     assert memory.known_dims(str(big)) == want and want["moe"] and want["params"] > 31e9
     assert want["root_params"] == 2 * 151936 * 2048 and want["inter"] == 8 * 768  # untied lm_head; k experts wide
     # a hub name in the HF cache: models--org--name/snapshots/<commit>/config.json, refs/main naming the commit
@@ -330,7 +331,7 @@ def test_the_memory_model_knows_a_model_from_its_config_json_or_its_hub_name(tmp
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert memory.known_dims("someone/qwen3-vl-30b-copy") == want
     assert memory.known_dims("Qwen/Qwen3-VL-30B-A3B-Instruct") == want  # not cached: its preset
-    assert memory.known_dims("Qwen/Qwen2.5-VL-7B-Instruct") == memory.model_dims("qwen2_5_vl_7b")
+    assert memory.known_dims("Qwen/Qwen2.5-VL-7B-Instruct") == bench.model_dims("qwen2_5_vl_7b")
     text = memory.known_dims(tiny_model.build_tiny_model(arch="qwen3"))  # a text LLM: its causal LM's parameters
     assert text["params"] > 0 and not text["moe"]
     for unknown in ("someone/not-cached", "Qwen/Qwen3-VL-4B-Instruct", str(tmp_path), "", "./no/such/model"):
