@@ -60,7 +60,7 @@ def build(arch, out, seed, make_tokenizer, text_config, qwen_template, qwen_spec
         ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA4_SPECIALS}
         V = (len(tok) + 63) // 64 * 64
         text = dict(vocab_size=V, vocab_size_per_layer_input=V, hidden_size=128, intermediate_size=256,
-                    num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=64,
+                    num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=512,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
                     hidden_size_per_layer_input=16, num_kv_shared_layers=2, use_double_wide_mlp=True,
                     final_logit_softcapping=30.0, max_position_embeddings=4096, pad_token_id=ids["<pad>"],
