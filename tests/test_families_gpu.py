@@ -17,7 +17,7 @@ import torch
 import rollout
 import tiny_model
 from test_grpo_gpu import engine_memory, run
-from test_qwen3_gpu import mean_logprob_diff
+from test_qwen3_gpu import mean_logprob_diff, vl_prompts
 from test_vllm_gpu import greedy, perturb, sharpen
 
 pytestmark = pytest.mark.gpu
@@ -25,17 +25,7 @@ pytestmark = pytest.mark.gpu
 
 def prompts(path):
     """Three one-image prompts of different sizes and a two-image one, as the trainer encodes them."""
-    import data
-    from PIL import Image, ImageDraw
-    proc = data.load_processor(path)
-    ims = []
-    for i, rgb in enumerate(tiny_model.COLORS.values()):
-        im = Image.new("RGB", (84 + 28 * i, 56 + 14 * i), (255, 255, 255))
-        ImageDraw.Draw(im).rectangle([10, 10, 50, 40], fill=rgb)
-        ims.append(im)
-    rows = [{"problem": "<image>What is the color of the shape?", "answer": "a", "images": [im]} for im in ims[:3]]
-    rows.append({"problem": "<image> and <image>: which is blue?", "answer": "a", "images": ims[2:]})
-    return [data.encode_prompt(r, proc, min_pixels=56 * 56, max_pixels=112 * 112) for r in rows]
+    return vl_prompts(path)
 
 
 def check(arch):
