@@ -1,24 +1,23 @@
 """Real-size models with random weights (benchmarks/bench.py's presets): the dimensions of the real Qwen2.5-VL /
-Qwen3-VL checkpoints (from their hub config.json files), built in code with tiny_model.py's tokenizer and processor, so
-a benchmark measures the real shapes without a download.
+Qwen3-VL / Qwen3.5 checkpoints (from their hub config.json files), built in code with tiny_model.py's tokenizer and
+processor, so a benchmark measures the real shapes without a download; and what the trainer knows of a model before
+loading it (known_config, count_params: the memory model's check).
 
 A preset too big for the disk (the 30B-A3B's bf16 weights are 62 GB; the GPU machine has 64 GiB of disk) is written
-without weights: config, tokenizer and processor, and RANDOM_INIT, which says so. The trainer then builds the model
-from the config where it runs (random_model: the same seed, so the same values build_random_model would have saved),
-and the engine starts on placeholder weights (vLLM's load_format="dummy") that the first weight sync replaces in
-full, before anything is generated."""
+without weights (bench.build_random_model): config, tokenizer and processor, and RANDOM_INIT, which says so. The
+trainer then builds the model from the config where it runs (random_model: the same seed, so the same values), and
+the engine starts on placeholder weights (vLLM's load_format="dummy") that the first weight sync replaces in full,
+before anything is generated."""
 import json
 import os
 
 import torch
 
 import tiny_moe
-from tiny_model import (ARCHS, QWEN3_VISION, TEXT_ARCHS, _atomic_build, _save_generation_config, _save_processor, _text_config,
-                        _token_ids, _vl_classes, _vl_config, _write_json, build_tokenizer, tiny_config)
+from tiny_model import (ARCHS, TEXT_ARCHS, _text_config, _token_ids, _vl_classes, _vl_config, build_tokenizer,
+                        tiny_config)
 
 RANDOM_INIT = "random_init.json"  # in a model folder without weights: {"preset", "seed"}
-# bench.py writes no weights for a preset above this many parameters (bf16: 40 GB and more), or with --random-init
-RANDOM_INIT_ABOVE = 20e9
 
 
 PRESETS = {
@@ -103,31 +102,7 @@ def preset_config(preset, ids):
     return _vl_config(Cfg, Model, text, vision, ids, tie=p["tie"])
 
 
-def build_random_model(out_dir, preset, seed=0, device=None, weights=True) -> str:
-    """Real-size Qwen2.5-VL / Qwen3-VL with random bf16 weights (GPU benchmarks). Too slow for CPU CI. weights=False:
-    the folder without them (config, tokenizer, processor, RANDOM_INIT); random_model builds them where they are
-    used."""
-    arch = PRESETS.get(preset, {}).get("arch", "qwen2_5_vl")
-
-    def build(tmp):
-        tok = build_tokenizer(split_digits=arch in QWEN3_VISION)
-        ids = _token_ids(tok)
-        cfg = preset_config(preset, ids)
-        if weights:
-            _init_model(_vl_classes(arch)[1], cfg, seed, device).save_pretrained(tmp)
-        else:
-            cfg.dtype = torch.bfloat16  # what save_pretrained of the bf16 model records
-            cfg.save_pretrained(tmp)
-            _write_json(os.path.join(tmp, RANDOM_INIT), {"preset": preset, "seed": seed})
-        tiny_moe.hub_layout(tmp)
-        _save_generation_config(ids, tmp)
-        tok.save_pretrained(tmp)
-        _save_processor(arch, tok, tmp, min_pixels=3136, max_pixels=512 * 512)
-
-    return _atomic_build(out_dir, build, {"preset": preset, "seed": seed, "version": 1, "weights": weights})
-
-
-def _init_model(Model, cfg, seed, device=None):
+def init_model(Model, cfg, seed, device=None):
     """The model with the random weights of `seed`: built in bf16 on `device` (the GPU where there is one: no fp32
     copy, a 31B model in seconds), the caller's random state untouched."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -143,7 +118,7 @@ def _init_model(Model, cfg, seed, device=None):
 
 
 def random_init(path):
-    """{"preset", "seed"} of a model folder written without weights (build_random_model(weights=False)), else None."""
+    """{"preset", "seed"} of a model folder written without weights (bench.build_random_model), else None."""
     f = os.path.join(path, RANDOM_INIT) if isinstance(path, str) else ""
     if not os.path.isfile(f):
         return None
@@ -152,13 +127,13 @@ def random_init(path):
 
 
 def random_model(path, dtype=torch.float32, attn_implementation=None, device=None):
-    """The model of a folder without weights, as from_pretrained would give it had build_random_model saved them:
-    built from its config with its seed in bf16 on `device` (default: this process's GPU, else the CPU), then each
+    """The model of a folder without weights, as from_pretrained would give it had its weights been saved: built
+    from its config with its seed in bf16 on `device` (default: this process's GPU, else the CPU), then each
     parameter cast to `dtype` in turn (bf16 -> fp32 is exact). Every rank builds the whole model before FSDP2 shards
     it: 2 bytes per parameter on its GPU, 4 at most for fp32 master weights (the 30B-A3B in AMP: 116 GiB)."""
     from transformers import AutoConfig  # slow to import (~2 s)
     cfg = AutoConfig.from_pretrained(path)
-    model = _init_model(_vl_classes(cfg.model_type)[1], cfg, random_init(path)["seed"], device)
+    model = init_model(_vl_classes(cfg.model_type)[1], cfg, random_init(path)["seed"], device)
     if dtype != torch.bfloat16:
         for p in model.parameters():
             p.data = p.data.to(dtype)
@@ -197,11 +172,6 @@ def known_config(model_path):
             return None
     preset = HUB_NAMES.get(model_path)
     return preset_config(preset, _token_ids(build_tokenizer())) if preset else None
-
-
-def too_big_for_disk(preset):
-    """Whether bench.py writes the preset without weights (above RANDOM_INIT_ABOVE parameters)."""
-    return count_params(preset_config(preset, _token_ids(build_tokenizer()))) > RANDOM_INIT_ABOVE
 
 
 def count_params(cfg, arch=None) -> int:

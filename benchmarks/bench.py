@@ -22,11 +22,9 @@ From the repository root (the trainer's files import from there):
     bash benchmarks/gpu_moe30b.sh                                         # Qwen3-VL-30B-A3B on one H200: no weights
                                                                           # on disk
 
-Random weights with the real dimensions (presets.build_random_model: no download) and geo3k-like prompts: one
-512x512 figure and about 100 text tokens. A preset above presets.RANDOM_INIT_ABOVE parameters (the 30B-A3B, 32B, 72B),
-or any with --random-init, is written without weights (the bf16 checkpoint would not fit the GPU machine's disk): the
-trainer builds the random model from the config on its GPU (seeded, the values build_random_model would have saved),
-vLLM starts with load_format="dummy", and the first weight sync, before anything is generated, sends every weight.
+Random weights with the real dimensions (build_random_model: no download) and geo3k-like prompts: one
+512x512 figure and about 100 text tokens. A preset above RANDOM_INIT_ABOVE parameters (the 30B-A3B, 32B, 72B),
+or any with --random-init, is written without weights (presets.py says how the trainer and vLLM then start).
 A run that by the memory model cannot fit this GPU count stops first with one line naming the GPUs it needs.
 Two workloads, each the same work on every run:
 - forced (default): a random policy almost never emits EOS, so every response runs to max_response_length (the
@@ -59,6 +57,7 @@ import grpo
 import memory
 import presets
 import tiny_model
+import tiny_moe
 from benchmarks import engine_bench
 from common import UserError, one_line_errors
 
@@ -71,6 +70,38 @@ def occupy(gb):
 def model_dims(preset):
     """memory.dims_from_config of a preset (presets.py: the real checkpoints' dimensions)."""
     return memory.dims_from_config(presets.preset_config(preset, tiny_model._token_ids(tiny_model.build_tokenizer())))
+
+
+RANDOM_INIT_ABOVE = 20e9  # no weights written for a preset above this many parameters (bf16: 40 GB and more)
+
+
+def too_big_for_disk(preset):
+    """Whether the preset is written without weights (above RANDOM_INIT_ABOVE parameters)."""
+    ids = tiny_model._token_ids(tiny_model.build_tokenizer())
+    return presets.count_params(presets.preset_config(preset, ids)) > RANDOM_INIT_ABOVE
+
+
+def build_random_model(out_dir, preset, seed=0, device=None, weights=True) -> str:
+    """A preset with random bf16 weights (cached). weights=False: the folder without them (config, tokenizer,
+    processor, presets.RANDOM_INIT); presets.random_model builds them where they are used."""
+    arch = presets.PRESETS.get(preset, {}).get("arch", "qwen2_5_vl")
+
+    def build(tmp):
+        tok = tiny_model.build_tokenizer(split_digits=arch in tiny_model.QWEN3_VISION)
+        ids = tiny_model._token_ids(tok)
+        cfg = presets.preset_config(preset, ids)
+        if weights:
+            presets.init_model(tiny_model._vl_classes(arch)[1], cfg, seed, device).save_pretrained(tmp)
+        else:
+            cfg.dtype = torch.bfloat16  # what save_pretrained of the bf16 model records
+            cfg.save_pretrained(tmp)
+            tiny_model._write_json(os.path.join(tmp, presets.RANDOM_INIT), {"preset": preset, "seed": seed})
+        tiny_moe.hub_layout(tmp)
+        tiny_model._save_generation_config(ids, tmp)
+        tok.save_pretrained(tmp)
+        tiny_model._save_processor(arch, tok, tmp, min_pixels=3136, max_pixels=512 * 512)
+
+    return tiny_model._atomic_build(out_dir, build, {"preset": preset, "seed": seed, "version": 1, "weights": weights})
 
 
 WORDS = ("in the figure triangle circle angle line segment point length area radius chord tangent find the value "
@@ -504,7 +535,7 @@ def main():
     workdir = os.environ.get("BENCH_DIR", os.path.expanduser(f"~/.cache/vlm_rl/bench-{preset}"))
     rank = int(os.environ.get("RANK", "0"))
     # v2: ~100 text tokens under the model's own tokenizer (v1 had ~360: 95 words, split finely by the BPE)
-    on_disk = not (flags["--random-init"] or presets.too_big_for_disk(preset))  # else: no weights written
+    on_disk = not (flags["--random-init"] or too_big_for_disk(preset))  # else: no weights written
     model_path = os.path.join(workdir, "model" if on_disk else "model-random")
     data_path = os.path.join(workdir, "geo-v2.parquet")
     if "-h" in argv or "--help" in argv:  # the usage above, then grpo's flags with the benchmark's defaults
@@ -512,7 +543,7 @@ def main():
         tyro.cli(grpo.Config, args=["--help"], default=defaults(workdir, model_path, data_path))
     if rank == 0:  # rank 0 builds (once, cached); the others wait for its marker file
         os.makedirs(workdir, exist_ok=True)
-        presets.build_random_model(model_path, preset, weights=on_disk)
+        build_random_model(model_path, preset, weights=on_disk)
         if not os.path.exists(data_path):
             from transformers import AutoTokenizer  # slow to import (~2 s)
             make_geo_dataset(data_path, 256, AutoTokenizer.from_pretrained(model_path))

@@ -146,7 +146,7 @@ def test_bench_main_passes_the_engine_ablation_options(tmp_path, monkeypatch):
     ablation's own options reach engine_bench.run, and the whole command line goes to the memory_share child."""
     got = {}
     monkeypatch.setenv("BENCH_DIR", str(tmp_path))
-    monkeypatch.setattr(bench.presets, "build_random_model", lambda path, preset, **kw: None)
+    monkeypatch.setattr(bench, "build_random_model", lambda path, preset, **kw: None)
     (tmp_path / "geo-v2.parquet").write_text("")
     monkeypatch.setattr(engine_bench, "run", lambda cfg, *a: got.update(cfg=cfg, args=a))
     monkeypatch.setattr(bench.dist, "destroy_process_group", lambda: None)

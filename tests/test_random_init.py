@@ -16,6 +16,7 @@ import fsdp_actor as actor
 import grpo
 import presets
 import rollout
+from benchmarks import bench
 
 CPU = torch.device("cpu")
 PRESET = "tiny_qwen3_vl_moe"
@@ -25,8 +26,8 @@ PRESET = "tiny_qwen3_vl_moe"
 def folders(tmp_path_factory):
     actor.init_distributed()  # (build_actor's device mesh: a 1-rank group)
     d = tmp_path_factory.mktemp("random_init")
-    return (presets.build_random_model(str(d / "weights"), PRESET),
-            presets.build_random_model(str(d / "none"), PRESET, weights=False))
+    return (bench.build_random_model(str(d / "weights"), PRESET),
+            bench.build_random_model(str(d / "none"), PRESET, weights=False))
 
 
 def test_the_model_built_from_the_config_is_the_one_presets_would_have_saved(folders):
@@ -54,7 +55,7 @@ def test_which_presets_go_without_weights():
     """bench.py writes the 30B-A3B (62 GB in bf16, the GPU machine has 64 GiB of disk), the 32B and the 72B without
     weights; the 8B and smaller (measured from disk) and the tiny preset keep theirs unless --random-init."""
     assert [p for p in ("qwen2_5_vl_3b", "qwen3_vl_8b", "qwen3_vl_30b_a3b", "qwen2_5_vl_72b", PRESET)
-            if presets.too_big_for_disk(p)] == ["qwen3_vl_30b_a3b", "qwen2_5_vl_72b"]
+            if bench.too_big_for_disk(p)] == ["qwen3_vl_30b_a3b", "qwen2_5_vl_72b"]
 
 
 def _ctx(model, engine, lora):
