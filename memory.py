@@ -366,7 +366,6 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
                 peak=max(gen + engine_gb, update), parts=parts)
 
 
-CARDS_GIB = (40, 80, 140)  # 40 and 80 GB cards (as bench.py --gpu-memory-cap-gb measures them), an H200
 ENGINE_LEAST_GIB = 4.5  # vLLM beside its weights at its least: a 1.5 GiB KV cache, ~3 GiB of activations and graphs
 # (session 6, the 7B at --kv-cache-memory-gb 1.5: 15.7 GiB of weights, 20.7 awake)
 
@@ -376,12 +375,6 @@ def need_gib(m, dims, world):
     GPUs, ENGINE_LEAST_GIB beside its bf16 weights) while generating, or in the update (the engine asleep)."""
     engine = 2 * dims["params"] / min(world, 8) / GIB + ENGINE_LEAST_GIB
     return max(m["gen"] + engine, m["update"])
-
-
-def smallest_card(m, dims, world):
-    """The smallest of CARDS_GIB that holds a memory_model() cell with the engine at its least, keeping ~1 GiB for
-    the CUDA context; None if none."""
-    return next((c for c in CARDS_GIB if need_gib(m, dims, world) <= c - 1), None)
 
 
 TOKENS_PER_SAMPLE = 1470  # the geo3k-like workload: ~324 image + ~120 text prompt tokens + 1024 response tokens

@@ -11,7 +11,6 @@ experiment trackers, the console line, reward.png.
 A folder holds one run. `--resume auto` continues it from its newest checkpoint, `--resume PATH` from a chosen one,
 `--resume never` refuses a folder that already holds a run; every way refuses a changed config, so two runs never mix.
 """
-import collections
 import json
 import os
 import shutil
@@ -446,14 +445,6 @@ def gather_val_rows(samples):
     everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     return [r for part in everyone for r in part] if everyone else None
-
-
-def accuracy_by_answer(rows):
-    """answer -> mean accuracy over its rows (val_samples.jsonl of one validation): the worst class is min()."""
-    out = collections.defaultdict(list)
-    for r in rows:
-        out[str(r["answer"])].append(r["accuracy"])
-    return {a: sum(v) / len(v) for a, v in sorted(out.items())}
 
 
 class RunLog:

@@ -72,6 +72,15 @@ def model_dims(preset):
     return memory.dims_from_config(presets.preset_config(preset, tiny_model._token_ids(tiny_model.build_tokenizer())))
 
 
+CARDS_GIB = (40, 80, 140)  # 40 and 80 GB cards (as --gpu-memory-cap-gb measures them), an H200
+
+
+def smallest_card(m, dims, world):
+    """The smallest of CARDS_GIB that holds a memory_model() cell with the engine at its least, keeping ~1 GiB for
+    the CUDA context; None if none."""
+    return next((c for c in CARDS_GIB if memory.need_gib(m, dims, world) <= c - 1), None)
+
+
 RANDOM_INIT_ABOVE = 20e9  # no weights written for a preset above this many parameters (bf16: 40 GB and more)
 
 
@@ -433,7 +442,7 @@ def table(paths):
              ("LoRA r64, AMP", dict(lora_rank=64)), ("LoRA r64, bf16", dict(lora_rank=64, precision="bf16"))]
     out = ["Computed (GiB per GPU: trainer during generation / update, bench workload 1470 tokens per sample, "
            "16384-token micro-batches; the engine's pool comes on top while it generates. In brackets the smallest "
-           f"card of {', '.join(map(str, memory.CARDS_GIB))} GiB that holds it with the engine at its least "
+           f"card of {', '.join(map(str, CARDS_GIB))} GiB that holds it with the engine at its least "
            f"(tensor-parallel over the cell's GPUs, {memory.ENGINE_LEAST_GIB} GiB beside its weights: a 1.5 GiB KV "
            "cache via --kv-cache-memory-gb), '-' if none; offload takes host memory instead: 16 bytes per "
            "parameter):", "",
@@ -445,7 +454,7 @@ def table(paths):
             cells = [memory.memory_model(dims, world=w, mb_tokens=11 * memory.TOKENS_PER_SAMPLE, **kw)
                      for w in (1, 2, 4, 8)]
             out.append(f"| {preset} ({dims['params'] / 1e9:.2f}B) | {name} | "
-                       + " | ".join(f"{m['gen']:.1f} / {m['update']:.1f} ({memory.smallest_card(m, dims, w) or '-'})"
+                       + " | ".join(f"{m['gen']:.1f} / {m['update']:.1f} ({smallest_card(m, dims, w) or '-'})"
                                     for m, w in zip(cells, (1, 2, 4, 8))) + " |")
     out += ["", "Measured (GiB per GPU; each cell: measured, model, error):", "",
             "| run | date, command | trainer gen | trainer ref | trainer update | engine pool | s/step "

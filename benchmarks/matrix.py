@@ -91,6 +91,14 @@ def summarize(name, metrics_path, target):
     return s
 
 
+def accuracy_by_answer(rows):
+    """answer -> mean accuracy over its rows (val_samples.jsonl of one validation): the worst class is min()."""
+    out = collections.defaultdict(list)
+    for r in rows:
+        out[str(r["answer"])].append(r["accuracy"])
+    return {a: sum(v) / len(v) for a, v in sorted(out.items())}
+
+
 def worst_class(val_samples_path):
     """(answer, accuracy) of the class of prompts answered worst at the last validation (val_samples.jsonl), or None:
     a final 0.84 of four colours is one colour half lost, not noise spread evenly."""
@@ -98,7 +106,7 @@ def worst_class(val_samples_path):
         return None
     rows = [json.loads(line) for line in open(val_samples_path)]
     last = [r for r in rows if r["step"] == rows[-1]["step"]] if rows else []
-    by = rundir.accuracy_by_answer(last)
+    by = accuracy_by_answer(last)
     return min(by.items(), key=lambda kv: kv[1]) if by else None
 
 

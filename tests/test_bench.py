@@ -180,7 +180,7 @@ def test_smallest_card_holds_the_measured_cells(preset, kw, card):
     """The table's "(card)" for one GPU agrees with what ran: a measured cell is never put on a bigger card than the
     one it ran on, and the 8B in pure bf16, whose trainer alone took 133 GB in its update, not on a smaller one."""
     dims = bench.model_dims(preset)
-    got = memory.smallest_card(memory.memory_model(dims, mb_tokens=11 * memory.TOKENS_PER_SAMPLE, **kw), dims, 1)
+    got = bench.smallest_card(memory.memory_model(dims, mb_tokens=11 * memory.TOKENS_PER_SAMPLE, **kw), dims, 1)
     assert got is not None and got <= card
     if preset == "qwen3_vl_8b":
         assert got == 140
@@ -206,7 +206,7 @@ def test_qwen3_vl_30b_a3b_preset_and_its_easyr1_script():
     assert dims["layer_params"] == pytest.approx(2 * 2048 * 4096 + 2 * 2048 * 512 + 128 * (3 * 2048 * 768 + 2048))
     assert dims["inter"] == 8 * 768
     m = memory.memory_model(dims, precision="bf16", world=8, mb_tokens=11 * memory.TOKENS_PER_SAMPLE)
-    assert memory.smallest_card(m, dims, 8) == 80
+    assert bench.smallest_card(m, dims, 8) == 80
     dense_like = memory.memory_model({**dims, "moe": False}, lora_rank=64)  # MLP adapters would add to the state
     assert memory.memory_model(dims, lora_rank=64)["parts"]["optim"] < dense_like["parts"]["optim"]
 

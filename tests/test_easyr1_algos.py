@@ -19,9 +19,9 @@ import torch
 
 import easyr1_config as E
 import grpo
-import rundir
 import tiny_model
 from algos import adaptive_kl_coef, agg_loss, compute_advantages, lr_factor, policy_loss, select_groups
+from benchmarks import matrix
 from config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -425,7 +425,7 @@ def test_validation_with_n_answers_reports_mean_and_pass_at_n(monkeypatch):
     assert out["val/accuracy"] == pytest.approx(4 / 12) and out["val/mean"] == pytest.approx(4 / 12 + 0.1)
     assert out["val/pass@4"] == pytest.approx(2 / 3)
     # every answer kept for val_samples.jsonl: the accuracy per class of prompt (here: per prompt)
-    assert len(ctx.val_rows) == 12 and rundir.accuracy_by_answer(ctx.val_rows) == {"p0": 0.25, "p1": 0.0, "p2": 0.75}
+    assert len(ctx.val_rows) == 12 and matrix.accuracy_by_answer(ctx.val_rows) == {"p0": 0.25, "p1": 0.0, "p2": 0.75}
     ctx.cfg = Config(val_n=1)
     acc.update({0: [1], 1: [0], 2: [1]})
     assert "val/pass@1" not in grpo.validate(ctx)  # one answer: the mean is all there is

@@ -157,9 +157,9 @@ def test_the_qwen3_vl_30b_script_fits_the_computed_table(tmp_path, monkeypatch):
     assert memory.known_dims(cfg.model_path) == dims
     m = memory.memory_model(dims, precision=cfg.precision, lora_rank=cfg.lora_rank, world=8, kl_coef=cfg.kl_coef,
                             mb_tokens=cfg.max_token_len_per_device)
-    assert memory.smallest_card(m, dims, 8) == 80, m
-    assert memory.smallest_card(memory.memory_model(dims, precision="amp", world=8), dims, 8) == 80  # AMP: just
-    assert memory.smallest_card(memory.memory_model(dims, precision=cfg.precision, world=2), dims, 2) is None
+    assert bench.smallest_card(m, dims, 8) == 80, m
+    assert bench.smallest_card(memory.memory_model(dims, precision="amp", world=8), dims, 8) == 80  # AMP: just
+    assert bench.smallest_card(memory.memory_model(dims, precision=cfg.precision, world=2), dims, 2) is None
     # EasyR1's config.yaml offloads weights and optimizer state (offload_params / offload_optimizer: true), so the
     # script as it is leaves the GPUs almost empty in the update and passes on 8 GPUs of 80 GB and on 2 H200s alike
     # (the host holds the state: memory.check_host_memory). Without the offload, the table's "bf16 (Kahan)" cells:
