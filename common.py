@@ -1,9 +1,6 @@
-"""common.py -- the floor: what any file may import, and which imports no file of this project. The user-error type
-and its one-line report, the image pixel bounds that the options and the data share, and the small CPU collectives
-that the actor, the loop and the run folder count with, and the collector's pause around vLLM's engine loop and its
-freeze of the run's long-lived heap.
-
-Every other file imports downwards only (README, "Files"; tests/test_imports.py keeps it so).
+"""common.py -- the floor, which imports no file of this project: the user-error type and its one-line report, the
+image pixel bounds the options and the data share, small CPU collectives, and the garbage collector's pause and
+freeze (measured in BENCHMARKS.md, sessions 13 and 14).
 """
 import contextlib
 import gc
@@ -83,10 +80,9 @@ def all_reduce_cpu(x, op=dist.ReduceOp.SUM):
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's cyclic garbage collector off while the block runs (vLLM's engine loop): at the bar's 512 sequences
-    the loop is Python on one core with the GPU waiting on it, and a full collection walks every object made since
-    vLLM froze the heap at its start (0.9-1.1 s of collections in a 3B bar step's generation, `gen_loop/gc`). Nothing
-    leaks: reference counting frees all but cycles, and the collector, back on after the block, takes those."""
+    """Python's cyclic garbage collector off while the block runs (vLLM's engine loop: Python on one core with the
+    GPU waiting on it, where a full collection walks every object made since vLLM's start). Nothing leaks: reference
+    counting frees all but cycles, and the collector, back on after the block, takes those."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -98,13 +94,10 @@ def collector_paused():
 
 @contextlib.contextmanager
 def heap_freezer():
-    """Yields freeze(): collect once, then move every live object out of the collector's sight (gc.freeze), as vLLM
-    does with its own heap once it has started (vllm/utils/gc_utils.py freeze_gc_heap). grpo.train calls it after the
-    first step, when the run's long-lived objects exist (torch.compile's graphs and guards, the optimizer's state):
-    the full collection in every vLLM sleep (device_allocator/cumem.py) and the collector's automatic full passes
-    then walk only what later steps made. A frozen object that later dies in a cycle is not collected: what is alive
-    after one step lives for the run. On leaving, gc.unfreeze() makes everything collectable again (in-process callers:
-    the tests, bench.py)."""
+    """Yields freeze(): collect once, then gc.freeze() every live object, as vLLM does with its own heap. grpo.train
+    calls it after the first step, when the run's long-lived objects exist (compiled graphs, the optimizer's state):
+    the full collection in every vLLM sleep then walks only what later steps made. (What is alive after one step
+    lives for the run.) On leaving, gc.unfreeze() (in-process callers: the tests, bench.py)."""
     try:
         yield lambda: (gc.collect(), gc.freeze())
     finally:

@@ -1,29 +1,20 @@
 """memory.py -- the memory modes: pure-bf16 training (--precision bf16), host offload of the optimizer state and of
-the reference model (--offload-optimizer, --offload-params), and where the GPU memory goes (per-phase peaks of the
-trainer, the engine's share), and the memory model: what a run needs of each GPU, bench.py's table of it, and the
-check before anything loads that the chosen GPUs can hold a run (grpo.setup and bench.py call it).
+the reference model (--offload-optimizer, --offload-params), LoRA; where the GPU memory goes (the trainer's peak per
+phase, the engine's share); the memory model (what a run needs of each GPU: bench.py's table, and the check before
+anything loads); and out of memory told in one line.
 
-Pure bf16: weights, gradients and AdamW state all in bf16 (8 bytes per parameter, 10 with Kahan's buffer, instead
-of AMP's 16: fp32 weights 4 + fp32 gradients 4 + fp32 moments 8), with an optimizer step that does not lose small
-updates. The trap: bf16 keeps 8 significant bits, so a weight w moves only if its update exceeds half an ulp, about
-|w| * 2^-9. At RL's lr ~1e-6 an AdamW update is ~lr (Adam normalises the gradient), while a typical weight of 0.02
-has a half-ulp of 6e-5: rounded to nearest, every update vanishes and the model never trains. Two ways out, both
-here (`rounding`):
-
-  stochastic: compute the new weight in fp32, then round it *up or down at random*, up with probability equal to
-      how far it lies towards the next bf16 value. Each single step still moves only a few percent of the
-      weights, by one ulp, but the expected weight equals the fp32 weight, so the weights follow the fp32 path.
-      No extra memory; the noise is seeded per (seed, step, parameter, rank): resume is exact without RNG state.
-  kahan: keep the part of each update the bf16 weight could not absorb in a bf16 compensation buffer and add it
-      to the next update (Kahan summation): weight + compensation tracks the fp32 weight to within bf16's
-      rounding of the compensation itself. Deterministic; costs 2 more bytes per parameter.
-  nearest: plain round-to-nearest (the trap itself; for the comparisons in the tests and the README).
-
-The moments m and v are bf16 too and meet the same trap (v * 0.999 rounds back to v: v never decays), so they are
-rounded stochastically in the stochastic and kahan modes, to nearest in `nearest`. Which mode is the default
-(kahan), and why, is in README.md ("Memory modes"), with the measurements.
-FSDP2: parameters, gradients and state are DTensors sharded alike; the step works on each rank's local shard
-(`local`), element by element, so no communication is needed.
+Pure bf16: weights, gradients and AdamW state in bf16 (8 bytes per parameter, 10 with Kahan's buffer, against AMP's
+16). The trap: bf16 keeps 8 significant bits, so a weight w moves only if its update exceeds half an ulp, about
+|w| * 2^-9. At RL's lr ~1e-6 an AdamW update is ~lr, and a weight of 0.02 has a half-ulp of 6e-5: rounded to
+nearest, every update vanishes and the model never trains. Two ways out (`rounding`):
+  stochastic: the new fp32 weight rounded up or down at random, up with probability equal to how far it lies
+      towards the next bf16 value: the expected weight follows the fp32 path. No extra memory; the noise is seeded
+      per (seed, step, parameter, rank), so resume is exact without RNG state.
+  kahan: what the bf16 weight could not absorb is kept in a bf16 compensation buffer and added to the next update
+      (Kahan summation). Deterministic; 2 more bytes per parameter. The default (README "Memory modes" says why).
+  nearest: the trap itself, for the comparisons.
+The moments meet the same trap (v * 0.999 rounds back to v) and are rounded stochastically but in `nearest`. Under
+FSDP2 the step works on each rank's own shard (`local`), element by element: no communication.
 """
 import contextlib
 import hashlib
@@ -205,11 +196,9 @@ def phase_peak_gb(engine=None):
 
 
 def metrics(engine, peaks, step_metrics):
-    """memory/* of one step. peaks: phase -> phase_peak_gb (gen: sync and generation, where the engine's own
-    activations outside its pool count too; ref: old and reference log-probs; update: the policy update). The
-    engine: its pool (weights + KV cache, what it maps while awake) from vLLM's allocator, what else it keeps
-    allocated (engine_built), and what it took from the driver on waking (free memory asleep - awake, from
-    cudaMemGetInfo). On CPU: the host's peak RSS only."""
+    """memory/* of one step. peaks: phase -> phase_peak_gb (gen: sync and generation; ref: the log-prob passes;
+    update). The engine: its pool (weights + KV cache), what else it keeps allocated (engine_built), and what it took
+    from the driver on waking (free memory asleep - awake). On CPU: the host's peak RSS only."""
     out = {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     if not torch.cuda.is_available():
         return out
@@ -276,8 +265,6 @@ def check_host_memory(cfg, model, engine):
 
 
 # ------------------------------------------------------------------------- the memory model (README "Memory modes")
-# What a run needs of each GPU, computed from bytes per parameter and the activations' dimensions: bench.py's table
-# and, before anything loads, grpo.py's and bench.py's check that the chosen GPUs can hold the run (check_fits).
 GIB = 2**30
 
 
@@ -308,17 +295,11 @@ def hd_frac(t):
 def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offload_params=False,
                  offload_optimizer=False, kl_coef=1e-2, mb_tokens=16384, chunk=4096, engine_gb=0.0, lp_tokens=None,
                  recompute=1.0, lora_experts=False):
-    """GiB per GPU by phase, from bytes per parameter: the policy's sharded state (AMP: 4 + 4 + 8, fp32 master
-    weights, gradients and moments; bf16: 2 + 2 + 4, + 2 for Kahan's compensation; LoRA: the frozen base's
-    weights only, the adapters with the full state), the reference model (bf16, 2 bytes, when kl_coef > 0 without
-    LoRA), all over `world`; then what is not sharded: the largest FSDP unit all-gathered in bf16 (the root:
-    embeddings and lm_head) plus two decoder layers (one prefetched), and the activations of a micro-batch of
-    `mb_tokens` (gradient checkpointing: each layer's bf16 input is kept, and one layer recomputed at a time or a
-    chunk of fp32 logits with its softmax and gradient; the log-prob passes: one MLP's intermediates or a chunk of
-    logits, of `lp_tokens`, default mb_tokens; `recompute`: the share of layers that recompute, the others keep
-    their activations). --offload-optimizer: the state on the GPU for the step only. The engine:
-    its pool (`engine_gb`, weights + KV cache) while awake, nothing asleep (level 1 moves its weights to the host).
-    Returns {phase: GiB} and the parts."""
+    """GiB per GPU by phase, from bytes per parameter: the policy's state (STATE_BYTES; LoRA: the frozen base's
+    weights only, the adapters with the full state) and the reference model (bf16, when kl_coef > 0 without LoRA),
+    sharded over `world`; then what is not sharded: the largest FSDP units all-gathered in bf16 and the activations
+    of a micro-batch of `mb_tokens` (`lp_tokens` in the log-prob passes; `recompute`: the share of layers that
+    recompute). The engine's pool (`engine_gb`) counts while awake, nothing asleep. Returns {phase: GiB}, parts."""
     P, H, L = dims["params"], dims["hidden"], dims["layers"]
     b = dict(STATE_BYTES[precision])
     if precision == "bf16" and kahan:
@@ -348,8 +329,6 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     act_update = ckpt + kept + max(mb_tokens * 2 * 2 * (4 * H + 3 * dims["inter"]), 3 * 4 * chunk * dims["vocab"])
     # a no-grad forward keeps nothing from layer to layer: its peak is inside one MLP (gate, up and their product,
     # bf16) beside the residual stream's input and output, or at the head, a chunk of fp32 logits and their softmax
-    # (measured on the H200: the old bound, one recomputed layer and its gradient as in the update, overshot every
-    # reference phase by 13-54 %)
     act_fwd = max((lp_tokens or mb_tokens) * 2 * (3 * dims["inter"] + 2 * H), 2 * 4 * chunk * dims["vocab"])
     resident = on_gpu(weights, offload_params) + on_gpu(optim, offload_params or offload_optimizer)
     # --offload-optimizer: the state comes in for the optimizer step, after the backward freed its activations
@@ -398,10 +377,9 @@ def config_mode(c, world):
 
 
 def check_fits(c, dims, world, card_gib, what, slack=0.1):
-    """Stop before anything loads (UserError: one line) when by the memory model the run of `what` (the model, as
-    the message names it) cannot fit `world` GPUs of `card_gib` even with the engine at its least, naming how many
-    such GPUs would hold it. The model is within 15 % of every measured phase: only a need above the card by more
-    than `slack` stops a run."""
+    """A UserError (one line, naming how many such GPUs would hold it) when by the memory model the run of `what`
+    cannot fit `world` GPUs of `card_gib` even with the engine at its least. The model is within 15 % of every
+    measured phase: only a need above the card by more than `slack` stops a run."""
     need = need_gib(memory_model(dims, **config_mode(c, world)), dims, world)
     if need <= (card_gib - 1) * (1 + slack):
         return
@@ -447,11 +425,9 @@ def this_gpu_gib():
 
 
 def auto_checkpoint_layers(c, dims, world, card_gib, error=0.15):
-    """--checkpoint-layers auto: the smallest share of the decoder layers that recompute (whole layers: k of L) with
-    which the memory model's update, grown by its error bound (it is within 15 % of every measured phase), fits
-    `card_gib` less ~1 GiB of CUDA context; 1 (every layer) when even that does not fit. The update runs with the
-    engine asleep, and generation's peak does not depend on the share. The 3B bar on one H200 (64k-token
-    micro-batches): 29 of 36 layers (0.806), update 117.4 GiB by the model, 119.8 measured (session 13)."""
+    """--checkpoint-layers auto: the smallest share of the decoder layers that recompute (k of L) with which the
+    memory model's update, grown by its error bound (15 %), fits `card_gib` less ~1 GiB of CUDA context; 1 when even
+    that does not fit. (The update runs with the engine asleep; generation's peak does not depend on the share.)"""
     L = dims["layers"]
     for k in range(L + 1):
         m = memory_model(dims, **config_mode({**c, "checkpoint_layers": k / L}, world))
@@ -483,10 +459,8 @@ def resolve_checkpoint_layers(cfg, world, card_gib=None):
 
 
 def check_before_loading(cfg, world, card_gib=None):
-    """grpo.setup's check before anything loads: the run (cfg, a grpo.Config, on `world` GPUs) against the card
-    (`card_gib`; by default this rank's GPU's memory, and no check on the CPU) by check_fits, when the model is
-    known (known_dims). A UserError of one line, naming the GPUs it takes, instead of running out of memory after
-    minutes of loading."""
+    """grpo.setup's check before anything loads (check_fits; on the CPU, or for a model known_dims does not know,
+    none): one line naming the GPUs it takes, not out of memory after minutes of loading."""
     card_gib = card_gib or this_gpu_gib()
     dims = known_dims(cfg.model_path)
     if dims is not None and card_gib is not None:
@@ -544,12 +518,10 @@ def oom_explained(ctx, step):
 # ----------------------------------------------------------------------------------------------- LoRA
 def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visual.*", modules_to_save="",
              target_experts=False):
-    """LoRA through peft, in place: the wrapped Linear layers keep their weight as `<name>.base_layer.weight`
-    next to `<name>.lora_A/B.default.weight`, and every parameter outside the adapters is frozen (the vision
-    tower too, unless targeted: vLLM takes no LoRA on the vision encoder, so it is excluded by default). The
-    PeftModel wrapper is dropped: the trainer keeps calling the HF model, whose layers now carry the adapters.
-    `modules_to_save` (peft's): modules trained in full next to the adapters, e.g. lm_head. `target_experts`: also
-    the MoE experts' fused 3-D tensors, through peft's target_parameters (tiny_moe.expert_parameters)."""
+    """LoRA through peft, in place: every parameter outside the adapters frozen (the vision tower too, unless
+    targeted: vLLM takes no LoRA on the vision encoder). The trainer keeps calling the HF model, whose layers now
+    carry the adapters; the PeftModel is returned for merge.py. `modules_to_save`: trained in full beside them.
+    `target_experts`: also the MoE experts' fused 3-D tensors (peft's target_parameters)."""
     from peft import LoraConfig, get_peft_model  # peft: slow to import (~3 s)
     targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
     experts = tiny_moe.expert_parameters(hf) if target_experts else None
@@ -561,7 +533,7 @@ def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visu
                                                modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
     if not any(p.requires_grad for p in hf.parameters()):
         raise UserError(f"--lora-target-modules {target_modules!r} matched no layer")
-    return peft_model  # (merge.py saves adapter folders through it)
+    return peft_model
 
 
 def lora_layers(model):

@@ -11,6 +11,7 @@ experiment trackers, the console line, reward.png.
 A folder holds one run. `--resume auto` continues it from its newest checkpoint, `--resume PATH` from a chosen one,
 `--resume never` refuses a folder that already holds a run; every way refuses a changed config, so two runs never mix.
 """
+import importlib
 import json
 import os
 import shutil
@@ -153,29 +154,33 @@ def write_best(output_dir, best):
 
 
 # ------------------------------------------------------------------------------------------------ trackers
+def _optional(name, module=None):
+    """A tracker's package, imported only when asked for; not installed: one line saying how to get it."""
+    try:
+        return importlib.import_module(module or name)
+    except ImportError:
+        raise UserError(f"--logger {name} needs the {name} package: pip install {name}") from None
+
+
+def _run_name(cfg):
+    return cfg.experiment_name or os.path.basename(os.path.abspath(cfg.output_dir))
+
+
 def open_trackers(cfg, start_step):
-    """One log(metrics, step) function per tracker asked for beyond console and jsonl, and a close() for all.
-    Each package is imported only when asked for."""
+    """One log(metrics, step) function per tracker asked for beyond console and jsonl, and a close() for all."""
     logs, closes = [], []
     if "tensorboard" in cfg.logger:
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # optional: --logger tensorboard
-        except ImportError:
-            raise UserError(
-                "--logger tensorboard needs the tensorboard package: pip install tensorboard") from None
+        tb = _optional("tensorboard", "torch.utils.tensorboard")
         # purge_step hides what an earlier attempt logged after the resumed step (all of it when starting over)
-        w = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else 0)
+        w = tb.SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step and start_step + 1)
         logs.append(lambda m, step: [w.add_scalar(k, v, step) for k, v in m.items() if isinstance(v, (int, float))])
         closes.append(w.close)
     if "wandb" in cfg.logger:
-        try:
-            import wandb  # optional: --logger wandb
-        except ImportError:
-            raise UserError("--logger wandb needs the wandb package: pip install wandb") from None
+        wandb = _optional("wandb")
         # without credentials (or a network) the run is written offline: `wandb sync` uploads it later
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False) else "offline")
-        run = wandb.init(project=cfg.project_name, name=cfg.experiment_name or os.path.basename(
-            os.path.abspath(cfg.output_dir)), dir=cfg.output_dir, config=asdict(cfg), mode=mode)
+        run = wandb.init(project=cfg.project_name, name=_run_name(cfg), dir=cfg.output_dir, config=asdict(cfg),
+                         mode=mode)
         logs.append(lambda m, step: run.log(m, step=step))
         closes.append(run.finish)
     for name, start in (("swanlab", _swanlab), ("mlflow", _mlflow)):
@@ -193,28 +198,21 @@ def _numbers(m):  # what SwanLab and MLflow plot (wandb takes the rest as well)
 
 
 def _swanlab(cfg):
-    try:
-        import swanlab  # optional tracker: only with --logger swanlab
-    except ImportError:
-        raise UserError("--logger swanlab needs the swanlab package: pip install swanlab") from None
+    swanlab = _optional("swanlab")
     # without an API key (SWANLAB_API_KEY, or `swanlab login`) the run is written offline into the output folder, as
     # wandb's: `swanlab sync <folder>` uploads it later; SWANLAB_MODE (cloud, local, offline, disabled) decides when set
     settings = getattr(swanlab, "Settings", None)  # swanlab >= 0.7 reads the login file there; older: the variable
     key = os.environ.get("SWANLAB_API_KEY") or (settings and settings().api_key)
     # logdir / experiment_name: the names every swanlab version takes (EasyR1's call), newer ones also log_dir / name
-    swanlab.init(project=cfg.project_name, experiment_name=cfg.experiment_name or os.path.basename(
-        os.path.abspath(cfg.output_dir)), logdir=os.path.join(cfg.output_dir, "swanlab"), config=asdict(cfg),
-        mode=os.environ.get("SWANLAB_MODE") or ("cloud" if key else "offline"))
+    swanlab.init(project=cfg.project_name, experiment_name=_run_name(cfg), logdir=os.path.join(cfg.output_dir,
+                 "swanlab"), config=asdict(cfg), mode=os.environ.get("SWANLAB_MODE") or ("cloud" if key else "offline"))
     return lambda m, step: swanlab.log(_numbers(m), step=step), swanlab.finish
 
 
 def _mlflow(cfg):
-    try:
-        import mlflow  # noqa: F401  (first: the package itself decides whether it is there)
-        from mlflow.entities import Metric, Param  # (likewise)
-        from mlflow.tracking import MlflowClient  # (likewise)
-    except ImportError:
-        raise UserError("--logger mlflow needs the mlflow package: pip install mlflow") from None
+    _optional("mlflow")
+    from mlflow.entities import Metric, Param  # optional tracker (installed: checked above)
+    from mlflow.tracking import MlflowClient  # (likewise)
     # MLFLOW_TRACKING_URI names a server (or store) when set; otherwise one SQLite file in the output folder: a file
     # store MLflow still writes (its ./mlruns folder store is refused by MLflow 3), read with `mlflow ui
     # --backend-store-uri sqlite:///<output_dir>/mlflow.db`
@@ -224,8 +222,7 @@ def _mlflow(cfg):
     exp = client.get_experiment_by_name(cfg.project_name)
     exp_id = exp.experiment_id if exp else client.create_experiment(
         cfg.project_name, artifact_location=os.path.abspath(os.path.join(cfg.output_dir, "mlflow_artifacts")))
-    run_id = client.create_run(exp_id, run_name=cfg.experiment_name or os.path.basename(
-        os.path.abspath(cfg.output_dir))).info.run_id
+    run_id = client.create_run(exp_id, run_name=_run_name(cfg)).info.run_id
     client.log_batch(run_id, params=[Param(k, str(v)[:500]) for k, v in asdict(cfg).items()])  # MLflow 2's limit
 
     def log(m, step):
