@@ -44,6 +44,17 @@ def check_family(model_path, engine="auto"):
                             f"with --rollout-engine hf (transformers' generate; slower); {WORKS}")
 
 
+def own_config(path):
+    """transformers' own config class for the checkpoint: once a vLLM engine starts, vLLM has registered its own
+    classes for some model types (Qwen3.5) in AutoConfig, process-wide, and a model built from one of those fails
+    (its vision config lacks num_attention_heads: seen on the H200, an HF load after the engine's start)."""
+    import transformers  # slow to import (~2 s)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # (register() leaves it alone)
+    kind = transformers.PretrainedConfig.get_config_dict(path)[0].get("model_type")
+    cls = getattr(transformers, CONFIG_MAPPING_NAMES.get(kind, ""), None)
+    return cls.from_pretrained(path) if cls else transformers.AutoConfig.from_pretrained(path)
+
+
 def special_token_ids(model_path):
     """(eos_ids, forbidden_ids) of a checkpoint folder, read the same way by both engines so they stop alike.
     eos: generation_config's eos list (Qwen lists <|im_end|> and <|endoftext|>) plus the tokenizer's eos.

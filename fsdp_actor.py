@@ -24,7 +24,7 @@ import presets
 import varlen
 import video
 from common import UserError, _cpu_group, all_reduce_cpu, free_port  # noqa: F401 (all_reduce_cpu: actor.all_reduce_cpu)
-from families import QWEN_VL, mm_token_types, soft_capped  # noqa: F401 (mm_token_types: actor.mm_token_types)
+from families import QWEN_VL, mm_token_types, own_config, soft_capped  # noqa: F401 (actor.mm_token_types)
 from tiny_moe import expert_wrappers, merged_expert, router_aux_loss, routers
 from varlen import ChunkLogProbs  # (LogProbModel.forward's argument `varlen` hides the module there)
 
@@ -56,10 +56,10 @@ def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
     if presets.random_init(path):  # a folder without weights (bench.py's big presets): built from its config, seeded
         model = presets.random_model(path, **kw)
     else:
-        try:
-            model = AutoModelForImageTextToText.from_pretrained(path, **kw)
+        try:  # (transformers' own config: see families.own_config)
+            model = AutoModelForImageTextToText.from_pretrained(path, config=own_config(path), **kw)
         except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText": a text LLM
-            model = AutoModelForCausalLM.from_pretrained(path, **kw)
+            model = AutoModelForCausalLM.from_pretrained(path, config=own_config(path), **kw)
     if dtype == torch.float64 and routers(model):  # MoE: transformers' default experts kernel (grouped_mm) takes
         model.set_experts_implementation("eager")  # no float64, the tests' reference precision; the loop does
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):  # positions after a video as vLLM has them

@@ -161,3 +161,17 @@ def test_the_check_before_loading_knows_qwen3_5_by_its_hub_name(tmp_path, monkey
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1, err
     assert "about 485 GiB per GPU on 1 GPU" in err and "it takes 16 such GPUs" in err, err
+
+
+def test_a_load_after_vllm_registered_its_own_config_class_gets_transformers_class(tiny, monkeypatch):
+    """A vLLM engine registers its own Qwen3_5Config in transformers' AutoConfig, process-wide; an HF load after it
+    (a test's reference, the parity check's HF engine) then built the vision tower from vLLM's config and failed on
+    the H200 (no num_attention_heads). load_hf_model reads the folder with transformers' own class."""
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    kind = PretrainedConfig.get_config_dict(tiny)[0]["model_type"]  # qwen3_5 or qwen3_5_moe: vLLM has both
+    vllms = type("VllmsConfig", (PretrainedConfig,), {"model_type": kind})  # another class under the same name
+    monkeypatch.setitem(CONFIG_MAPPING._extra_content, kind, vllms)
+    model = actor.load_hf_model(tiny)
+    assert type(model.config).__module__ == f"transformers.models.{kind}.configuration_{kind}"
