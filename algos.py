@@ -1,8 +1,6 @@
-"""algos.py -- the formulas of the policy-optimisation family, pure functions of tensors: rewards -> advantages, the
-KL estimators (and the KL penalty in the reward with EasyR1's adaptive controller), the policy losses, the rollout
-correction's weights (TIS), the loss aggregation, the learning-rate schedules and dynamic sampling's group filter.
-grpo.py's step calls them in the algorithm's order; each is checked against numbers worked out by hand and against
-EasyR1's / veRL's own code in float64 (tests/test_algo.py, tests/test_variants.py, tests/test_easyr1_algos.py).
+"""algos.py -- the formulas, pure functions of tensors: advantages, KL estimators (and EasyR1's adaptive KL
+coefficient), policy losses, TIS weights, loss aggregation, learning-rate schedules and dynamic sampling's filter.
+Each is checked against numbers worked out by hand and against EasyR1's / veRL's code (tests/test_*algo*.py).
 """
 import math
 
@@ -15,11 +13,9 @@ ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_
 
 # ------------------------------------------------------------------------------------------------ advantages
 def compute_advantages(rewards, estimator="grpo", lengths=None, eps=1e-6, token_kl=None, baselines=None):
-    """rewards [G, n] (n samples of each of G prompts) -> advantages [G, n], one scalar per sample (every token of
-    a response shares it). lengths [G, n]: response tokens per sample, the REINFORCE++ whitening weights (default:
-    all equal). token_kl [G, n, T]: the KL penalty in the reward (kl_coef x per-token KL, 0 past each response's
-    end), or None; with it REINFORCE++'s returns differ per token and its advantages are [G, n, T]. baselines [G]:
-    ReMax's, the reward of each prompt's greedy response."""
+    """rewards [G, n] (n samples of each of G prompts) -> advantages [G, n], one per sample. lengths [G, n]: the
+    REINFORCE++ whitening weights (default: all equal). token_kl [G, n, T]: the KL penalty in the reward, or None;
+    with it REINFORCE++'s advantages are per token, [G, n, T]. baselines [G]: ReMax's greedy responses' rewards."""
     G, n = rewards.shape
     if token_kl is not None and estimator != "reinforce_plus_plus":
         # an outcome estimator sees the sum of the token rewards: the reward less the response's summed penalty
@@ -152,9 +148,8 @@ def agg_loss(loss, mask, mode="token", num_tokens=None, num_seqs=None, max_len=N
 
 # ------------------------------------------------------------------------------------------------ schedule
 def lr_factor(kind, warmup, total, min_lr_ratio=0.0):
-    """The learning rate's factor as a function of the optimizer step s (0 = the first). constant: linear warm-up
-    from 1/warmup, then 1. cosine: EasyR1's, linear warm-up from 0, then half a cosine from 1 down to min_lr_ratio at
-    step `total`."""
+    """The learning rate's factor at optimizer step s (0 = the first). constant: linear warm-up from 1/warmup, then
+    1. cosine: EasyR1's, warm-up from 0, then half a cosine from 1 down to min_lr_ratio at step `total`."""
     if kind == "constant":
         return lambda s: min(1.0, (s + 1) / max(1, warmup))
     if kind != "cosine":
@@ -170,10 +165,9 @@ def lr_factor(kind, warmup, total, min_lr_ratio=0.0):
 
 # ------------------------------------------------------------------------------------------------ dynamic sampling
 def select_groups(samples, n, key="accuracy", limit=None, bounds=None):
-    """Dynamic sampling's filter, a pure function. samples: flat, n per group, in group order. Keeps the groups
-    whose `key` scores are not all equal (for 0/1 accuracy: mean strictly between 0 and 1), or, with bounds
-    (low, high), EasyR1's rule: the groups whose mean `key` lies strictly between them. Returns the samples of at
-    most `limit` kept groups, and the number of groups that failed the filter."""
+    """Dynamic sampling's filter. samples: flat, n per group. Keeps the groups whose `key` scores are not all equal,
+    or, with bounds (low, high), EasyR1's rule: those whose mean `key` lies strictly between them. Returns the
+    samples of at most `limit` kept groups, and the number of groups that failed the filter."""
     kept, failed = [], 0
     for i in range(0, len(samples), n):
         group = samples[i:i + n]
@@ -192,10 +186,9 @@ def select_groups(samples, n, key="accuracy", limit=None, bounds=None):
 # ------------------------------------------------------------------------------------------------ rollout correction
 def correction_weights(old_logp, rollout_logp, mask, level="token", cap=2.0):
     """Truncated importance sampling (TIS) for the trainer/engine mismatch: the engine sampled from pi_rollout, the
-    loss assumes pi_old (the trainer's log-probs at the same weights). Weights pi_old / pi_rollout per token (or
-    their product per sequence), truncated at `cap`, no gradient; they multiply the per-token policy loss. The
-    formula of veRL (compute_rollout_correction_weights: exp of the log-ratio clamped to +-20, masked, clamp(max=cap),
-    detached) and TRL (token_truncate / sequence_truncate). Returns (weights [B, R], stats: sums and counts)."""
+    loss assumes pi_old. Weights pi_old / pi_rollout per token (or their product per sequence), truncated at `cap`,
+    detached, multiply the per-token loss: veRL's compute_rollout_correction_weights and TRL's token_truncate /
+    sequence_truncate. Returns (weights [B, R], stats: sums and counts)."""
     log_ratio = (old_logp - rollout_logp) * mask  # [B, R]
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True)  # [B, 1]

@@ -4,14 +4,10 @@
     torchrun --nproc_per_node 8 dapo.py --model-path Qwen/Qwen2.5-VL-7B-Instruct --reward-function dapo \
         --max-response-length 20480 --overlong-buffer-length 4096 --gen-batch-size 1536 --rollout-batch-size 512 ...
 
-DAPO = GRPO plus four changes. Two are options of grpo.py, set here as defaults: clip-higher (eps_low 0.2,
-eps_high 0.28) and the token-level loss (grpo.py's default already); and no KL, so no reference model. Two live in
-the collect step:
-  * dynamic sampling (grpo.py's collect_rollouts with filter_groups, on here; EasyR1's online_filtering): a group
-    whose samples all score the same (all right or all wrong) has zero advantage and teaches nothing, so keep
-    generating prompts and keep only groups with mixed `filter_key` until the batch is full;
-  * overlong shaping: the soft length penalty is added to the reward, and optionally truncated samples are masked
-    out of the loss (their reward says "wrong" when the answer was only cut off).
+DAPO = GRPO with clip-higher (eps_high 0.28), the token-level loss (grpo.py's default), no KL (no reference model),
+and two changes in the collect step: dynamic sampling (grpo.py's filter_groups, on here: a group whose samples all
+score the same has zero advantage, so generate until the batch holds only groups with mixed `filter_key`) and
+overlong shaping (a soft length penalty in the reward; optionally truncated samples out of the loss).
 """
 from dataclasses import dataclass
 

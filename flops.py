@@ -1,17 +1,9 @@
-"""flops.py -- model FLOPs of a step's real tokens, for MFU (`perf/mfu_update`, `perf/mfu_ref`).
-
-The convention is veRL's FlopsCounter (verl/utils/flops_counter.py, which EasyR1 reuses), so the figures compare:
-- dense layers: 2 FLOPs per weight per token in the forward; the weights counted per token are the attention and MLP
-  projections of every layer plus the embedding *and* the LM head (2 x vocab x hidden, even though the embedding
-  is a lookup and we apply the head only to response tokens);
-- attention: QK^T and PV over each sample's own length s, causal (half the s^2 square): 2 x s^2 x head_dim x heads
-  per layer in the forward;
-- training = 3 x forward (forward + backward), *not* counting the activation-checkpointing recompute; a
-  forward-only pass (reference / old log-probs) = 1 x forward; MFU = FLOPs / (seconds x peak x GPUs).
-veRL counts no vision tower for Qwen2(.5)-VL; we add it (its share is small: 2% at 3B with one 512x512 image per
-prompt), in the style veRL uses for Qwen3-VL's ViT: 2 FLOPs per weight per patch token, non-causal attention
-4 x s^2 x width per layer, with s the window (Qwen2.5-VL's windowed layers) or the frame (full-attention layers),
-and the patch merger per merged token. Each distinct image counts once per pass (that is how the actor runs it).
+"""flops.py -- model FLOPs of a step's real tokens, for MFU (`perf/mfu_update`, `perf/mfu_ref`), by veRL's convention
+(verl/utils/flops_counter.py, which EasyR1 reuses), so the figures compare: 2 FLOPs per weight per token (every
+layer's projections, the embedding *and* the LM head), causal attention 2 x s^2 x head_dim x heads per layer over each
+sample's own length s; training = 3 x forward (no recompute counted), a log-prob pass 1 x. Qwen2(.5)-VL's vision
+tower, which veRL leaves out, is counted as veRL counts Qwen3-VL's ViT (2% at 3B with one 512x512 image per prompt),
+each distinct image once per pass.
 """
 import families
 

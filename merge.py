@@ -3,10 +3,9 @@
     python merge.py outputs/demo/checkpoints/step_150 outputs/demo/hf
     python merge.py outputs/run/checkpoints/step_60 outputs/run/hf --model-path Qwen/Qwen2.5-VL-7B-Instruct --dtype float32
 
-With --adapter-only, the checkpoint of a LoRA run (--lora-rank > 0) becomes a peft adapter folder instead
-(PeftModel.from_pretrained(base, folder) loads it). A checkpoint is what grpo.py saves: the FSDP2-sharded model and optimizer through torch.distributed.checkpoint
-(one shard per rank), plus trainer_state.json. Only the model's tensors are read (the optimizer state, twice the
-model's size, stays on disk); no process group and no GPU are needed, whatever the number of ranks that saved it.
+With --adapter-only, the checkpoint of a LoRA run becomes a peft adapter folder (PeftModel.from_pretrained(base,
+folder) loads it). Only the model's tensors are read from the sharded checkpoint (not the optimizer state); no process
+group and no GPU are needed, whatever the number of ranks that saved it.
 
 The default dtype is the one the policy ran in: its compute dtype, recorded in trainer_state.json (bfloat16 on GPUs,
 float32 on the CPU). Training keeps fp32 master weights and casts them for every forward, so a bfloat16 folder is

@@ -60,44 +60,40 @@ HUB_NAMES = {"Qwen/Qwen2.5-VL-3B-Instruct": "qwen2_5_vl_3b", "Qwen/Qwen2.5-VL-7B
              **{f"Qwen/Qwen3.5-{n}": f"qwen3_5_{n.lower().replace('-', '_')}" for n in ("9B", "27B", "35B-A3B")}}
 
 
+# per family: the M-RoPE sections and the context length of its checkpoints' config.json
+MROPE = {"qwen2_5_vl": ([16, 24, 24], 128000), "qwen3_vl": ([24, 20, 20], 262144), "qwen3_5": ([11, 11, 10], 262144)}
+# the 27-block ViT (patch 16) of Qwen3-VL and Qwen3.5 (Qwen3-VL's blocks 8, 16 and 24 also feed the LLM: deepstack)
+QWEN3_VIT = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, spatial_merge_size=2,
+                 temporal_patch_size=2, num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh", in_channels=3)
+
+
 def preset_config(preset, ids):
-    """Config of a real-size Qwen2.5-VL / Qwen3-VL (vocab of the real model, not of the small tokenizer)."""
+    """Config of a real-size Qwen2.5-VL / Qwen3-VL / Qwen3.5 (vocab of the real model, not of the small tokenizer)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     p = PRESETS[preset]
     arch = p.get("arch", "qwen2_5_vl")
     if p.get("tiny"):  # the demo's vocabulary: the tokenizer's (its special tokens last), in rows of 64
         return tiny_config(arch, ids, (max(ids.values()) + 64) // 64 * 64)
-    if arch in ("qwen3_5", "qwen3_5_moe"):
-        text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"], p["heads"],
-                            p["kv_heads"], mrope_section=[11, 11, 10], tie=p["tie"], max_pos=262144)
+    family = arch.removesuffix("_moe")
+    mrope, max_pos = MROPE[family]
+    text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"], p["heads"], p["kv_heads"],
+                        mrope_section=mrope, tie=p["tie"], max_pos=max_pos)
+    if family == "qwen3_5":
         text.update(head_dim=256, linear_num_key_heads=16, linear_num_value_heads=p.get("linear_value_heads", 32),
                     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
                     full_attention_interval=4, **p.get("moe", {}))
         text["rope_parameters"].update(rope_theta=10000000.0, mrope_interleaved=True, partial_rotary_factor=0.25)
-        vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=p["hidden"],
-                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
-                      hidden_act="gelu_pytorch_tanh", in_channels=3)
-    elif arch in ("qwen3_vl", "qwen3_vl_moe"):
-        text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"],
-                            p["heads"], p["kv_heads"], mrope_section=[24, 20, 20], tie=p["tie"],
-                            max_pos=262144)
+        vision = dict(QWEN3_VIT, out_hidden_size=p["hidden"])
+    elif family == "qwen3_vl":
         text.update(head_dim=128, **p.get("moe", {}))
         text["rope_parameters"].update(rope_theta=5000000.0, mrope_interleaved=True)
-        vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
-                      out_hidden_size=p["hidden"], patch_size=16, spatial_merge_size=2,
-                      temporal_patch_size=2, num_position_embeddings=2304,
-                      deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh",
-                      in_channels=3)
+        vision = dict(QWEN3_VIT, out_hidden_size=p["hidden"], deepstack_visual_indexes=[8, 16, 24])
     else:
-        text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"],
-                            p["heads"], p["kv_heads"], mrope_section=[16, 24, 24], tie=p["tie"],
-                            max_pos=128000)
         text.update(sliding_window=32768, max_window_layers=p["layers"], use_sliding_window=False)
-        vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                      out_hidden_size=p["hidden"], patch_size=14, spatial_merge_size=2,
-                      temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
-                      hidden_act="silu", tokens_per_second=2, in_channels=3)
+        vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=p["hidden"],
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                      fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", tokens_per_second=2, in_channels=3)
     Cfg, Model, _ = _vl_classes(arch)
     return _vl_config(Cfg, Model, text, vision, ids, tie=p["tie"])
 
@@ -144,32 +140,17 @@ def random_model(path, dtype=torch.float32, attn_implementation=None, device=Non
     return model
 
 
-def config_json(model_path):
-    """The config.json of a --model-path that can be read without a download: the folder's, or the HF cache's copy
-    of a hub name; None if neither."""
-    local = os.path.join(model_path, "config.json")
-    if os.path.isfile(local):
-        return local
-    if os.path.exists(model_path) or model_path.count("/") != 1:  # a folder without one, or not a hub name
-        return None
-    from huggingface_hub import try_to_load_from_cache  # (imported by transformers anyway; only hub names need it)
-    try:
-        found = try_to_load_from_cache(model_path, "config.json")
-    except ValueError:  # not a valid repo id (huggingface_hub's HFValidationError)
-        return None
-    return found if isinstance(found, str) else None  # (a "known missing" marker is not a path)
-
-
 def known_config(model_path):
-    """The config of the model a --model-path names, without loading or downloading anything: from its config.json
-    where one is readable (config_json), else its preset's for a name of HUB_NAMES; None for any other."""
-    found = config_json(model_path) if model_path else None
-    if found:
-        from transformers import AutoConfig  # slow to import (~2 s)
-        try:
-            return AutoConfig.from_pretrained(os.path.dirname(found))
-        except (OSError, ValueError, KeyError):  # not a config transformers can read (an unknown model type)
-            return None
+    """The config of the model a --model-path names, without loading or downloading anything: its config.json where
+    one is readable (the folder's, or the HF cache's copy of a hub name), else its preset's for a name of HUB_NAMES;
+    None for any other."""
+    if not model_path:
+        return None
+    from transformers import AutoConfig  # slow to import (~2 s)
+    try:
+        return AutoConfig.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError, KeyError):  # none there, or not a config transformers can read (an unknown type)
+        pass
     preset = HUB_NAMES.get(model_path)
     return preset_config(preset, _token_ids(build_tokenizer())) if preset else None
 

@@ -34,8 +34,6 @@ FLOAT32_MAX = 3.4028234663852886e38  # rewards become a float32 tensor: anything
 
 
 # ---------------------------------------------------------------- grading helpers
-
-
 def _timeout():
     # math_verify times out via signal.alarm, which only works in the main thread; elsewhere we
     # must pass None (no timeout) or every call raises and scores 0.
@@ -86,8 +84,6 @@ def grade(answer: str, ground_truth: str) -> bool:
 
 
 # ---------------------------------------------------------------- built-in rewards
-
-
 def _fields(item: dict) -> tuple[str, str]:
     return str(item.get("response") or ""), str(item.get("ground_truth") or "")
 
@@ -175,7 +171,6 @@ def _combine(acc: float, fmt: float, format_weight: float) -> dict:
 
 
 # ---------------------------------------------------------------- DAPO (verl math_dapo.py, Minerva style)
-
 DAPO_SUBSTITUTIONS = [
     ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""),
     ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
@@ -218,17 +213,13 @@ def dapo_reward(items: list[dict]) -> list[dict]:
         # As DAPO: only the tail is searched (the longest MATH-500 answer has 159 chars).
         matches = DAPO_ANSWER.findall(response[-300:])
         correct = bool(matches) and normalize_final_answer(matches[-1]) == normalize_final_answer(gt)
-        out.append({
-            "overall": 1.0 if correct else -1.0,
-            "format": 1.0 if matches else 0.0,
-            "accuracy": 1.0 if correct else 0.0,
-        })  # fmt: skip
+        out.append({"overall": 1.0 if correct else -1.0, "format": 1.0 if matches else 0.0,
+                    "accuracy": 1.0 if correct else 0.0})
     return out
 
 
-def overlong_penalty(
-    response_length: int, max_response_length: int, buffer_length: int, penalty_factor: float
-) -> float:
+def overlong_penalty(response_length: int, max_response_length: int, buffer_length: int,
+                     penalty_factor: float) -> float:
     """DAPO soft overlong punishment: 0 up to max - buffer, then linear down to -penalty_factor at max."""
     expected = max_response_length - buffer_length
     if response_length <= expected:
@@ -239,7 +230,6 @@ def overlong_penalty(
 
 
 # ---------------------------------------------------------------- lookup
-
 BUILTIN_REWARDS = {"math": math_reward, "r1v": r1v_reward, "color": color_reward, "number": number_reward,
                    "dapo": dapo_reward}
 

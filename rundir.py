@@ -1,15 +1,7 @@
-"""rundir.py -- the output folder of a run and what goes into it: checkpoints (sharded, atomic), resume or refuse,
-logs cut back to the resumed step, the best checkpoint, the metrics of a step, metrics.jsonl, samples.jsonl,
+"""rundir.py -- the output folder of a run (docs/options.md lists what it holds): checkpoints (sharded, atomic),
+resume or refuse (a folder holds one run: every way of resuming refuses a changed config, so two runs never mix), logs
+cut back to the resumed step, the best checkpoint, a step's metrics, metrics.jsonl, samples.jsonl, val_samples.jsonl,
 experiment trackers, the console line, reward.png.
-
-    output_dir/config.json          the config of the run (written when it starts fresh)
-    output_dir/metrics.jsonl        one row per step (and a step-0 validation row); samples.jsonl: a few generations;
-                                    val_samples.jsonl: every validation answer (the accuracy per class of prompt)
-    output_dir/checkpoints/step_N   model + optimizer + trainer_state.json; best.json names the best by val/mean
-    output_dir/reward.png           train and validation reward against steps (when matplotlib is installed)
-
-A folder holds one run. `--resume auto` continues it from its newest checkpoint, `--resume PATH` from a chosen one,
-`--resume never` refuses a folder that already holds a run; every way refuses a changed config, so two runs never mix.
 """
 import importlib
 import json

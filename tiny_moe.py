@@ -1,7 +1,6 @@
-"""The mixture-of-experts pieces of the demo models (tiny_model.py builds them): the tiny Qwen3-VL-MoE's expert
-settings, the real Qwen3-VL-30B-A3B's dimensions (a bench.py preset), the checkpoint layout of the experts as
-the hub's Qwen3-VL-MoE checkpoints hold them on disk, and the routers the trainer finds and balances
-(fsdp_actor.py), and LoRA on the experts' fused tensors (--lora-target-experts: peft's target_parameters)."""
+"""The mixture-of-experts pieces: the tiny Qwen3-VL-MoE's settings, the Qwen3-VL-30B-A3B's dimensions (a preset),
+the experts' layout on disk as the hub's checkpoints hold them, the routers the trainer finds and balances, and LoRA
+on the experts' fused tensors (--lora-target-experts: peft's target_parameters)."""
 import json
 import os
 from types import SimpleNamespace
@@ -32,11 +31,10 @@ HUB_NAMES = {"Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_30b_a3b"}  # (presets.H
 
 def hub_layout(out):
     """Qwen3-VL-MoE's expert tensors on disk as the hub checkpoints hold them, gate_up_proj [E, H, 2I] and
-    down_proj [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory, transposes them on load where
-    the dimensions say so, and saves its own layout back): a file written here loads like the real one in
-    transformers and in vLLM (whose loader also transposes by the dimensions). One shard in memory at a time. The
-    config names the expert count num_experts as the hub's does (transformers 5.24 writes its alias
-    num_local_experts, which older versions may not read)."""
+    down_proj [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory and saves that back): a file written
+    here loads like the real one in transformers and in vLLM (both transpose by the dimensions). The config names
+    the expert count num_experts, as the hub's (transformers 5.24 writes num_local_experts, older versions may not
+    read it)."""
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     text = cfg.get("text_config", cfg)

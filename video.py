@@ -1,11 +1,8 @@
 """video.py -- video inputs for data.py: a video file (PyAV, optional) or a list of frames -> sampled, resized frames
--> the Qwen-VL processor's video outputs (pixel_values_videos, video_grid_thw, second_per_grid_ts) and the prompt's
-video tokens (Qwen3-VL: with its "<t seconds>" timestamps); and the decoding of any image form (to_pil: a picture of
-the data or a frame of a video). The video demo's clips are tiny_model.py's.
-
-The Qwen-VL video processors of transformers need torchvision (not on every machine: not on the CPU box), and vLLM
-runs them itself from frames: so the trainer's side is done here, in the processors' own layout, on frames that
-those processors then leave unchanged (see the note below).
+-> the Qwen-VL processor's video outputs and the prompt's video tokens (Qwen3-VL: with "<t seconds>" timestamps); and
+the decoding of any image form (to_pil). transformers' Qwen-VL video processors need torchvision (not on the CPU box)
+and vLLM runs them itself from frames: so the trainer's side is done here, in their layout, on frames that those
+processors then leave unchanged (see the note below).
 """
 import io
 import math
