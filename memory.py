@@ -217,10 +217,9 @@ def metrics(engine, peaks, step_metrics):
 
 
 def host_bytes_to_come(cfg, model, engine):
-    """Host memory (bytes, this rank) that the offload modes still take after setup: the optimizer's state
-    (allocated at the first step; AdamW's two moments, fp32, or bf16 and Kahan's buffer), with --offload-params
-    also the gradients, and the sleeping engine's copy of its weights (level 1: bf16, its tensor-parallel share).
-    What is on the host already (the offloaded weights, the reference) is out of MemAvailable by then."""
+    """Host memory (bytes, this rank) that the offload modes still take after setup: the optimizer's state (made at
+    the first step), with --offload-params also the gradients, and a level-1 sleeping engine's bf16 weights. (What
+    is on the host already, the offloaded weights and the reference, is out of MemAvailable by then.)"""
     trainable = [p for p in model.parameters() if p.requires_grad]
     n = sum(local(p).numel() for p in trainable)
     b = STATE_BYTES[cfg.precision]
@@ -242,10 +241,9 @@ def available_host_bytes():
 
 
 def check_host_memory(cfg, model, engine):
-    """With --offload-params / --offload-optimizer, stop at setup with one line when a node's host memory cannot
-    hold what the offloaded state will take at the first step (a lower bound: torch rounds page-locked blocks up),
-    instead of the kernel killing the ranks minutes later with no word. Collective (every rank raises the same
-    error, naming a rank on the node that is short)."""
+    """With --offload-params / --offload-optimizer, one line at setup when a node's host memory cannot hold what the
+    offloaded state will take at the first step (a lower bound), instead of the kernel killing the ranks minutes
+    later with no word. Collective: every rank raises the same error."""
     if not (cfg.offload_params or cfg.offload_optimizer):
         return
     need = host_bytes_to_come(cfg, model, engine) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -409,8 +407,7 @@ def known_dims(model_path, config=None):
 
 def rows_padded(cfg, model_config):
     """Whether the policy will train on padded rows, decided before loading as varlen.use_varlen_attention decides
-    after: --padding-free off, --attn-implementation, fp32 compute, a model that does not pack, no fast kernel on
-    this GPU (on the CPU, where nothing trains at this share, the kernel is taken as present and auto as bf16)."""
+    after (on the CPU the fast kernel is taken as present and auto as bf16: nothing trains at this share there)."""
     fast = cfg.attn_implementation is None and bf16_compute(cfg, cuda=True) and (  # (LOCAL_RANK: not set yet)
         not torch.cuda.is_available() or varlen._fast_varlen_kernel(int(os.environ.get("LOCAL_RANK", "0"))) is not None)
     return not varlen.varlen_choice(model_config, cfg.padding_free, "off", fast)["text"]
@@ -438,9 +435,8 @@ def auto_checkpoint_layers(c, dims, world, card_gib, error=0.15):
 
 def resolve_checkpoint_layers(cfg, world, card_gib=None):
     """(share, note) for a run's --checkpoint-layers: a number as given; `auto` by auto_checkpoint_layers on this
-    rank's GPU (less bench.py's ballast), or 1 where no model or card says (the CPU, a model it does not know,
-    gradient checkpointing off), and with padded rows (the model knows packed ones; padded ones at the packed share
-    ran out of memory: BENCHMARKS.md session 17). note: one line for the log, empty for a number."""
+    rank's GPU, or 1 where no model or card says, and with padded rows (the model knows packed ones; padded ones at
+    the packed share ran out of memory). note: one line for the log, empty for a number."""
     if cfg.checkpoint_layers != "auto":
         return float(cfg.checkpoint_layers), ""
     model_config = presets.known_config(cfg.model_path) if cfg.gradient_checkpointing else None
