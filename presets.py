@@ -13,7 +13,6 @@ import os
 
 import torch
 
-import tiny_moe
 from tiny_model import (ARCHS, TEXT_ARCHS, _text_config, _token_ids, _vl_classes, _vl_config, build_tokenizer,
                         tiny_config)
 
@@ -21,21 +20,27 @@ RANDOM_INIT = "random_init.json"  # in a model folder without weights: {"preset"
 
 
 PRESETS = {
-    "qwen2_5_vl_3b": dict(hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2,
-                          vocab_size=151936, tie=True),
+    "qwen2_5_vl_3b": dict(hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2, vocab_size=151936,
+                          tie=True),
     # The 7B checkpoint's embedding is padded to 152064 rows (unlike the 3B's 151936).
-    "qwen2_5_vl_7b": dict(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4,
-                          vocab_size=152064, tie=False),
+    "qwen2_5_vl_7b": dict(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab_size=152064,
+                          tie=False),
     # Qwen/Qwen3-VL-8B-Instruct: a Qwen3-8B-shaped LLM (head_dim 128, q/k norms) and a 27-block ViT
     # (patch 16) whose blocks 8, 16 and 24 feed the LLM's first three layers (deepstack).
-    "qwen3_vl_8b": dict(arch="qwen3_vl", hidden=4096, intermediate=12288, layers=36, heads=32,
-                        kv_heads=8, vocab_size=151936, tie=False),
+    "qwen3_vl_8b": dict(arch="qwen3_vl", hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8,
+                        vocab_size=151936, tie=False),
     # The larger Qwen2.5-VL: Qwen2.5-32B / -72B language models, the same ViT (for bench.py table's computed rows).
-    "qwen2_5_vl_32b": dict(hidden=5120, intermediate=27648, layers=64, heads=40, kv_heads=8,
-                           vocab_size=152064, tie=False),
-    "qwen2_5_vl_72b": dict(hidden=8192, intermediate=29568, layers=80, heads=64, kv_heads=8,
-                           vocab_size=152064, tie=False),
-    **tiny_moe.PRESETS,  # Qwen3-VL-30B-A3B
+    "qwen2_5_vl_32b": dict(hidden=5120, intermediate=27648, layers=64, heads=40, kv_heads=8, vocab_size=152064,
+                           tie=False),
+    "qwen2_5_vl_72b": dict(hidden=8192, intermediate=29568, layers=80, heads=64, kv_heads=8, vocab_size=152064,
+                           tie=False),
+    # Qwen/Qwen3-VL-30B-A3B-Instruct: a 48-layer LLM of width 2048 (32 query heads of 128, 4 key/value heads), every
+    # layer sparse with 128 experts of width 768, 8 routed per token; the 8B's ViT with its output at 2048
+    "qwen3_vl_30b_a3b": dict(arch="qwen3_vl_moe", hidden=2048, intermediate=6144, layers=48, heads=32, kv_heads=4,
+                             vocab_size=151936, tie=False,
+                             moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                                      norm_topk_prob=True)),
     # Qwen3.5 (hybrid): of every 4 layers 3 Gated DeltaNet (16 key heads of 128 shared by 32 value heads, a 4-tap
     # conv) and 1 gated attention (head 256, rotary on a quarter); a 27-block ViT (patch 16, no deepstack). 9B and 27B
     # dense, 35B-A3B with 256 experts of 512 (8 routed) and a shared one (transformers' Qwen3.5 config defaults are the
@@ -56,7 +61,7 @@ PRESETS = {
 # knows these models without their config.json
 HUB_NAMES = {"Qwen/Qwen2.5-VL-3B-Instruct": "qwen2_5_vl_3b", "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2_5_vl_7b",
              "Qwen/Qwen2.5-VL-32B-Instruct": "qwen2_5_vl_32b", "Qwen/Qwen2.5-VL-72B-Instruct": "qwen2_5_vl_72b",
-             "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl_8b", **tiny_moe.HUB_NAMES,
+             "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl_8b", "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_30b_a3b",
              **{f"Qwen/Qwen3.5-{n}": f"qwen3_5_{n.lower().replace('-', '_')}" for n in ("9B", "27B", "35B-A3B")}}
 
 

@@ -1,6 +1,6 @@
-"""The mixture-of-experts pieces: the tiny Qwen3-VL-MoE's settings, the Qwen3-VL-30B-A3B's dimensions (a preset),
-the experts' layout on disk as the hub's checkpoints hold them, the routers the trainer finds and balances, and LoRA
-on the experts' fused tensors (--lora-target-experts: peft's target_parameters)."""
+"""The mixture-of-experts pieces: the tiny Qwen3-VL-MoE's settings, the experts' layout on disk as the hub's
+checkpoints hold them, the routers the trainer finds and balances, and LoRA on the experts' fused tensors
+(--lora-target-experts: peft's target_parameters)."""
 import json
 import os
 from types import SimpleNamespace
@@ -15,18 +15,6 @@ from safetensors.torch import load_file, save_file
 # field, but vLLM builds the layers with Qwen3-MoE's code, which reads it (the hub checkpoints' config.json carry it).
 TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[],
             router_aux_loss_coef=0.001, norm_topk_prob=True)
-
-# Qwen/Qwen3-VL-30B-A3B-Instruct (config.json): a 48-layer LLM of width 2048 (32 query heads, 4 key/value heads,
-# head_dim 128), every layer sparse with 128 experts of width 768, 8 routed per token; the 8B's 27-block ViT
-# (deepstack 8, 16, 24) with its output at 2048. presets.preset_config builds it like the 8B.
-PRESETS = {
-    "qwen3_vl_30b_a3b": dict(arch="qwen3_vl_moe", hidden=2048, intermediate=6144, layers=48, heads=32, kv_heads=4,
-                             vocab_size=151936, tie=False,
-                             moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
-                                      norm_topk_prob=True)),
-}
-HUB_NAMES = {"Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_30b_a3b"}  # (presets.HUB_NAMES)
 
 
 def hub_layout(out):

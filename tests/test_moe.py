@@ -39,7 +39,7 @@ def test_tiny_moe_has_the_checkpoints_names_and_layout(moe):
     assert cfg["architectures"] == ["Qwen3VLMoeForConditionalGeneration"] and cfg["model_type"] == "qwen3_vl_moe"
     t = cfg["text_config"]
     # vLLM builds Qwen3-VL-MoE's layers with Qwen3-MoE's code, which reads norm_topk_prob (it failed to start without)
-    assert t["norm_topk_prob"] is True and presets.tiny_moe.PRESETS["qwen3_vl_30b_a3b"]["moe"]["norm_topk_prob"] is True
+    assert t["norm_topk_prob"] is True and presets.PRESETS["qwen3_vl_30b_a3b"]["moe"]["norm_topk_prob"] is True
     assert "num_local_experts" not in t and (t["num_experts"], t["num_experts_per_tok"], t["moe_intermediate_size"]) == (4, 2, 96)
     assert type(proc).__name__ == "Qwen3VLProcessor"
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
