@@ -197,6 +197,9 @@ def collect(pairs, out, versions_from):
         s = summarize(name, path, ROWS[name][2])
         if path.endswith("_metrics.jsonl"):  # kept as NAME_metrics.jsonl beside NAME_val_samples.jsonl
             s["worst_class"] = worst_class(path[:-len("metrics.jsonl")] + "val_samples.jsonl")
+            if os.path.isfile(path[:-len("metrics.jsonl")] + "parity.json"):  # and its parity check's summary
+                s["parity"] = json.load(open(path[:-len("metrics.jsonl")] + "parity.json"))
+                s["failures"] += s["parity"]["failures"]
         s.update(command=" ".join([ROWS[name][0], *ENGINE, *ROWS[name][1]]), collected_from=os.path.basename(path))
         results.append(s)
     os.makedirs(out, exist_ok=True)
