@@ -103,6 +103,12 @@ def build(arch, out, seed, make_tokenizer, text_config, qwen_template, qwen_spec
         raise ValueError(f"unknown arch {arch!r}")
     cfg.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
-    model_cls(cfg).to(torch.float32).eval().save_pretrained(out)
+    model = model_cls(cfg)
+    if arch == "gemma4":  # transformers fills the vision tower's learned 2-D position table with ones (the hub's
+        # weights replace them): each patch starts as one constant vector plus a tenth of its pixels, the colours
+        # reach the LLM alike (cosine 0.98) and it never learns them apart; drawn as the other weights are instead
+        pos = model.model.vision_tower.patch_embedder.position_embedding_table
+        torch.nn.init.normal_(pos, std=cfg.vision_config.initializer_range)
+    model.to(torch.float32).eval().save_pretrained(out)
     _generation_config(out, eos, pad, bos)
     _save_processor(proc.pop("cls"), out, tokenizer=tok, **proc)
