@@ -12,41 +12,21 @@ back exactly; and the demo's engine/trainer agreement over 4 steps (the matrix r
 import sys
 
 import pytest
-import torch
 
 import rollout
 import tiny_model
-from test_grpo_gpu import engine_memory, run
-from test_qwen3_gpu import mean_logprob_diff, vl_prompts
-from test_vllm_gpu import greedy, perturb, sharpen
+from test_grpo_gpu import run
+from test_qwen3_gpu import engine_checked, mean_logprob_diff, vl_prompts
+from test_vllm_gpu import greedy, perturb
 
 pytestmark = pytest.mark.gpu
-
-
-def prompts(path):
-    """Three one-image prompts of different sizes and a two-image one, as the trainer encodes them."""
-    return vl_prompts(path)
 
 
 def check(arch):
     rollout._set_vllm_env()
     path = tiny_model.build_tiny_model(arch=arch)
-    eng = rollout.VLLMRollout(path, **engine_memory(0.25), max_model_len=1024, enforce_eager=True, dtype="bfloat16",
-                              limit_mm_per_prompt={"image": 2, "video": 0})
-    recs = prompts(path)
-    from vllm import SamplingParams
-    outs = eng.llm.generate([eng._vllm_prompt(r) for r in recs], SamplingParams(max_tokens=1), use_tqdm=False)
-    got = [list(o.prompt_token_ids) for o in outs]
-    for g, r in zip(got, recs):
-        assert g == r["prompt_ids"], (len(g), len(r["prompt_ids"]))  # vLLM's expansion is the HF processor's
-    ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()  # bf16-rounded weights, fp32 compute
-    sd = {k: v.to(torch.bfloat16) for k, v in sharpen(ref.state_dict()).items()}
-    eng.sync_weights(sd.items())  # every HF in-memory name through vLLM's hf_to_vllm_mapper
-    ref.load_state_dict({k: v.float() for k, v in sd.items()})
-    d = mean_logprob_diff(eng, ref, recs)
-    print(f"[{arch}] vLLM vs HF mean |logp diff| {d:.4f}")
-    assert d < 0.1
-    base = greedy(eng, recs)
+    recs = vl_prompts(path)  # three one-image prompts of different sizes and a two-image one
+    eng, ref, sd, base = engine_checked(path, arch, recs, limit_mm_per_prompt={"image": 2, "video": 0})
     assert greedy(eng, recs) == base
     for name, keep in (("all", lambda k: True), ("vision tower only", lambda k: "vision_tower" in k)):
         new = perturb(sd, keep, scale=0.5)
