@@ -21,7 +21,8 @@ class Config:
     # for other image-text families), qwen3 / llama (largest digit)
     demo_model: Literal["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma4",
                         "internvl", "qwen3", "llama"] = "qwen2_5_vl"
-    demo_task: Literal["color", "video"] = "color"  # the VL demos' task: a picture's colour, or a clip's last colour
+    # the VL demos' task: a picture's colour, a clip's last colour, or a dot's colour seen through the zoom tool
+    demo_task: Literal["color", "video", "zoom"] = "color"
     train_files: str = ""  # hub "name@split", a parquet/json/jsonl file or a folder; "" = the synthetic colour task
     val_files: str = ""  # validation data, same forms; "" = none (the demo: 200 unseen pictures)
     prompt_key: str = "problem"  # column with the question text (<image> marks where each image goes)
@@ -42,6 +43,12 @@ class Config:
     max_pixels: int = MAX_PIXELS  # larger images are scaled down to this many pixels
     filter_overlong_prompts: bool = True  # drop (and list) prompts over max_prompt_length; off: they are bad rows
     skip_bad_rows: bool = False  # drop rows the data check rejects (and list them) instead of stopping
+    # --- tools: multi-turn rollouts (tools.py; README "Tools") ---
+    tools: str = ""  # a tools file (its functions: type hints and a docstring) or a built-in (zoom); "" = one turn
+    max_turns: int = 4  # the model's turns per sample at most (1: one answer, a tool call in it is not run)
+    max_turn_tokens: int = 0  # the model's tokens per turn; 0 = all --max-response-length (with tools: the budget of
+    # the whole trajectory after the prompt, the model's and the tools' tokens)
+    tool_timeout: float = 10.0  # seconds per tool call; a call that takes longer answers that it timed out
     # --- rollout ---
     rollout_engine: Literal["auto", "vllm", "hf"] = "auto"  # auto = vllm when it imports and CUDA is there, else hf
     n: Annotated[int, tyro.conf.arg(aliases=("--rollout-n", "--num-generations"), help=(

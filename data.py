@@ -246,7 +246,8 @@ def _user_content(text: str, n_images: int, n_videos: int = 0):
 
 def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", image_key="images",
                   image_dir=None, format_prompt: str | None = None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
-                  video_key="videos", video_fps=2.0, max_frames=768, video_min_pixels=None, video_max_pixels=None):
+                  video_key="videos", video_fps=2.0, max_frames=768, video_min_pixels=None, video_max_pixels=None,
+                  tools=None):
     """Everything a row must pass, then (chat text with one pad per image and video, resized images, prepared videos
     [T, H, W, 3], their frame rates, answer, prompt text). A bad row raises BadRow; a mistake that no row can pass
     (a text model given images) a plain UserError."""
@@ -285,7 +286,8 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
             raise BadRow(BAD_VIDEO, f"video {k}: {e}") from e
     messages = [{"role": "user", "content": _user_content(text, len(images), len(videos))}]
     # No system message: the chat template inserts its default system prompt.
-    templated = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    templated = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,  # tools: their schemas
+                                         **({"tools": tools} if tools else {}))
     return templated, images, videos, fps, str(answer), text
 
 
@@ -495,13 +497,15 @@ def data_files(cfg):
     if cfg.train_files:
         return cfg.train_files, cfg.val_files, cfg.format_prompt
     text = not cfg.model_path and is_text_demo(cfg.demo_model)
+    zoom = not text and cfg.demo_task == "zoom"  # the task that needs its tool (tools.py)
     make = (tiny_model.demo_max_data if text else tiny_model.demo_video_data if cfg.demo_task == "video" else
-            tiny_model.demo_data)
-    fmt = tiny_model.NUMBER_FORMAT_PROMPT if text else tiny_model.DEMO_FORMAT_PROMPT
+            tiny_model.demo_zoom_data if zoom else tiny_model.demo_data)
+    fmt = (tiny_model.NUMBER_FORMAT_PROMPT if text else tiny_model.ZOOM_FORMAT_PROMPT if zoom else
+           tiny_model.DEMO_FORMAT_PROMPT)
     return (*make(), cfg.format_prompt if cfg.format_prompt is not None else fmt)
 
 
-def load_datasets(cfg, model_path, say=print):
+def load_datasets(cfg, model_path, say=print, tools=None):
     """grpo.py's data: the processor (or tokenizer) of model_path and the train and validation PromptDatasets of
     cfg's data options (data_files: rank 0 writes a demo's task, the others wait). Every row is checked here,
     before the model loads; the same on every rank, so all raise together."""
@@ -514,6 +518,8 @@ def load_datasets(cfg, model_path, say=print):
               image_key=cfg.image_key, image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels,
               max_pixels=cfg.max_pixels, max_prompt_length=cfg.max_prompt_length, **video.video_options(cfg),
               filter_overlong=cfg.filter_overlong_prompts, skip_bad_rows=cfg.skip_bad_rows)
+    if tools:  # the tools' JSON schemas (tools.schemas) go into the chat template
+        kw["tools"] = tools
     train = PromptDataset(train_files, option="--train-files", **kw)
     val = PromptDataset(val_files, option="--val-files", **kw) if val_files else None
     for note in train.notes + (val.notes if val else []):

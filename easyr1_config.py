@@ -409,11 +409,12 @@ def from_words(words, config_flag=None):
     return config, path
 
 
-def cli(cls, demo, args=None, text_demo=None, video_demo=None):
+def cli(cls, demo, args=None, text_demo=None, video_demo=None, tools_demo=None):
     """Parse the command line over the defaults in force: `cls`'s own (EasyR1's), or those changed by `demo` for the
-    demo (no --model-path; `text_demo` on top for --demo-model qwen3, `video_demo` for --demo-task video); the EasyR1
-    config (--config, or `config=FILE` and dotted keys) goes between the defaults and the flags. Rank 0 says which
-    set is in force, what the config and the flags changed, and where a flag won over the config."""
+    demo (no --model-path; `text_demo` on top for --demo-model qwen3, `video_demo` for --demo-task video, `tools_demo`
+    for --demo-task zoom); the EasyR1 config (--config, or `config=FILE` and dotted keys) goes between the defaults
+    and the flags. Rank 0 says which set is in force, what the config and the flags changed, and where a flag won
+    over the config."""
     script = sys.modules["__main__"].__doc__ or sys.modules[cls.__module__].__doc__  # grpo.py's Config is config.py's
     desc = (f"{script.splitlines()[0]} Also EasyR1's form: config=FILE and dotted keys (worker.rollout.n=8), with the "
             "flags in any order; a flag wins. Defaults shown are EasyR1's; the demo (no --model-path) uses "
@@ -429,6 +430,8 @@ def cli(cls, demo, args=None, text_demo=None, video_demo=None):
         demo = {**demo, **text_demo}
     elif is_demo and video_demo and getattr(first, "demo_task", "") == "video":
         demo = {**demo, **video_demo}
+    elif is_demo and tools_demo and getattr(first, "demo_task", "") == "zoom":  # the tool demo (tools.py)
+        demo = {**demo, **tools_demo}
     defaults = replace(cls(), **{**(demo if is_demo else {}), **from_yaml})
     cfg = tyro.cli(cls, args=args, default=defaults, description=desc)
     if os.environ.get("RANK", "0") == "0":

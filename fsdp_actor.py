@@ -424,7 +424,7 @@ def _positions(hf, samples, prompts, owner, rope):
     out = []
     for s, o in zip(samples, owner):
         pp, lr = per_prompt[o], len(s["response_ids"])
-        if s["prompt"]["prompt_ids"][-1] in image_ids:
+        if s["prompt"]["prompt_ids"][-1] in image_ids or s["prompt"].get("tool_images"):  # (images in the response)
             out.append(_rope_index(hf, s["prompt"]["prompt_ids"] + list(s["response_ids"]), s["prompt"]["mm_inputs"]))
         else:
             out.append(torch.cat([pp, pp[:, -1:] + 1 + torch.arange(lr)], dim=1))

@@ -27,15 +27,16 @@ import rewards
 import rollout
 import rundir
 import tiny_model
+import tools
 import video
 from algos import (adaptive_kl_coef, agg_loss, compute_advantages, correction_weights, kl_penalty,  # the formulas
                    lr_factor, policy_loss, select_groups)
 from common import UserError, heap_freezer, one_line_errors
 from data import prefetch_prompts, take_prompts  # the prompt stream (drawn ahead on a thread)
 from config import Config, bf16_compute  # the options; their defaults are EasyR1's (examples/config.yaml)
-# the demos' own defaults (no --model-path), where a flag does not say otherwise: DEMO, and TEXT_DEMO / VIDEO_DEMO on
-# top of it for the text and the video demo
-from tiny_model import DEMO, TEXT_DEMO, VIDEO_DEMO
+# the demos' own defaults (no --model-path), where a flag does not say otherwise: DEMO, and TEXT_DEMO / VIDEO_DEMO /
+# TOOLS_DEMO on top of it for the text, the video and the zoom demo
+from tiny_model import DEMO, TEXT_DEMO, TOOLS_DEMO, VIDEO_DEMO
 
 
 # ================================================================================================ setup
@@ -63,6 +64,7 @@ class State:
     opt: Any = None
     sched: Any = None
     rollout: Any = None  # the generation engine (rollout.VLLMRollout or rollout.HFRollout)
+    tools: dict | None = None  # --tools: name -> function; the rollouts are then multi-turn (tools.rollout)
     start_step: int = 0
     cursor: int = 0  # position in the endless stream of prompts (a checkpoint saves it: exact resume)
     engine_stale: bool = True  # the engine's weights are older than the policy's (synced before it generates)
@@ -94,10 +96,13 @@ def setup(cfg: Config):
     ctx = State(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn, ckpt=ckpt,
                 model_path=cfg.model_path, kl_coef=cfg.kl_coef)
     if not ctx.model_path:  # the demo: rank 0 builds the tiny model (cached), the others wait and read it
-        ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model, rank=rank)
+        ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model, rank=rank, extra_tokens=(
+            [tools.ZOOM_CALL] if cfg.demo_task == "zoom" else []))  # (the zoom demo's call: one token)
+    ctx.tools = tools.load_tools(cfg.tools) if cfg.tools else None
     if layers_note:
         ctx.say(f"[memory] {layers_note}")
-    ctx.processor, ctx.train, ctx.val = data.load_datasets(cfg, ctx.model_path, say=ctx.say)
+    ctx.processor, ctx.train, ctx.val = data.load_datasets(cfg, ctx.model_path, say=ctx.say,
+                                                           tools=tools.schemas(ctx.tools))  # (their JSON schemas)
     ctx.tokenizer = getattr(ctx.processor, "tokenizer", ctx.processor)
     ctx.pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
     if cfg.max_steps <= 0:  # EasyR1's total_epochs: an epoch is as many steps as whole rollout batches fit in the data
@@ -157,6 +162,9 @@ def setup(cfg: Config):
 # A sample is one response to one prompt, a dict that the stages below fill in as the step goes:
 #   prompt         the prompt record (data.encode_prompt), shared by the n samples of the prompt
 #   response_ids   the generated tokens (cut after EOS); finished: stopped by EOS rather than by the length cap
+#   policy_mask    (--tools) 1 on each token of response_ids the engine sampled, 0 on the tools' answers and the
+#                  template's tokens between turns: the loss, KL, entropy and agreement cover the 1s only
+#                  (tools.rollout also adds last_turn, trajectory (messages, tool_calls) and tool_stats)
 #   rollout_logp   the engine's log-prob of each sampled token (None when the engine gives none)
 #   text, scores, reward   the decoded response, the reward function's dict for it and its "overall" value
 #   adv            the advantage (one number for every token of the response)
@@ -197,13 +205,18 @@ def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None, log
     engine's log-probs as rollout_call picks them (validation and ReMax's greedy: none)."""
     cfg = ctx.cfg
     call = rollout_call(cfg, drawn, n, temperature, top_p, lengths, logprobs)
-    outs = ctx.rollout.generate(**call)
-    samples = [dict(prompt=p, response_ids=list(o["response_ids"]), finished=o["finished"],
-                    rollout_logp=o.get("logprobs") if j < w else None)  # (the HF engine gives every sample's)
-               for p, w, group in zip(call["prompts"], call["logprobs"], outs) for j, o in enumerate(group)]
-    texts = ctx.tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
-    items = [{"response": t, "response_length": len(s["response_ids"]), "ground_truth": s["prompt"]["answer"]}
-             for t, s in zip(texts, samples)]
+    if getattr(ctx, "tools", None):  # multi-turn: the trajectories after the prompts, their policy_mask (tools.py)
+        samples = tools.rollout(ctx, call)
+    else:
+        outs = ctx.rollout.generate(**call)
+        samples = [dict(prompt=p, response_ids=list(o["response_ids"]), finished=o["finished"],
+                        rollout_logp=o.get("logprobs") if j < w else None)  # (the HF engine gives every sample's)
+                   for p, w, group in zip(call["prompts"], call["logprobs"], outs) for j, o in enumerate(group)]
+    # the answer: the (last) turn's text; with tools the reward also sees the trajectory (messages, tool_calls)
+    texts = ctx.tokenizer.batch_decode([s.get("last_turn", s["response_ids"]) for s in samples],
+                                       skip_special_tokens=True)
+    items = [{"response": t, "response_length": len(s["response_ids"]), "ground_truth": s["prompt"]["answer"],
+              **s.get("trajectory", {})} for t, s in zip(texts, samples)]
     scores = ctx.reward_fn(items)
     rewards.check_scores(scores, items, [s["prompt"]["prompt_text"] for s in samples], cfg.reward_function)
     for s, t, sc in zip(samples, texts, scores):
@@ -305,7 +318,7 @@ def update_policy(ctx, samples, step):
             # global normalisers: the mini-batch's loss is the same whatever the micro-batching and rank count
             # (a sample with loss_mask 0, e.g. DAPO's truncated ones, takes no part in the loss or its normalisers)
             live = [s.get("loss_mask", 1) for s in mini]
-            num_tokens, num_seqs = actor.all_reduce_cpu([sum(len(s["response_ids"]) * k for s, k in zip(mini, live)),
+            num_tokens, num_seqs = actor.all_reduce_cpu([sum(tools.policy_tokens(s) * k for s, k in zip(mini, live)),
                                                          sum(live)]).clamp(min=1).tolist()
             norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
             for idx in actor.plan_micro_batches(ctx.model, mini, cfg.max_token_len_per_device,
@@ -353,6 +366,9 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
     tokens that took part."""
     dev, R = logp.device, logp.shape[1]
     mask = mask & actor.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]  # [b, R]
+    if "policy_mask" in mb[0]:  # multi-turn: the tokens the policy sampled only, not the tools' answers
+        mask = mask & actor.stack_padded([s["policy_mask"] for s in mb], R, dev).bool()  # [b, R]
+        logp = torch.where(mask, logp, 0.0)  # (a tool image's pads have log-prob -inf, and 0 x -inf is nan)
     if mb[0].get("old_logp") is not None:
         old = actor.stack_padded([s["old_logp"] for s in mb], R, dev)  # [b, R]
     else:  # on-policy: the first forward *is* the old policy
@@ -407,6 +423,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     ctx.prompt_seconds = 0.0
     ctx.rollout.wake()
     samples = collect(ctx, step, metrics)
+    metrics.update(tools.metrics(samples) if ctx.tools else {})  # turns, calls, errors, timeouts, seconds, tokens
     metrics.update(memory.sleep(ctx.rollout))  # (and the GPU memory free with the engine awake and asleep)
     T["gen"], T["prompts"] = time.time() - t, ctx.prompt_seconds  # (drawing the prompts: part of gen)
     if step + 1 < cfg.max_steps:
@@ -420,7 +437,7 @@ def train_step(ctx, step, collect=collect_rollouts):
         t = start["old_logprob"] = time.time()
         old, _ = actor.compute_logprobs(ctx.model, samples, **mb_kw, entropy=False)
         for s, o in zip(samples, old):
-            s["old_logp"] = o
+            s["old_logp"] = tools.masked(o, s)
         T["old_logprob"] = time.time() - t
     if cfg.kl_coef > 0:
         t = start["ref_logprob"] = time.time()
@@ -430,7 +447,7 @@ def train_step(ctx, step, collect=collect_rollouts):
         with ref_model as m:
             ref, _ = actor.compute_logprobs(m, samples, **mb_kw, entropy=False)
         for s, r in zip(samples, ref):
-            s["ref_logp"] = r
+            s["ref_logp"] = tools.masked(r, s)
         T["ref_logprob"] = time.time() - t
     if "old_logprob" in T or "ref_logprob" in T:
         peaks["ref"] = memory.phase_peak_gb(ctx.rollout)  # old and reference log-probs
@@ -519,6 +536,7 @@ def validate(ctx):
         samples += generate_and_score(ctx, drawn, cfg.val_n, cfg.val_temperature, cfg.val_top_p, logprobs=False)
     ctx.rollout.sleep()
     out = rundir.sample_metrics(ctx, samples, "val")
+    out.update(tools.metrics(samples, "val/tool_") if ctx.tools else {})
     ctx.val_rows = rundir.gather_val_rows(samples)  # rank 0: every answer, for val_samples.jsonl (a mean hides a class)
     if cfg.val_n > 1:
         key = "accuracy" if "accuracy" in samples[0]["scores"] else "overall"
@@ -568,11 +586,13 @@ def train(cfg: Config, collect=collect_rollouts):
     return ctx
 
 
-def main(config_cls=Config, collect=collect_rollouts, demo=DEMO, text_demo=TEXT_DEMO, video_demo=VIDEO_DEMO):
+def main(config_cls=Config, collect=collect_rollouts, demo=DEMO, text_demo=TEXT_DEMO, video_demo=VIDEO_DEMO,
+         tools_demo=TOOLS_DEMO):
     """The command line: defaults (EasyR1's, or the demo's), an EasyR1 --config, the flags; then train. A UserError
     (a bad option, file, row or reward) ends the run with one `error:` line and exit code 2."""
     with one_line_errors():
-        train(easyr1_config.cli(config_cls, demo, text_demo=text_demo, video_demo=video_demo), collect)
+        train(easyr1_config.cli(config_cls, demo, text_demo=text_demo, video_demo=video_demo, tools_demo=tools_demo),
+              collect)
     dist.destroy_process_group()
 
 

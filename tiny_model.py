@@ -316,21 +316,24 @@ def _atomic_build(out_dir, build_fn, meta):
     return out_dir
 
 
-def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None) -> str:
+def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None, extra_tokens=()) -> str:
     """Build (or reuse) the tiny random model; returns its folder (pass it to from_pretrained). rank: under
-    torch.distributed, rank 0 builds and the others wait for it."""
+    torch.distributed, rank 0 builds and the others wait for it. extra_tokens: added to the vocabulary, one token
+    each (the zoom demo's tool call), in a model of their own."""
     if rank is not None:
         if rank == 0:
-            build_tiny_model(out_dir, arch, seed)
+            build_tiny_model(out_dir, arch, seed, extra_tokens=extra_tokens)
         dist.barrier()
     if arch not in ARCHS + FAMILIES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + FAMILIES}")
-    out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v3")  # v3: the MoE config names norm_topk_prob
+    # v3: the MoE config names norm_topk_prob
+    out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v3" + "-tools" * bool(extra_tokens))
 
     def build(tmp):
         if arch in FAMILIES:
             return tiny_families.build(arch, tmp, seed, build_tokenizer, _text_config, CHAT_TEMPLATE, SPECIAL_TOKENS)
-        tok = build_tokenizer(split_digits=arch in ("qwen3",) + QWEN3_VISION)
+        tok = build_tokenizer(512 - len(extra_tokens), split_digits=arch in ("qwen3",) + QWEN3_VISION)
+        tok.add_tokens(list(extra_tokens))  # (not special: a decoded response keeps them)
         ids = _token_ids(tok)
         vocab_size = (len(tok) + 63) // 64 * 64  # aligned rows, like Qwen's padded embeddings
         cfg = tiny_config(arch, ids, vocab_size)
@@ -371,6 +374,9 @@ TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4,
 # stopped saying "green" before it could tell the clip's halves apart, and never learned it (greedy validation stuck
 # at 0.74: every clip ending green was answered "blue").
 VIDEO_DEMO = dict(max_response_length=1, n=32)
+# The zoom demo (--demo-task zoom, tools.py): two turns of at most 4 tokens, the whole trajectory within 40 tokens.
+TOOLS_DEMO = dict(tools="zoom", reward_function="zoom", max_turns=2, max_turn_tokens=4, max_response_length=40,
+                  limit_images=3)  # (the picture and two zooms)
 
 
 # ================================================================================ the demos' synthetic tasks
@@ -460,6 +466,38 @@ def demo_data(data_dir=None, n_train=2000, n_val=200):
         make_color_dataset(val, n_val, seed=1)
     return train, val
 
+
+
+# --demo-task zoom (tools.py): a grey, noisy picture with a 2 x 2-pixel coloured dot at its centre, too small for the
+# tiny vision tower to tell the colour (--max-turns 1 stays near chance); tools.zoom returns the centre magnified
+ZOOM_QUESTION = "<image>What is the color of the dot in the middle?"
+ZOOM_FORMAT_PROMPT = "{{ content }} Zoom in, then answer with one word."
+
+
+def make_zoom_dataset(out_path: str, n_rows: int, seed: int) -> str:
+    import datasets  # slow to import (~2 s): only where a task's data are written or read
+    rng, rows = random.Random(seed), {"problem": [], "answer": [], "images": []}
+    for _ in range(n_rows):
+        color = rng.choice(list(COLORS))
+        img = Image.new("RGB", (112, 112))
+        img.putdata([(g, g, g) for g in (rng.randint(100, 160) for _ in range(112 * 112))])  # grey noise
+        ImageDraw.Draw(img).rectangle([55, 55, 56, 56], fill=jittered(rng, color))
+        rows["problem"].append(ZOOM_QUESTION)
+        rows["answer"].append(color)
+        rows["images"].append([png_item(img)])
+    features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
+                                  "images": datasets.List(datasets.Image())})
+    return write_parquet(rows, out_path, features)
+
+
+def demo_zoom_data(data_dir=None, n_train=2000, n_val=200):
+    """(train_path, val_path) of the zoom task; written once."""
+    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/zoom-v1")
+    paths = [os.path.join(data_dir, f"{s}-{k}.parquet") for s, k in (("train", n_train), ("val", n_val))]
+    for path, k, seed in zip(paths, (n_train, n_val), (0, 1)):
+        if not os.path.isfile(path):
+            make_zoom_dataset(path, k, seed)
+    return tuple(paths)
 
 
 def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:

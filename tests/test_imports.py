@@ -23,7 +23,7 @@ FLOORS = [
     # (models, tasks, settings, the MoE's experts); the real-size random models; the families' differences; FLOPs;
     # kernels; the formulas
     ["video", "data", "easyr1_config"],  # the data (data.py reaches the demos through data_files); the command line
-    ["memory", "fsdp_actor", "rollout", "rewards", "rundir"],  # the stages
+    ["memory", "fsdp_actor", "rollout", "rewards", "rundir", "tools"],  # the stages (tools: multi-turn rollouts)
     ["grpo"],  # the loop
     ["dapo", "merge"],  # entry points on top of it
     sorted(m for m in FILES if m == BENCH or m.startswith(BENCH + ".")),  # benchmarks/: the measurement tools

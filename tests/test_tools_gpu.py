@@ -1,0 +1,24 @@
+"""The zoom demo's multi-turn rollouts with the colocated vLLM engine (GPU only; not yet run on a GPU): the engine
+continues each trajectory from the ids it sampled plus the tool's picture, and the trainer agrees with it on the
+model's tokens (the tools' answers are outside the agreement, as outside the loss).  python3 -m pytest -q -m gpu"""
+import json
+import sys
+
+import pytest
+
+from test_grpo_gpu import engine_flags
+
+pytestmark = pytest.mark.gpu
+
+
+def test_zoom_demo_with_vllm_calls_the_tool_and_agrees_on_the_models_tokens(tmp_path, launch):
+    pytest.importorskip("vllm")
+    out = tmp_path / "run"
+    launch.run([sys.executable, "grpo.py", "--demo-task", "zoom", "--rollout-engine", "vllm", "--enforce-eager",
+                *engine_flags(0.2), "--max-steps", "40", "--val-freq", "0", "--rollout-logprobs-every", "1",
+                "--output-dir", out], tmp_path / "run.log", 1800)
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    late = [r for r in rows if r["tools/call_rate"] > 0.5]  # most samples' agreement then spans two turns
+    assert late, [r["tools/call_rate"] for r in rows]
+    assert max(r["rollout/logprob_diff_mean"] for r in rows) < 5e-3
+    assert all(r["tools/errors"] == 0 and r["tools/timeouts"] == 0 for r in rows)

@@ -1,0 +1,352 @@
+"""tools.py -- multi-turn rollouts with tools ("thinking with images"), token in, token out.
+
+--tools FILE (or a built-in: zoom) names plain Python functions, as --reward-function names a reward: each one's type
+hints and docstring make its JSON schema (the chat template's `tools`), and it returns text or a PIL image (or a list
+of them). A turn of the loop below: one engine call for every active sample of the rank; the tool calls in what it
+sampled (Qwen's <tool_call> format) run on threads, each cut at --tool-timeout; their answers are rendered by the
+model's own chat template and tokenized on their own; the trajectory grows by exactly the sampled ids, then those
+answer tokens, and the next turn continues it. Nothing the model sampled is ever decoded and re-tokenized (Agent-R1
+#46: a re-tokenized turn is not what the policy produced). The trainer learns from the sampled tokens only:
+`policy_mask` is 1 on them and 0 on the tools' answers and the template's tokens between turns.
+"""
+import importlib.util
+import inspect
+import json
+import os
+import re
+import threading
+import time
+import types
+import typing
+
+import torch
+from PIL import Image
+
+import data
+import rewards
+from common import UserError, all_reduce_cpu
+
+HIDDEN = ("images",)  # parameters the loop fills in (the images of the trajectory so far), not the model
+SENTINEL = "\x00end of the assistant's turn\x00"  # where the model's own tokens end in a rendered chat
+
+
+# ------------------------------------------------------------------------------------------------ tools, schemas
+def load_tools(spec):
+    """--tools: a built-in name (BUILTIN_TOOLS) or a Python file, whose public functions defined in it (or those its
+    TOOLS list names) are the tools. Returns {name: function}; a file that cannot be used is a UserError now."""
+    if spec in BUILTIN_TOOLS:
+        return {f.__name__: f for f in BUILTIN_TOOLS[spec]}
+    path = os.path.expanduser(spec)
+    if not os.path.isfile(path):
+        raise UserError(f"--tools {spec}: no such file (or a built-in: {sorted(BUILTIN_TOOLS)})")
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_file_location("user_tools", path))
+    mod.__spec__.loader.exec_module(mod)
+    fns = getattr(mod, "TOOLS", None) or [f for n, f in vars(mod).items() if inspect.isfunction(f)
+                                          and f.__module__ == mod.__name__ and not n.startswith("_")]
+    if not fns:
+        raise UserError(f"--tools {spec}: no public function in it")
+    for f in fns:
+        if not inspect.getdoc(f):
+            raise UserError(f"--tools {spec}: {f.__name__} has no docstring (the model reads it as the tool's "
+                            "description)")
+    return {f.__name__: f for f in fns}
+
+
+JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+def schema(fn):
+    """The function's JSON schema, as chat templates take `tools`: the docstring's first paragraph describes it, a
+    line "name: text" of it describes that parameter; the type hints give the types; no default = required."""
+    doc, hints = inspect.getdoc(fn) or "", typing.get_type_hints(fn)
+    said = dict(re.findall(r"^\s*(\w+):\s*(.+)$", doc, re.M))
+    props, required = {}, []
+    for name, p in inspect.signature(fn).parameters.items():
+        if name in HIDDEN:
+            continue
+        t = hints.get(name, str)
+        if typing.get_origin(t) in (typing.Union, types.UnionType):  # Optional[int] / int | None: the int
+            t = next(a for a in typing.get_args(t) if a is not type(None))
+        props[name] = {"type": JSON_TYPES.get(typing.get_origin(t) or t, "string"), **(
+            {"description": said[name]} if name in said else {})}
+        if p.default is inspect.Parameter.empty:
+            required.append(name)
+    return {"type": "function", "function": {"name": fn.__name__, "description": doc.split("\n\n")[0],
+                                             "parameters": {"type": "object", "properties": props,
+                                                            "required": required}}}
+
+
+def schemas(fns):
+    """The chat template's `tools` for load_tools' functions (None without tools)."""
+    return [schema(f) for f in fns.values()] if fns else None
+
+
+# ------------------------------------------------------------------------------------------------ parsing a turn
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+XML_CALL = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
+XML_PARAM = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def parse_calls(text):
+    """The tool calls of a turn in Qwen's formats: <tool_call>{"name": ..., "arguments": {...}}</tool_call> (hermes
+    JSON: Qwen2.5-VL, Qwen3-VL) or <tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>
+    (the XML form of Qwen3.5 / Qwen3-Coder). Each is (name, arguments) or, malformed, (None, its error answer)."""
+    out = []
+    for body in CALL.findall(text):
+        if m := XML_CALL.search(body):
+            out.append((m.group(1), {k: _json_or_text(v) for k, v in XML_PARAM.findall(m.group(2))}))
+            continue
+        try:
+            obj = json.loads(body)
+            args = obj.get("arguments", {})
+            args = json.loads(args) if isinstance(args, str) else args
+            if not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+                raise ValueError("it needs a string name and an arguments object")
+            out.append((obj["name"], args))
+        except (ValueError, AttributeError) as e:  # (json's errors are ValueErrors; a list has no .get)
+            out.append((None, f"error: the tool call is not JSON with a name and arguments ({e})"))
+    return out
+
+
+def _json_or_text(v):
+    try:
+        return json.loads(v)
+    except ValueError:
+        return v
+
+
+# ------------------------------------------------------------------------------------------------ running calls
+def run_calls(tools, calls, images, timeout):
+    """Run calls [(name, arguments)] (all samples' of a turn at once, each on a thread of its own) and return one
+    record per call: name, arguments, result (text, a PIL image or a list of them), status ok / error (it raised:
+    the answer is its one-line error) / timeout (cut at `timeout` s: the thread is left behind, its result
+    dropped) / invalid (unknown tool, bad arguments, malformed call), seconds. images: per call, the trajectory's
+    images so far, for a tool that takes `images`. A tool never stops the run."""
+    recs, running = [], []
+    for (name, args), imgs in zip(calls, images):
+        rec = dict(name=name, arguments=args, status="invalid", result=None, seconds=0.0)
+        recs.append(rec)
+        fn = tools.get(name)
+        if name is None:
+            rec["result"] = args
+            continue
+        if fn is None:
+            rec["result"] = f"error: unknown tool {name!r}; the tools are {', '.join(sorted(tools))}"
+            continue
+        kw = {k: v for k, v in args.items() if k not in HIDDEN}
+        if "images" in inspect.signature(fn).parameters:
+            kw["images"] = imgs
+        try:
+            inspect.signature(fn).bind(**kw)
+        except TypeError as e:
+            rec["result"] = f"error: bad arguments for {name}: {e}"
+            continue
+        box = {}  # the thread writes here only: after a timeout its late result goes nowhere
+        th = threading.Thread(target=_call, args=(fn, kw, box), daemon=True)
+        running.append((rec, box, th, time.time()))
+        th.start()
+    for rec, box, th, t0 in running:
+        th.join(max(0.0, t0 + timeout - time.time()))
+        rec["seconds"] = time.time() - t0
+        if th.is_alive():
+            rec.update(status="timeout", result=f"error: {rec['name']} timed out after {timeout:g} s")
+        else:
+            rec.update(box)
+    return recs
+
+
+def _call(fn, kw, box):
+    try:
+        out = fn(**kw)
+        box.update(status="ok", result=out if isinstance(out, (Image.Image, list)) else str(out))
+    except BaseException as e:  # noqa: BLE001 (a tool's SystemExit too: it is the tool's answer)
+        line = (str(e).strip().splitlines() or [""])[0]
+        box.update(status="error", result=f"error: {type(e).__name__}: {line}"[:500])
+
+
+# ------------------------------------------------------------------------------------------------ the tools' answer
+def render_answer(proc, recs, ended, min_pixels, max_pixels):
+    """The tokens that follow a turn with calls: the template's rendering of the tool messages and the next
+    assistant header, after the turn's content. `ended`: the text of the end-of-turn token the model sampled
+    (it is in the trajectory already), or "" when the turn was cut without one (the template's is then added).
+    Returns (raw ids (one pad per image: vLLM's), ids (the processor's, pads expanded), images, mm_inputs)."""
+    tok = getattr(proc, "tokenizer", proc)
+    msgs, images = [], []
+    for r in recs:
+        content = []
+        for x in r["result"] if isinstance(r["result"], list) else [r["result"]]:
+            if isinstance(x, Image.Image):
+                images.append(data.resize_image(x.convert("RGB"), min_pixels, max_pixels))
+                content.append({"type": "image"})
+            else:
+                content.append({"type": "text", "text": str(x)})
+        text_only = all(c["type"] == "text" for c in content)
+        msgs.append({"role": "tool", "name": r["name"] or "",
+                     "content": "".join(c["text"] for c in content) if text_only else content})
+    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": SENTINEL}] + msgs
+    tail = proc.apply_chat_template(chat, tokenize=False, add_generation_prompt=True).split(SENTINEL, 1)[1]
+    if ended and tail.startswith(ended):  # the model sampled the template's end of turn: keep its token, not twice
+        tail = tail[len(ended):]
+    raw = tok.encode(tail, add_special_tokens=False)
+    if not images:
+        return raw, raw, [], {}
+    enc = proc(text=[tail], images=images, return_tensors="pt", add_special_tokens=False)
+    mm = {k: v for k, v in enc.items() if k not in data.TOKEN_KEYS and isinstance(v, torch.Tensor)}
+    return raw, enc["input_ids"][0].tolist(), images, mm
+
+
+def merge_mm(a, b):
+    """Two records' processor tensors, the images of `a` first (Qwen-VL concatenates them along dim 0)."""
+    return {k: torch.cat([a[k], b[k]]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+
+
+def continuation(t):
+    """A trajectory as a prompt record for the engine's next turn: the prompt's ids + every token so far (the
+    trainer's expanded ids for the HF engine, the raw ids for vLLM, which expands the tools' images itself)."""
+    p = t["prompt"]
+    return dict(p, prompt_ids=p["prompt_ids"] + t["ids"], raw_prompt_ids=p["raw_prompt_ids"] + t["raw"],
+                images=list(p.get("images") or []) + t["images"], mm_inputs=merge_mm(p["mm_inputs"], t["mm"]))
+
+
+# ------------------------------------------------------------------------------------------------ the turn loop
+def rollout(ctx, call):
+    """generate_and_score's samples with tools: `call` is grpo.rollout_call's (n samples per prompt). Turn 1 is that
+    call; each later turn one engine call with every active trajectory of this rank (n=1 each, its own seed).
+    --max-response-length bounds the whole trajectory after the prompt (the model's and the tools' tokens: what the
+    trainer holds), --max-turn-tokens one turn, --limit-images the pictures in it (the prompt's too). Under torchrun
+    every rank takes part in each turn's all-reduce of the active counts until all are 0; a rank generates when its
+    tensor-parallel group has work (the group's ranks then make the same calls: vLLM gathers their prompts, so each
+    sample's tools run once, on its own rank, and the group sees what they returned), so a rank needing fewer turns
+    never leaves another waiting."""
+    cfg, tok, eng = ctx.cfg, ctx.tokenizer, ctx.rollout
+    budget = cfg.max_response_length
+    per_turn = min(cfg.max_turn_tokens or budget, budget)
+    trajs = [dict(prompt=p, seed=s, j=j, want=j < w, ids=[], raw=[], mask=[], logp=[] if j < w else None, images=[],
+                  mm={}, messages=[], calls=[], turn_tokens=[], last=[], finished=False)
+             for p, s, w in zip(call["prompts"], call["seeds"], call["logprobs"]) for j in range(call["n"])]
+    tp = getattr(eng, "tp", 1) if getattr(eng, "tp_group", None) is not None else 1
+    active, outs = list(range(len(trajs))), [o for g in eng.generate(**dict(call, max_tokens=per_turn)) for o in g]
+    for turn in range(cfg.max_turns):
+        if turn:  # every rank: the active counts of all ranks (a one-hot sum), then this rank's group's share
+            counts = torch.zeros(max(ctx.world, 1))
+            counts[ctx.rank] = len(active)
+            counts = all_reduce_cpu(counts)
+            if counts.sum() == 0:
+                break
+            mine = [trajs[i] for i in active]
+            outs = [g[0] for g in eng.generate(
+                prompts=[continuation(t) for t in mine], n=1, temperature=call["temperature"], top_p=call["top_p"],
+                max_tokens=min(per_turn, max(budget - len(t["ids"]) for t in mine)),
+                seeds=[(t["seed"] * 7919 + t["j"] * 101 + turn) % 2**31 for t in mine],
+                logprobs=[int(t["want"]) for t in mine])] if counts[ctx.rank // tp * tp:][:tp].sum() > 0 else []
+        pending = []  # (trajectory's index, its calls) to run this turn
+        for i, o in zip(active, outs):
+            t = trajs[i]
+            ids = list(o["response_ids"])[:budget - len(t["ids"])]  # the sampled ids, as they are (cut at the budget)
+            lp = o.get("logprobs")
+            t["logp"] = t["logp"] + list(lp[:len(ids)]) if t["logp"] is not None and lp is not None else None
+            t["ids"], t["raw"], t["mask"] = t["ids"] + ids, t["raw"] + ids, t["mask"] + [1] * len(ids)
+            t["turn_tokens"].append(len(ids))
+            t["last"], t["finished"] = ids, o["finished"] and len(ids) == len(o["response_ids"])
+            t["messages"].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
+            calls = parse_calls(tok.decode(ids, skip_special_tokens=False))
+            if calls and turn + 1 < cfg.max_turns and len(t["ids"]) < budget:
+                pending.append((i, calls))
+        flat = [(trajs[i], c) for i, calls in pending for c in calls]
+        recs = iter(run_calls(ctx.tools, [c for _, c in flat], [list(t["prompt"].get("images") or []) + t["images"]
+                                                                for t, _ in flat], cfg.tool_timeout))
+        active = []
+        for i, calls in pending:
+            t = trajs[i]
+            done = [next(recs) for _ in calls]
+            t["calls"] += done
+            ended = tok.decode(t["last"][-1:]) if t["finished"] else ""
+            raw, ids, imgs, mm = render_answer(ctx.processor, done, ended, cfg.min_pixels, cfg.max_pixels)
+            t["messages"] += [{"role": "tool", "name": r["name"], "content": r["result"]} for r in done]
+            shown = len(t["prompt"].get("images") or []) + len(t["images"]) + len(imgs)
+            if len(t["ids"]) + len(ids) >= budget or (imgs and shown > cfg.limit_images):  # no room for the answer
+                t["finished"] = False  # and a reply (or more pictures than the engine takes): the trajectory ends, cut
+                continue
+            t["ids"], t["raw"], t["mask"] = t["ids"] + ids, t["raw"] + raw, t["mask"] + [0] * len(ids)
+            t["logp"] = t["logp"] + [0.0] * len(ids) if t["logp"] is not None else None  # (masked: never read)
+            t["images"], t["mm"] = t["images"] + imgs, merge_mm(t["mm"], mm)
+            active.append(i)
+    return [_sample(t) for t in trajs]
+
+
+def _sample(t):
+    """A trajectory as grpo's sample dict: response_ids = everything after the prompt, policy_mask = 1 on the tokens
+    the engine sampled. With tool images the sample gets a prompt record of its own (its images after the
+    prompt's, in sequence order: the trainer's vision tower, scatter and M-RoPE positions then see all of them)."""
+    p = t["prompt"]
+    if t["images"]:
+        p = dict(p, images=list(p.get("images") or []) + t["images"], mm_inputs=merge_mm(p["mm_inputs"], t["mm"]),
+                 tool_images=len(t["images"]))
+    st = [r["status"] for r in t["calls"]]
+    stats = dict(turns=len(t["turn_tokens"]), calls=len(st), call_rate=float("ok" in st), errors=st.count("error"),
+                 timeouts=st.count("timeout"), invalid=st.count("invalid"),
+                 seconds=sum(r["seconds"] for r in t["calls"]), policy_tokens=sum(t["mask"]),
+                 answer_tokens=len(t["mask"]) - sum(t["mask"]),
+                 tokens_per_turn=sum(t["turn_tokens"]) / max(len(t["turn_tokens"]), 1))
+    calls = [{k: (v if not isinstance(v, Image.Image) else "<image>") for k, v in r.items()} for r in t["calls"]]
+    return dict(prompt=p, response_ids=t["ids"], finished=t["finished"], rollout_logp=t["logp"],
+                policy_mask=t["mask"], last_turn=t["last"], tool_stats=stats,
+                trajectory=dict(messages=t["messages"], tool_calls=calls))
+
+
+def policy_tokens(s):
+    """The tokens of a sample the loss covers (all of a single-turn response)."""
+    return sum(s["policy_mask"]) if "policy_mask" in s else len(s["response_ids"])
+
+
+def masked(logp, s):
+    """A sample's per-token log-probs [R] with 0 where the policy sampled nothing (a tool's image pads: -inf)."""
+    return logp.masked_fill(torch.tensor(s["policy_mask"]) == 0, 0.0) if "policy_mask" in s else logp
+
+
+def metrics(samples, prefix="tools/"):
+    """Means per sample over all ranks: turns, tool calls, call_rate (the share with a call that answered), errors,
+    timeouts, invalid calls, seconds in tools, the model's and the tools' tokens, the model's tokens per turn."""
+    keys = list(samples[0]["tool_stats"]) if samples else []
+    tot = all_reduce_cpu([sum(s["tool_stats"][k] for s in samples) for k in keys] + [len(samples)]).tolist()
+    return {f"{prefix}{k}": v / max(tot[-1], 1) for k, v in zip(keys, tot)}
+
+
+# ------------------------------------------------------------------------------------------------ the zoom demo
+# --demo-task zoom (the task: tiny_model.make_zoom_dataset): a dot too small for the tiny vision tower to tell its
+# colour, and the `zoom` tool, which returns the picture's centre magnified. The tiny model's tokenizer knows the
+# demo's one call as one token (ZOOM_CALL: its text is Qwen's format, parsed as any call is), as BPE gives each colour
+# word one token: a random policy would never find a 20-token call by chance.
+ZOOM_CALL = '<tool_call>{"name": "zoom", "arguments": {}}</tool_call>'
+
+
+def zoom(x: int = -1, y: int = -1, size: int = 2, *, images) -> Image.Image:
+    """Magnify a square of the picture: the size x size pixels centred on (x, y), 56 x 56 pixels wide.
+
+    x: the centre's column in pixels of the picture as you see it (-1: the picture's centre)
+    y: the centre's row (-1: the picture's centre)
+    size: the square's side in pixels"""
+    img = images[0]
+    x, y = img.width // 2 if x < 0 else x, img.height // 2 if y < 0 else y
+    box = (x - size // 2, y - size // 2, x - size // 2 + size, y - size // 2 + size)
+    return img.crop(box).resize((56, 56), Image.NEAREST)
+
+
+BUILTIN_TOOLS = {"zoom": [zoom]}
+
+
+def zoom_reward(items):
+    """The colour reward (accuracy x 0.8) and 0.2 for a zoom that answered, followed by a reply: the shaping that
+    lets a random policy find the call before it can read the colour (the call alone is worth no accuracy until the
+    crop is read). Calls that overrun the trajectory's budget leave no reply: without that condition the policy
+    learned to repeat the call until its trajectory was cut (2.8 calls a turn at step 40, a second turn for 30 % of
+    the samples: benchmarks/cpu/demo_tools_first_shaping_72steps_metrics.jsonl)."""
+    out = []
+    for it, sc in zip(items, rewards.color_reward(items)):
+        replied = bool(it.get("messages")) and it["messages"][-1]["role"] == "assistant"
+        called = float(replied and any(c["status"] == "ok" for c in it.get("tool_calls", [])))
+        out.append({**sc, "overall": 0.8 * sc["accuracy"] + 0.2 * called, "tool_call": called})
+    return out
+
+
+rewards.BUILTIN_REWARDS["zoom"] = zoom_reward  # (a built-in beside rewards.py's: --reward-function zoom)
