@@ -1,13 +1,9 @@
 """easyr1_config.py -- the command line in EasyR1's terms: its defaults (or the demo's), its nested YAML config read
 unchanged (`grpo.py --config examples/config.yaml`, or EasyR1's own form `grpo.py config=examples/config.yaml
 worker.rollout.n=8 ...`: dotted keys merged over the file as OmegaConf merges them), then the flags; and the checks
-of the values (`check`).
-
-TABLE holds every EasyR1 key: the option it sets here (converted where the two spell a value differently), or none
-and why. A key whose value would change the result but cannot be honoured stops the run with the reason; a key with
-no effect here is listed at start; an unknown key (a typo) stops the run. Flags given on the command line override
-the file. Keys absent from the file keep this project's defaults (EasyR1's example values, see config.Config), not
-EasyR1's dataclass defaults. `python easyr1_config.py` prints the README's migration table (a test keeps it equal).
+of the values (`check`). TABLE holds every EasyR1 key: the option it sets here, or none and why (docs/easyr1.md
+shows it; a test keeps the two equal). A key that cannot be honoured, or an unknown one, stops the run; a key with no
+effect here is listed at start. Keys absent from the file keep this project's defaults (EasyR1's example values).
 """
 import json
 import os
@@ -98,10 +94,9 @@ def _torch_dtype(v, y):  # EasyR1's actor storage dtype: null = fp32 master weig
 
 
 def _world(v, y):
-    """EasyR1 starts n_gpus_per_node x nnodes workers itself; here the launcher starts the processes, so the two must
-    agree. Checked only when several processes run (torchrun, WORLD_SIZE > 1): one process (`python grpo.py`, which
-    leaves WORLD_SIZE unset until it makes its 1-rank group, or torchrun with 1) is the one-GPU launch, and EasyR1's
-    config.yaml says 8 GPUs, which would otherwise stop every single-GPU try of an EasyR1 script."""
+    """EasyR1 starts n_gpus_per_node x nnodes workers itself; here the launcher does, so the two must agree when
+    several processes run (WORLD_SIZE > 1). One process is the one-GPU try of an EasyR1 script (whose config.yaml
+    says 8 GPUs): not stopped."""
     gpus, nodes = y.get("trainer.n_gpus_per_node", 8), y.get("trainer.nnodes", 1)  # EasyR1's defaults
     world = os.environ.get("WORLD_SIZE", "1")
     if int(world) > 1 and int(world) != gpus * nodes:
@@ -493,21 +488,3 @@ def check(cfg, world):
     except OSError as e:
         raise UserError(f"--output-dir {cfg.output_dir}: cannot write there ({e.strerror or e})") from e
 
-
-def markdown():
-    """The README's migration table, from TABLE."""
-    groups = {}
-    for k, (o, c, n) in TABLE.items():
-        if n is SAME:
-            groups.setdefault(k.rpartition(".")[0], []).append(k.rpartition(".")[2])
-    rows = ["| EasyR1 key | here | note |", "|---|---|---|",
-            "| " + "; ".join(f"`{sec}.` " + ", ".join(keys) for sec, keys in groups.items())
-            + " | the same name (`data.max_pixels` -> `--max-pixels`) | |"]
-    for k, (o, c, n) in TABLE.items():
-        if n is not SAME:
-            rows.append(f"| `{k}` | {f'`--{o.replace(chr(95), chr(45))}`' if o else 'none'} | {n or ''} |")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    print(markdown())
