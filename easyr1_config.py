@@ -108,55 +108,49 @@ def _world(v, y):
 
 def _flag(option):
     return lambda v, y: {option: True} if v else {}
+
+
+# EasyR1 keys whose option here has the same name (data.max_pixels -> --max-pixels)
+SAME_NAME = """
+data.train_files data.val_files data.prompt_key data.answer_key data.image_key data.video_key data.image_dir
+data.video_fps data.max_prompt_length data.max_response_length data.rollout_batch_size data.format_prompt
+data.seed data.min_pixels data.max_pixels data.filter_overlong_prompts
+algorithm.adv_estimator algorithm.kl_coef algorithm.kl_type algorithm.kl_horizon algorithm.kl_target
+algorithm.filter_key algorithm.filter_low algorithm.filter_high
+worker.actor.global_batch_size worker.actor.max_grad_norm worker.actor.clip_ratio_low
+worker.actor.clip_ratio_high worker.actor.clip_ratio_dual worker.actor.loss_avg_mode worker.actor.ppo_epochs
+worker.actor.tau_positive worker.actor.tau_negative
+worker.actor.model.freeze_vision_tower
+worker.actor.optim.lr_scheduler_type
+worker.rollout.n worker.rollout.temperature worker.rollout.top_p worker.rollout.gpu_memory_utilization
+worker.rollout.enforce_eager worker.rollout.tensor_parallel_size worker.rollout.max_num_batched_tokens
+trainer.val_before_train trainer.save_freq
+""".split()
 # EasyR1 key: (our option, conversion (value, whole flat config) -> {option: value} or None, note).
 # Later entries win: algorithm.disable_kl comes after algorithm.kl_coef.
 TABLE = {
-    "data.train_files": ("train_files", None, SAME),
-    "data.val_files": ("val_files", None, SAME),
-    "data.prompt_key": ("prompt_key", None, SAME),
-    "data.answer_key": ("answer_key", None, SAME),
-    "data.image_key": ("image_key", None, SAME),
-    "data.video_key": ("video_key", None, SAME),
-    "data.image_dir": ("image_dir", None, SAME),
-    "data.video_fps": ("video_fps", None, SAME),
-    "data.max_prompt_length": ("max_prompt_length", None, SAME),
-    "data.max_response_length": ("max_response_length", None, SAME),
-    "data.rollout_batch_size": ("rollout_batch_size", None, SAME),
+    **{k: (k.rpartition(".")[2], None, SAME) for k in SAME_NAME},
     "data.mini_rollout_batch_size": ("gen_batch_size", lambda v, y: {"gen_batch_size": v or y.get(
         "data.rollout_batch_size", 512)}, "prompts per dynamic-sampling try (null: the rollout batch)"),
     "data.val_batch_size": (None, None, "validation runs 64 prompts per rank at a time (memory only)"),
-    "data.format_prompt": ("format_prompt", None, SAME),
     "data.override_chat_template": (None, _only(None, why="not supported: the model's own chat template is used"),
                                     "must be null: the model's own chat template is used"),
     "data.shuffle": (None, _only(True, why="the data are always shuffled (one seeded permutation per epoch)"),
                      "must be true: one seeded permutation per epoch"),
-    "data.seed": ("seed", None, SAME),
-    "data.min_pixels": ("min_pixels", None, SAME),
-    "data.max_pixels": ("max_pixels", None, SAME),
-    "data.filter_overlong_prompts": ("filter_overlong_prompts", None, SAME),
     "data.filter_overlong_prompts_workers": (None, None, NO_EFFECT),
     "algorithm.gamma": (None, _only(1, 1.0, why="no discounting here"), "must be 1"),
     "algorithm.lam": (None, _only(1, 1.0, why="GAE (a critic) is not implemented"), "must be 1 (no GAE here)"),
-    "algorithm.adv_estimator": ("adv_estimator", None, SAME),
     "algorithm.kl_penalty": ("kl_penalty", _pick("kl_penalty", {"kl": "k1", "mse": "k2", "abs": "abs", "low_var_kl":
                                                                  "low_var_kl", "k1": "k1", "k2": "k2", "k3": "k3"}),
                              "kl -> k1, mse -> k2, low_var_kl and abs the same; full is not implemented"),
-    "algorithm.kl_coef": ("kl_coef", None, SAME),
     "algorithm.disable_kl": ("kl_coef", lambda v, y: {"kl_coef": 0.0} if v else {},
                              "true -> --kl-coef 0 (no reference model)"),
     "algorithm.use_kl_loss": ("kl_in_reward", lambda v, y: {"kl_in_reward": not v},
                               "false -> --kl-in-reward (the KL penalty in the reward)"),
-    "algorithm.kl_type": ("kl_type", None, SAME),
-    "algorithm.kl_horizon": ("kl_horizon", None, SAME),
-    "algorithm.kl_target": ("kl_target", None, SAME),
     "algorithm.online_filtering": ("filter_groups", lambda v, y: {"filter_groups": v},
                                    "dynamic sampling (DAPO's), in grpo.py and dapo.py"),
-    "algorithm.filter_key": ("filter_key", None, SAME),
-    "algorithm.filter_low": ("filter_low", None, SAME),
-    "algorithm.filter_high": ("filter_high", None, SAME),
     "worker.hybrid_engine": (None, _only(True, why="the trainer and vLLM always share the GPUs"), "always colocated"),
     "worker.actor.strategy": (None, _only("fsdp", why="FSDP2 only"), "FSDP2"),
-    "worker.actor.global_batch_size": ("global_batch_size", None, SAME),
     "worker.actor.micro_batch_size_per_device_for_update": (
         None, None, "micro-batches do not change the result; here --max-token-len-per-device and "
                     "--micro-batch-size-per-device bound them (the log-prob passes' too, unless "
@@ -164,14 +158,8 @@ TABLE = {
     "worker.actor.micro_batch_size_per_device_for_experience": (
         None, None, "as for_update; EasyR1 gives its log-prob passes this x the padded length in tokens, here "
                     "--logprob-max-token-len-per-device sets their own token bound"),
-    "worker.actor.max_grad_norm": ("max_grad_norm", None, SAME),
-    "worker.actor.clip_ratio_low": ("clip_ratio_low", None, SAME),
-    "worker.actor.clip_ratio_high": ("clip_ratio_high", None, SAME),
-    "worker.actor.clip_ratio_dual": ("clip_ratio_dual", None, SAME),
-    "worker.actor.loss_avg_mode": ("loss_avg_mode", None, SAME),
     "worker.actor.loss_type": ("loss_type", _loss_type, "default -> ppo_clip; gspo -> gspo with --gspo-dual-clip; "
                                                          "cispo -> cispo with --cispo-clip-low (EasyR1's formulas)"),
-    "worker.actor.ppo_epochs": ("ppo_epochs", None, SAME),
     "worker.actor.padding_free": ("padding_free", lambda v, y: {"padding_free": "auto" if v else "off"},
                                   "true = auto (on where a fast varlen kernel runs)"),
     "worker.actor.dynamic_batching": (None, None, "always on: micro-batches by padded tokens"),
@@ -180,14 +168,11 @@ TABLE = {
                                   "must be 1: sequence parallelism is not implemented"),
     "worker.actor.use_torch_compile": ("torch_compile", lambda v, y: {"torch_compile": "auto" if v else "off"},
                                        "true = auto (on for CUDA in bf16)"),
-    "worker.actor.tau_positive": ("tau_positive", None, SAME),
-    "worker.actor.tau_negative": ("tau_negative", None, SAME),
     "worker.actor.model.model_path": ("model_path", None, None),
     "worker.actor.model.tokenizer_path": (None, _tokenizer, "must be null: the model folder's tokenizer is used"),
     "worker.actor.model.override_config": (None, _only({}, None, why="not supported"), "must be empty"),
     "worker.actor.model.enable_gradient_checkpointing": ("gradient_checkpointing", None, None),
     "worker.actor.model.trust_remote_code": (None, None, "not needed: the models are built into transformers"),
-    "worker.actor.model.freeze_vision_tower": ("freeze_vision_tower", None, SAME),
     "worker.actor.model.lora.rank": ("lora_rank", None, "0 = full fine-tuning"),
     "worker.actor.model.lora.alpha": ("lora_alpha", None, None),
     "worker.actor.model.lora.target_modules": ("lora_target_modules", None, "all-linear or a comma-separated list"),
@@ -200,7 +185,6 @@ TABLE = {
     "worker.actor.optim.lr_warmup_ratio": ("lr_warmup_ratio", None, "x the optimizer steps, once the data are loaded"),
     "worker.actor.optim.lr_warmup_steps": ("lr_warmup_steps", lambda v, y: {"lr_warmup_steps": v} if v else {}, None),
     "worker.actor.optim.min_lr_ratio": ("min_lr_ratio", lambda v, y: {"min_lr_ratio": v or 0.0}, "null -> 0"),
-    "worker.actor.optim.lr_scheduler_type": ("lr_scheduler_type", None, SAME),
     "worker.actor.fsdp.torch_dtype": ("precision", _torch_dtype, "null / fp32 -> amp (fp32 master weights); bf16 -> "
                                       "bf16 (weights, gradients, AdamW state in bf16)"),
     "worker.actor.fsdp.enable_cpu_offload": ("offload_params", _flag("offload_params"),
@@ -212,21 +196,14 @@ TABLE = {
                                                "AdamW state on the host between optimizer steps"),
     "worker.critic.*": (None, None, "no critic (GAE is not implemented)"),
     "worker.rollout.name": ("rollout_engine", None, "vllm (or hf: transformers' generate)"),
-    "worker.rollout.n": ("n", None, SAME),
-    "worker.rollout.temperature": ("temperature", None, SAME),
-    "worker.rollout.top_p": ("top_p", None, SAME),
     "worker.rollout.top_k": (None, _only(-1, 0, why="top-k sampling is not implemented"), "must be -1"),
     "worker.rollout.seed": (None, None, "each prompt's samples are seeded from --seed and its place in the data"),
     "worker.rollout.limit_images": ("limit_images", lambda v, y: {"limit_images": v} if v else {},
                                     "0 (vLLM's default) keeps ours: 1"),
     "worker.rollout.dtype": (None, None, "the engine runs the compute dtype (--dtype)"),
-    "worker.rollout.gpu_memory_utilization": ("gpu_memory_utilization", None, SAME),
     "worker.rollout.ignore_eos": (None, _only(False, why="not supported"), "must be false"),
-    "worker.rollout.enforce_eager": ("enforce_eager", None, SAME),
     "worker.rollout.enable_chunked_prefill": (None, None, "vLLM's V0 engine only"),
-    "worker.rollout.tensor_parallel_size": ("tensor_parallel_size", None, SAME),
     "worker.rollout.max_model_len": (None, None, "max_prompt_length + max_response_length"),
-    "worker.rollout.max_num_batched_tokens": ("max_num_batched_tokens", None, SAME),
     "worker.rollout.disable_log_stats": (None, None, "display only"),
     "worker.rollout.disable_tqdm": (None, None, "display only"),
     "worker.rollout.val_override_config.temperature": ("val_temperature", None, None),
@@ -255,10 +232,8 @@ TABLE = {
                                    "-1 -> 0 (unlimited)"),
     "trainer.critic_warmup": (None, None, "no critic"),
     "trainer.val_freq": ("val_freq", lambda v, y: {"val_freq": _off(v)}, "-1 -> 0 (never)"),
-    "trainer.val_before_train": ("val_before_train", None, SAME),
     "trainer.val_only": (None, _only(False, why="not supported"), "must be false"),
     "trainer.val_generations_to_log": (None, None, "validation answers are not logged (--log-samples: training's)"),
-    "trainer.save_freq": ("save_freq", None, SAME),
     "trainer.save_limit": ("save_limit", lambda v, y: {"save_limit": _off(v)}, "-1 -> 0 (keep all)"),
     "trainer.save_model_only": (None, None, "checkpoints always hold the optimizer (an exact resume); merge.py "
                                             "extracts the model"),
