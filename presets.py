@@ -1,13 +1,9 @@
 """Real-size models with random weights (benchmarks/bench.py's presets): the dimensions of the real Qwen2.5-VL /
-Qwen3-VL / Qwen3.5 checkpoints (from their hub config.json files), built in code with tiny_model.py's tokenizer and
-processor, so a benchmark measures the real shapes without a download; and what the trainer knows of a model before
-loading it (known_config, count_params: the memory model's check).
-
-A preset too big for the disk (the 30B-A3B's bf16 weights are 62 GB; the GPU machine has 64 GiB of disk) is written
-without weights (bench.build_random_model): config, tokenizer and processor, and RANDOM_INIT, which says so. The
-trainer then builds the model from the config where it runs (random_model: the same seed, so the same values), and
-the engine starts on placeholder weights (vLLM's load_format="dummy") that the first weight sync replaces in full,
-before anything is generated."""
+Qwen3-VL / Qwen3.5 checkpoints (from their hub config.json files), so a benchmark measures the real shapes without a
+download; and what the trainer knows of a model before loading it (known_config, count_params: the memory check).
+A preset too big for the disk is written without weights (RANDOM_INIT says so): the trainer builds the model from
+the config where it runs (random_model: the same seed, so the same values), and vLLM starts on placeholder weights
+(load_format="dummy") that the first weight sync replaces in full, before anything is generated."""
 import json
 import os
 
