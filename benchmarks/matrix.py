@@ -52,6 +52,7 @@ ROWS = {
     "qwen35_moe": ("grpo.py", ["--demo-model", "qwen3_5_moe"], 0.95, "Qwen3.5-MoE colour (GDN, 4 experts + shared)"),
     "gemma4_colour": ("grpo.py", ["--demo-model", "gemma4"], 0.95, "Gemma 4 colour (generic path)"),
     "internvl_colour": ("grpo.py", ["--demo-model", "internvl"], 0.95, "InternVL colour (generic path)"),
+    "zoom_tools": ("grpo.py", ["--demo-task", "zoom"], 0.95, "Qwen2.5-VL zoom tool, two turns (tools.py)"),
 }
 MAX_DIFF_MEAN = 5e-3
 MIN_GREEDY_EQUAL = 0.99  # parity: the share of validation prompts on which vLLM's greedy answer is the HF engine's
