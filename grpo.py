@@ -193,7 +193,8 @@ def rollout_call(cfg, drawn, n, temperature, top_p=None, lengths=None, logprobs=
     logprob_samples of the prompts at every logprobs_every-th position (logprobs False: none)."""
     k = min(n, logprob_samples(cfg)) if logprobs else 0
     return dict(prompts=[rec for _, rec in drawn], n=n, temperature=temperature,
-                top_p=cfg.top_p if top_p is None else top_p, max_tokens=cfg.max_response_length,
+                top_p=cfg.top_p if top_p is None else top_p,  # (max_tokens: with --tools, those of turn 1)
+                max_tokens=min(cfg.max_turn_tokens or cfg.max_response_length, cfg.max_response_length),
                 seeds=[(cfg.seed * 1_000_003 + pos) % 2**31 for pos, _ in drawn],
                 logprobs=[k if pos % logprobs_every(cfg) == 0 else 0 for pos, _ in drawn],  # per prompt: its first k
                 **({"lengths": lengths} if lengths is not None else {}))

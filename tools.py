@@ -220,12 +220,12 @@ def rollout(ctx, call):
     never leaves another waiting."""
     cfg, tok, eng = ctx.cfg, ctx.tokenizer, ctx.rollout
     budget = cfg.max_response_length
-    per_turn = min(cfg.max_turn_tokens or budget, budget)
+    per_turn = call["max_tokens"]  # (rollout_call's: --max-turn-tokens, within the budget)
     trajs = [dict(prompt=p, seed=s, j=j, want=j < w, ids=[], raw=[], mask=[], logp=[] if j < w else None, images=[],
                   mm={}, messages=[], calls=[], turn_tokens=[], last=[], finished=False)
              for p, s, w in zip(call["prompts"], call["seeds"], call["logprobs"]) for j in range(call["n"])]
     tp = getattr(eng, "tp", 1) if getattr(eng, "tp_group", None) is not None else 1
-    active, outs = list(range(len(trajs))), [o for g in eng.generate(**dict(call, max_tokens=per_turn)) for o in g]
+    active, outs = list(range(len(trajs))), [o for g in eng.generate(**call) for o in g]  # (what vLLM may queue)
     for turn in range(cfg.max_turns):
         if turn:  # every rank: the active counts of all ranks (a one-hot sum), then this rank's group's share
             counts = torch.zeros(max(ctx.world, 1))

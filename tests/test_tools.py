@@ -56,9 +56,10 @@ def ctx_for(proc, engine, tools_=None, **cfg):
                                  rollout=engine, tools=tools_ or tools.load_tools("zoom"), world=1, rank=0)
 
 
-def call_for(prompts, n=2):
-    return dict(prompts=prompts, n=n, temperature=1.0, top_p=1.0, max_tokens=64, seeds=list(range(len(prompts))),
-                logprobs=[n] * len(prompts))
+def call_for(prompts, n=2, max_tokens=64):
+    """grpo.rollout_call's form (max_tokens: turn 1's)."""
+    return dict(prompts=prompts, n=n, temperature=1.0, top_p=1.0, max_tokens=max_tokens,
+                seeds=list(range(len(prompts))), logprobs=[n] * len(prompts))
 
 
 def scripted_two_turns(tiny):
@@ -163,7 +164,7 @@ def test_bad_tools_answer_and_the_rollout_goes_on(tiny, tmp_path):
     end = tok.convert_tokens_to_ids("<|im_end|>")
     eng = Scripted([tok.encode(text, add_special_tokens=False) + [end], tok.encode("red") + [end]], end)
     samples = tools.rollout(ctx_for(proc, eng, fns, max_response_length=2048, tool_timeout=0.5),
-                            call_for(recs_[:1], 1))
+                            call_for(recs_[:1], 1, max_tokens=2048))
     s = samples[0]
     assert s["tool_stats"]["turns"] == 2 and s["tool_stats"]["errors"] == 1 and s["tool_stats"]["timeouts"] == 1
     assert s["tool_stats"]["invalid"] == 3 and tok.decode(s["last_turn"], skip_special_tokens=True) == "red"
