@@ -13,6 +13,7 @@ from PIL import Image
 import data
 import fsdp_actor as actor
 import grpo
+import rollout
 import rundir
 import tiny_model
 import tools
@@ -99,6 +100,38 @@ def test_trajectory_is_the_sampled_ids_and_the_templates_answer(tiny):
     assert s["prompt"]["tool_images"] == 1 and s["prompt"]["mm_inputs"]["image_grid_thw"].tolist() == [[1, 8, 8],
                                                                                                         [1, 4, 4]]
     assert s["trajectory"]["tool_calls"][0]["status"] == "ok" and s["finished"]
+
+
+def test_vllm_continues_from_the_raw_ids_and_the_tools_picture(tiny, monkeypatch):
+    # the vLLM engine (tests/vllm_standin.py: VLLMRollout as on a GPU, around a stand-in LLM) gets each next turn as
+    # the raw ids (one pad per picture: vLLM expands them) and the pictures, the trainer the expanded ids.
+    # watched failing: with continuation() sending t["ids"] (the expanded ids) as raw_prompt_ids
+    from vllm_standin import FlatLogprobs, standin_vllm
+    path, proc, recs = tiny
+    tok = proc.tokenizer
+    call, end = tok.convert_tokens_to_ids(tools.ZOOM_CALL), tok.convert_tokens_to_ids("<|im_end|>")
+    standin_vllm(monkeypatch)
+    eng = rollout.make_rollout("vllm", path)
+    run = eng.llm.run
+
+    def first_turn_calls():  # the stand-in samples random ids: in turn 1 every sample calls zoom and ends its turn
+        outs = run()
+        for c in (c for o in outs for c in o.outputs if len(eng.llm.calls) == 1):
+            c.token_ids, c.logprobs = [call, end], c.logprobs and FlatLogprobs([call, end], [-0.1, -0.2])
+        return outs
+    eng.llm.run = first_turn_calls
+    samples = tools.rollout(ctx_for(proc, eng, max_turns=2), call_for(recs[:1], n=2, max_tokens=8))
+    user = {"role": "user", "content": [{"type": "image"}]}
+    before = proc.apply_chat_template([user, {"role": "assistant", "content": "X"}], tokenize=False)
+    tail = proc.apply_chat_template([user, {"role": "assistant", "content": "X"}, {
+        "role": "tool", "content": [{"type": "image"}]}], tokenize=False, add_generation_prompt=True)[len(before) - 1:]
+    req = eng.llm.calls[1]["reqs"][0]  # turn 2's first request
+    assert req["prompt_token_ids"] == recs[0]["raw_prompt_ids"] + [call, end] + tok.encode(tail)
+    assert [im.size for im in req["multi_modal_data"]["image"]] == [recs[0]["images"][0].size, (56, 56)]
+    s = samples[0]
+    assert s["response_ids"][:2] == [call, end] and s["response_ids"].count(tok.convert_tokens_to_ids(
+        "<|image_pad|>")) == 4 and s["policy_mask"][:2] == [1, 1] and s["tool_stats"]["turns"] == 2
+    assert s["rollout_logp"][:2] == [-0.1, -0.2] and len(s["rollout_logp"]) == len(s["response_ids"])
 
 
 def test_the_mask_covers_exactly_the_sampled_tokens(tiny):
