@@ -419,7 +419,8 @@ def test_validation_with_n_answers_reports_mean_and_pass_at_n(monkeypatch):
     monkeypatch.setattr(grpo, "generate_and_score", fake_generate)
     rollout = SimpleNamespace(wake=lambda: None, sleep=lambda: None)
     cfg = Config(val_n=4, val_temperature=1.0, val_top_p=0.7)
-    ctx = SimpleNamespace(cfg=cfg, rank=0, world=1, val=[0, 1, 2], rollout=rollout, engine_stale=False)
+    ctx = SimpleNamespace(cfg=cfg, rank=0, world=1, val=[0, 1, 2], rollout=rollout, engine_stale=False,
+                          tools=None)
     out = grpo.validate(ctx)
     assert calls == [(3, 4, 1.0, 0.7, False)]  # validation asks no engine log-probs
     assert out["val/accuracy"] == pytest.approx(4 / 12) and out["val/mean"] == pytest.approx(4 / 12 + 0.1)
