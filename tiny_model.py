@@ -1,17 +1,9 @@
-"""Builds small Qwen-VL checkpoints in code (no hub access needed).
-
-build_tiny_model():   a tiny random-weight Qwen2.5-VL / Qwen2-VL / Qwen3-VL / Qwen2 / Qwen3 / Llama-3 with a BPE
-                      tokenizer trained in code; trains in seconds on a 2-core CPU (the demos and the tests).
-build_random_model(): the real Qwen2.5-VL-3B/7B-Instruct or Qwen3-VL-8B-Instruct dimensions with random
-                      bf16 weights, for GPU throughput benchmarks without downloading anything.
-
-Both save with save_pretrained (model, tokenizer, processor, generation_config) so every consumer
-(AutoModel*, AutoProcessor, vLLM) loads them exactly like a hub checkpoint. Builds are cached: a
-marker file is written last inside a temp dir that is then renamed into place, so a crashed build
-never looks complete.
-
-Below them, the demos' settings (DEMO, TEXT_DEMO, VIDEO_DEMO) and their synthetic tasks (pictures, clips, the
-largest digit), written on first use; data.py reaches the tasks through data_files.
+"""Builds small checkpoints in code (no hub access needed): build_tiny_model() makes a tiny random-weight
+Qwen2.5-VL / Qwen2-VL / Qwen3-VL(-MoE) / Qwen3.5(-MoE) / Qwen2 / Qwen3 / Llama-3 (Gemma 4 and InternVL: tiny_families)
+with a BPE tokenizer trained in code, saved with save_pretrained (model, tokenizer, processor, generation_config), so
+every consumer (AutoModel*, AutoProcessor, vLLM) loads it like a hub checkpoint. Builds are cached; a marker written
+last in a temp dir renamed into place means a crashed build never looks complete. Below: the demos' settings (DEMO,
+TEXT_DEMO, VIDEO_DEMO) and their synthetic tasks, written on first use (data.py reaches them through data_files).
 """
 import io
 import json
