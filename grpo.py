@@ -4,9 +4,8 @@
     torchrun --nproc_per_node 8 grpo.py --model-path Qwen/Qwen2.5-VL-7B-Instruct --train-files hiyouga/geometry3k@train ...
 
 One step:  sync -> sample -> score -> (old / ref log-probs) -> advantage -> clipped loss + KL -> optimizer step.
-The step below calls the algorithm's formulas (algos.py: advantages, KL estimators, policy losses, loss aggregation)
-in that order; the rest is plumbing. The options are config.py's. dapo.py imports this file, turns dynamic sampling
-on and adds overlong shaping.
+The step below calls the algorithm's formulas (algos.py) in that order; the rest is plumbing. The options are
+config.py's. dapo.py imports this file, turns dynamic sampling on and adds overlong shaping.
 """
 import math
 import os
