@@ -103,7 +103,9 @@ def vllm_overrides(cfg):
     if cfg.model_type != "gemma4" or layers is None or "full_attention" not in t.layer_types:
         return {}
     full = layers[t.layer_types.index("full_attention")]
-    out = {"global_head_dim": full.head_dim}
+    # (and the flag that lets vLLM read the text config's head_dim at all: transformers 5.17 raises on a per-layer
+    # attribute read globally, which stopped vLLM's start on the H200; vLLM takes the larger of the two head sizes)
+    out = {"allow_global_per_layer_attribute_access": True, "global_head_dim": full.head_dim}
     if getattr(t, "attention_k_eq_v", False):
         out["num_global_key_value_heads"] = full.num_key_value_heads
     return {"text_config": out}

@@ -54,7 +54,11 @@ def test_tiny_models_have_the_families_layout(tiny):
         assert "model.language_model.embed_tokens_per_layer.weight" in names and "model.embed_vision." \
             "embedding_projection.weight" in names
         assert type(proc).__name__ == "Gemma4Processor" and proc.image_token == "<|image|>"
-        assert families.vllm_overrides(hf.config) == {"text_config": {"global_head_dim": 64}}
+        over = families.vllm_overrides(hf.config)["text_config"]
+        assert over["global_head_dim"] == 64
+        for k, v in over.items():  # vLLM applies them by setattr on the text config, then reads both head sizes
+            setattr(t, k, v)
+        assert max(getattr(t, "head_dim", 0), getattr(t, "global_head_dim", 0)) == 64
     else:
         assert hf.config.text_config.model_type == "qwen2" and hf.config.downsample_ratio == 0.5
         assert "model.multi_modal_projector.linear_1.weight" in names
