@@ -229,9 +229,23 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_leng
     return -min((response_length - expected) / buffer_length, 1.0) * penalty_factor
 
 
+def zoom_reward(items):
+    """The colour reward (accuracy x 0.8) and 0.2 for a zoom that answered, followed by a reply: the shaping that
+    lets a random policy find the call before it can read the colour (the call alone is worth no accuracy until the
+    crop is read). Calls that overrun the trajectory's budget leave no reply: without that condition the policy
+    learned to repeat the call until its trajectory was cut (2.8 calls a turn at step 40, a second turn for 30 % of
+    the samples: benchmarks/cpu/demo_tools_first_shaping_72steps_metrics.jsonl)."""
+    out = []
+    for it, sc in zip(items, color_reward(items)):
+        replied = bool(it.get("messages")) and it["messages"][-1]["role"] == "assistant"
+        called = float(replied and any(c["status"] == "ok" for c in it.get("tool_calls", [])))
+        out.append({**sc, "overall": 0.8 * sc["accuracy"] + 0.2 * called, "tool_call": called})
+    return out
+
+
 # ---------------------------------------------------------------- lookup
 BUILTIN_REWARDS = {"math": math_reward, "r1v": r1v_reward, "color": color_reward, "number": number_reward,
-                   "dapo": dapo_reward}
+                   "dapo": dapo_reward, "zoom": zoom_reward}
 
 
 def get_reward_fn(name: str, kwargs: str | dict | None = None):

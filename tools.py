@@ -23,7 +23,6 @@ import torch
 from PIL import Image
 
 import data
-import rewards
 from common import UserError, all_reduce_cpu
 
 HIDDEN = ("images",)  # parameters the loop fills in (the images of the trajectory so far), not the model
@@ -333,20 +332,3 @@ def zoom(x: int = -1, y: int = -1, size: int = 2, *, images) -> Image.Image:
 
 
 BUILTIN_TOOLS = {"zoom": [zoom]}
-
-
-def zoom_reward(items):
-    """The colour reward (accuracy x 0.8) and 0.2 for a zoom that answered, followed by a reply: the shaping that
-    lets a random policy find the call before it can read the colour (the call alone is worth no accuracy until the
-    crop is read). Calls that overrun the trajectory's budget leave no reply: without that condition the policy
-    learned to repeat the call until its trajectory was cut (2.8 calls a turn at step 40, a second turn for 30 % of
-    the samples: benchmarks/cpu/demo_tools_first_shaping_72steps_metrics.jsonl)."""
-    out = []
-    for it, sc in zip(items, rewards.color_reward(items)):
-        replied = bool(it.get("messages")) and it["messages"][-1]["role"] == "assistant"
-        called = float(replied and any(c["status"] == "ok" for c in it.get("tool_calls", [])))
-        out.append({**sc, "overall": 0.8 * sc["accuracy"] + 0.2 * called, "tool_call": called})
-    return out
-
-
-rewards.BUILTIN_REWARDS["zoom"] = zoom_reward  # (a built-in beside rewards.py's: --reward-function zoom)
