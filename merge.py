@@ -23,6 +23,7 @@ import tyro
 
 import fsdp_actor as actor
 import memory
+import tiny_families
 import tiny_model
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
@@ -82,6 +83,7 @@ def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
             hf = actor.load_hf_model(path, dtype=torch.float32)
             hf.load_state_dict(merged)
         hf.to(dtype).save_pretrained(tmp)
+        tiny_families.complete_for_vllm(tmp)  # (Gemma 4's k norms of KV-shared layers)
         copy_tokenizer_files(path, tmp)
     if os.path.exists(output):
         shutil.rmtree(output)

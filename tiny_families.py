@@ -12,7 +12,11 @@ vLLM load them; without torchvision data.load_processor does, the video processo
             mean-pooled) of 56-pixel tiles (crop_to_patches: the tiles of an image, then its thumbnail), pixel
             shuffle 0.5 and a 2-layer projector before a Qwen2 LLM; 4 <IMG_CONTEXT> tokens a tile.
 """
+import json
+import os
+
 import torch
+from safetensors.torch import save_file
 
 GEMMA4_TOKENS = dict(image_token="<|image|>", boi_token="<|image>", eoi_token="<image|>", audio_token="<|audio|>",
                      boa_token="<|audio>", eoa_token="<audio|>")
@@ -116,5 +120,31 @@ def build(arch, out, seed, make_tokenizer, text_config, qwen_template, qwen_spec
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 torch.nn.init.constant_(w, w.numel() ** -0.25)
     model.to(torch.float32).eval().save_pretrained(out)
+    complete_for_vllm(out)
     _generation_config(out, eos, pad, bos)
     _save_processor(proc.pop("cls"), out, tokenizer=tok, **proc)
+
+
+def complete_for_vllm(folder):
+    """Add to a written HF folder the tensors a hub checkpoint has and vLLM requires, where transformers' model has
+    none: Gemma 4's KV-shared layers (the last num_kv_shared_layers, which read an earlier layer's keys) have no k norm
+    in transformers (it drops the hub's on load), while vLLM 0.26 builds one in every layer and refuses a folder
+    without it ("weights were not initialized", on the H200). Unused there: ones, in a file of their own."""
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    t = cfg.get("text_config", cfg)
+    n, shared = t.get("num_hidden_layers", 0), t.get("num_kv_shared_layers") or 0
+    if cfg.get("model_type") != "gemma4" or not shared:
+        return
+    per_layer = t.get("per_layer_config") or {}  # as transformers writes it; the hub's config: global_head_dim (the
+    # full-attention layers', 512 where it is absent)
+    dims = [(per_layer.get(str(i)) or {}).get("head_dim")
+            or (kind == "full_attention" and t.get("global_head_dim", 512)) or t["head_dim"]
+            for i, kind in enumerate(t["layer_types"])]
+    norms = {f"model.language_model.layers.{i}.self_attn.k_norm.weight": torch.ones(dims[i])
+             for i in range(n - shared, n)}
+    save_file(norms, os.path.join(folder, "model-kv-shared-norms.safetensors"), metadata={"format": "pt"})
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):  # sharded: vLLM reads only the files its index names
+        doc = json.load(open(index))
+        doc["weight_map"].update(dict.fromkeys(norms, "model-kv-shared-norms.safetensors"))
+        json.dump(doc, open(index, "w"), indent=2)

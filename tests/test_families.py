@@ -2,7 +2,8 @@
 (tiny_families.py): their real module layout; pictures of two colours reach the LLM apart at init; the trainer's
 per-token log-probs and gradients equal a plain `model(**processor(...))` forward (fp32); the HF engine generates
 with the processor's inputs; honest refusals (a model neither path trains: one line, exit 2, before loading); the
-data check knows each family's image token."""
+data check knows each family's image token; the folders written for Gemma 4 hold every tensor vLLM loads."""
+import json
 import os
 import subprocess
 import sys
@@ -174,3 +175,38 @@ def test_a_family_neither_path_trains_gets_one_line_before_loading(tmp_path):
     lines = [x for x in (p.stdout + p.stderr).splitlines() if "error" in x.lower() or "Traceback" in x]
     assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --model-path"), p.stdout + p.stderr
     assert "whisper" in lines[0] and "Gemma 4, InternVL" in lines[0] and "Loading" not in p.stderr
+
+
+def test_the_folders_written_for_gemma4_hold_a_k_norm_in_every_layer_as_vllm_loads_them(tmp_path):
+    """vLLM 0.26's Gemma 4 builds a k norm in every layer and refuses a folder without one (the H200, session 20);
+    transformers has none in the KV-shared layers. The tiny model's folder, merge.py's, and a sharded save completed
+    by tiny_families.complete_for_vllm carry one of each layer's head size in the files vLLM reads (the index's, or
+    every .safetensors file), and transformers still loads each folder."""
+    from safetensors import safe_open
+    import merge
+    import rundir
+    import tiny_families
+
+    def vllm_reads(folder):
+        index = os.path.join(folder, "model.safetensors.index.json")
+        files = (set(json.load(open(index))["weight_map"].values()) if os.path.exists(index)
+                 else [f for f in os.listdir(folder) if f.endswith(".safetensors")])
+        return {k: safe_open(os.path.join(folder, f), "pt").get_slice(k).get_shape() for f in files
+                for k in safe_open(os.path.join(folder, f), "pt").keys()}
+
+    actor.init_distributed()
+    path = tiny_model.build_tiny_model(str(tmp_path / "tiny"), arch="gemma4")
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+    opt, sched = actor.build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    ckpt = str(tmp_path / "ckpt" / "step_1")
+    os.makedirs(os.path.dirname(ckpt))
+    rundir.save_checkpoint(ckpt, model, opt, sched, {"step": 1, "cursor": 0, "config": {"model_path": path}})
+    hf = actor.load_hf_model(path)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    tiny_families.complete_for_vllm(str(tmp_path / "sharded"))
+    heads = [hf.config.text_config.per_layer_config[i].head_dim for i in range(4)]  # [32, 64, 32, 64]
+    for folder in (path, merge.merge(ckpt, str(tmp_path / "hf"), dtype="float32"), str(tmp_path / "sharded")):
+        keys = vllm_reads(folder)
+        assert [keys.get(f"model.language_model.layers.{i}.self_attn.k_norm.weight") for i in range(4)] == \
+            [[d] for d in heads], folder
+        actor.load_hf_model(folder)
