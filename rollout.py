@@ -300,26 +300,18 @@ class VLLMRollout:
 
     # ---- generation
     per_prompt_seeds = True  # (class attributes: make_rollout sets them) --per-prompt-seeds, see _requests
-    flat_logprobs = False  # FlatLogprobs: measured slower than the dicts on an H200 (BENCHMARKS "Engine ablation")
 
-    def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True,
-                         flat=None):
+    def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True):
         """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j`, so
-        requests need seeds `rows` apart (request_seed). logprobs: the sampled token's (processed); flat: in vLLM's
-        FlatLogprobs, not a dict and Logprob object per token (Python's collector walks those); ban: pad tokens."""
+        requests need seeds `rows` apart (request_seed). logprobs: the sampled token's (processed; vLLM's
+        FlatLogprobs measured slower on an H200, BENCHMARKS "Engine ablation"); ban: pad tokens."""
         from vllm import SamplingParams  # optional: the GPU engine
         greedy = temperature == 0
         # logit_bias is clamped to [-100, 100] by vLLM: -100 is probability ~e-44, i.e. forbidden
         bias = {i: -100.0 for i in self.forbidden_ids} if ban and self.forbidden_ids else None
         # forced (benchmarks): exactly max_tokens tokens, EOS sampled like any token but never a stop
         stop = dict(ignore_eos=True) if forced else dict(stop_token_ids=list(self.eos_ids))
-        lp = {}
-        if logprobs:
-            lp["logprobs"] = 0
-            # vLLM < 0.11 has no flat_logprobs field (SamplingParams is a msgspec Struct: unknown keywords raise)
-            if (self.flat_logprobs if flat is None else flat) and "flat_logprobs" in getattr(
-                    SamplingParams, "__struct_fields__", ()):
-                lp["flat_logprobs"] = True
+        lp = dict(logprobs=0) if logprobs else {}
         return SamplingParams(n=rows, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                               max_tokens=max_tokens, seed=seed, logit_bias=bias, detokenize=False, **lp, **stop)
 
@@ -401,15 +393,14 @@ class VLLMRollout:
             offset = sum(len(x) for x in everyone[:dist.get_rank(self.tp_group)])
         return [it for part in everyone for it in part], slice(offset, offset + len(mine))
 
-    def _requests(self, items, n, temperature, top_p, max_tokens, *, seeded=None, logprobs=True, ban=True,
-                  flat=None):
+    def _requests(self, items, n, temperature, top_p, max_tokens, *, seeded=None, logprobs=True, ban=True):
         """(vLLM prompts, SamplingParams, requests per item) that generate sends. The switches are what it adds to a
         bare request, all on in generate (seeded: None = per_prompt_seeds); bench.py engine-ablation times each."""
         seeded = self.per_prompt_seeds if seeded is None else seeded
         rows = 1 if temperature == 0 else n  # vLLM rejects n > 1 with greedy sampling; greedy copies are identical
         reqs, params, per_item = [], [], []
         for pr, s, L, want in items:
-            kw = dict(ban=ban, flat=flat)
+            kw = dict(ban=ban)
             k = 0 if not logprobs else (rows if L is None else len(L)) if want is True else int(want or 0)
             if L is None:  # the training path: one request, n samples; two when only the first k return log-probs
                 # (log-probs cost vLLM's loop per token of each sample that asks). vLLM seeds a request's j-th sample

@@ -16,7 +16,6 @@ generate adds to a bare request (so no row is a copy of generate's request build
   bare            n, temperature, top_p, max_tokens, stop at EOS, detokenize off: nothing else (engine awake)
   logprobs        + the sampled tokens' processed log-probs, one dict and one Logprob object per token (vLLM's
                   default container: what generate asks for)
-  logprobs_flat   + the same log-probs in vLLM's FlatLogprobs (VLLMRollout.flat_logprobs: off, measured slower)
   seeds           + a seed per prompt (rollout.request_seed)
   banned          + the image/video pad tokens banned (logit_bias)
   sleep_wake      bare, the engine woken before and put to sleep after it, as every training step does
@@ -72,9 +71,7 @@ ROWS = {
     "bare": ("nothing: n, temperature, top_p, max_tokens, stop at EOS",
              dict(seeded=False, logprobs=False, ban=False)),
     "logprobs": ("+ the sampled tokens' log-probs (processed; a dict and a Logprob object per token)",
-                 dict(seeded=False, logprobs=True, ban=False, flat=False)),
-    "logprobs_flat": ("+ the same log-probs in vLLM's FlatLogprobs (flat_logprobs, off by default)",
-                      dict(seeded=False, logprobs=True, ban=False, flat=True)),
+                 dict(seeded=False, logprobs=True, ban=False)),
     "seeds": ("+ a seed per prompt", dict(seeded=True, logprobs=False, ban=False)),
     "banned": ("+ the image/video pad tokens banned (logit_bias)", dict(seeded=False, logprobs=False, ban=True)),
     "sleep_wake": ("+ wake before and sleep after", dict(seeded=False, logprobs=False, ban=False)),
@@ -92,7 +89,7 @@ ROWS = {
                        "thread runs it during the update)", None),
     "memory_share": ("bare, at the bare engine's share of GPU memory", None),
 }
-ENGINE_ROWS = ("bare", "logprobs", "logprobs_flat", "seeds", "banned", "sleep_wake", "sync_sleep1", "sync_sleep2")
+ENGINE_ROWS = ("bare", "logprobs", "seeds", "banned", "sleep_wake", "sync_sleep1", "sync_sleep2")
 SYNC_LEVEL = {"sync_sleep1": 1, "sync_sleep2": 2}
 
 _GC = {"seconds": 0.0, "start": 0.0}

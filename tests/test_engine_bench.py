@@ -19,10 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (python -m
 
 
 # ------------------------------------------------------------------------------------------- engine-ablation
-ADDS = {"bare": set(), "logprobs": {"logprobs"}, "logprobs_flat": {"logprobs", "flat_logprobs"}, "seeds": {"seed"},
+ADDS = {"bare": set(), "logprobs": {"logprobs"}, "seeds": {"seed"},
         "banned": {"logit_bias"}, "sleep_wake": set(), "sync_sleep1": set(), "sync_sleep2": set()}
 # (what each engine-level row's requests add to bare's)
-OPTIONAL = {"logprobs_flat"}  # rows of an option generate leaves off by default
 
 
 def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path, monkeypatch):
@@ -84,14 +83,14 @@ def test_engine_ablation_rows_differ_from_bare_by_their_addition_alone(tmp_path,
         assert name == "all_ours" or c["reqs"] == calls[-3]["reqs"] and len(c["reqs"]) == 3  # same prompts, order
         if name != "all_ours":
             assert [diff(p, b) for p, b in zip(c["params"], bare)] == [ADDS[name]] * 3, name
-    union = set().union(*(v for k, v in ADDS.items() if k not in OPTIONAL))
+    union = set().union(*ADDS.values())
     # step 1's prompts are stream positions 0, 1, 2: only position 0 is one of the K-th (grpo.logprobs_every: 8)
     assert grpo.logprobs_every(cfg) == 8 and [o.logprobs for o in ours] == [0, None, None]
     for i, o in enumerate(ours):
         # generate adds these and nothing else: no addition lacks its row
         assert diff(o, bare[i]) == (union if i == 0 else union - {"logprobs"})
         for name, added in ADDS.items():  # ... and each with the value its row has
-            if name in OPTIONAL or (name == "logprobs" and i > 0):
+            if name == "logprobs" and i > 0:
                 continue
             assert all(getattr(o, f) == getattr(by_row[name]["params"][i], f) for f in added), name
     # cold: every generate finds the caches emptied since the one before; the sleep rows wake, then sleep

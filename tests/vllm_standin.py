@@ -26,10 +26,6 @@ class StandInSamplingParams:
             setattr(self, k, v)
 
 
-class OldSamplingParams(StandInSamplingParams):  # a vLLM without FlatLogprobs (before 0.11)
-    __struct_fields__ = tuple(k for k in SP_DEFAULTS if k != "flat_logprobs")
-
-
 class FlatLogprobs:
     """vLLM's FlatLogprobs as VLLMRollout reads it (logprobs=0: one entry, the sampled token's, per position)."""
 
