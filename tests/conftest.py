@@ -1,4 +1,5 @@
-"""The launcher for tests that start grpo.py, torchrun or run.sh as subprocesses (the `launch` fixture)."""
+"""The launcher for tests that start grpo.py, torchrun or run.sh as subprocesses (the `launch` fixture); the `gpu`
+marker (tests that need CUDA, e.g. vLLM) is skipped on CPU boxes."""
 import os
 import signal
 import subprocess
@@ -7,10 +8,24 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
              "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped when torch.cuda is unavailable)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 def clean_env(**extra):

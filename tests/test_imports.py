@@ -17,7 +17,7 @@ FILES.update({BENCH if f == "__init__.py" else f"{BENCH}.{f[:-3]}": os.path.join
 
 # the floors, bottom first; a file imports files of its own floor or lower ones, never a higher one
 FLOORS = [
-    ["common", "conftest", "tiny_families"],  # the floor: the user-error type, its one-line report, shared
+    ["common", "tiny_families"],  # the floor: the user-error type, its one-line report, shared
     # constants, CPU collectives; the tiny non-Qwen checkpoints (tiny_model hands them its tokenizer)
     ["config", "tiny_model", "tiny_moe", "presets", "families", "flops", "varlen", "algos"],  # the options; the demos
     # (models, tasks, settings, the MoE's experts); the real-size random models; the families' differences; FLOPs;
