@@ -141,15 +141,16 @@ def check_model_path(model_path: str):
 
 
 def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: int | None = None):
-    """AutoProcessor for VL models (a tokenizer for text-only ones). min/max_pixels, when given,
-    replace the image processor's pixel budget (give vLLM the same via mm_processor_kwargs, or
-    its image-token counts differ from ours). Without torchvision, transformers 5 cannot build
-    Qwen-VL processors (the video and Auto image processors need it), so we assemble one from
-    its parts with the PIL image backend."""
+    """AutoProcessor for VL models (a tokenizer for text-only ones). min/max_pixels, when given, replace the image
+    processor's pixel budget (give vLLM the same via mm_processor_kwargs, or its image-token counts differ from ours).
+    Without torchvision, transformers 5 builds no video processor (Qwen-VL's, Gemma 4's, ...): the processor then
+    comes without one (families.processor_without_video; video.py makes the frames itself)."""
     import transformers  # slow to import (~2 s): only where a model or processor loads
+    from transformers.utils import is_torchvision_available  # (likewise)
     check_model_path(model_path)
     try:
-        proc = _processor_without_torchvision(model_path) or transformers.AutoProcessor.from_pretrained(model_path)
+        proc = (transformers.AutoProcessor.from_pretrained(model_path) if is_torchvision_available()
+                else families.processor_without_video(model_path))
     except (OSError, ValueError) as e:  # transformers' messages for a bad folder or hub name run to many lines
         raise UserError(f"--model-path {model_path}: could not load its tokenizer/processor ({first_line(e)}); "
                         "give a model folder (with config.json) or a hub name") from e
@@ -160,35 +161,6 @@ def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: i
         ip.size = {"shortest_edge": lo, "longest_edge": hi}  # transformers 5
         if hasattr(ip, "min_pixels"):  # transformers 4.x reads these (5 warns when they are set)
             ip.min_pixels, ip.max_pixels = lo, hi
-    return proc
-
-
-def _processor_without_torchvision(model_path):
-    """Qwen-VL's processor from its parts with the PIL image backend (others: without their video processor);
-    None where AutoProcessor works."""
-    import transformers  # slow to import (~2 s): only where a model or processor loads
-    from transformers.utils import is_torchvision_available  # (likewise)
-    names = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
-             "qwen3_vl_moe": "Qwen3VLProcessor", "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}
-    if is_torchvision_available():
-        return None
-    model_type = getattr(transformers.AutoConfig.from_pretrained(model_path), "model_type", None)
-    if model_type not in names:  # any other family: AutoProcessor without its video processor (images only)
-        return families.processor_without_video(model_path)
-    tok = transformers.AutoTokenizer.from_pretrained(model_path)
-    cls = getattr(transformers, names[model_type])
-    proc = cls.__new__(cls)  # skips the __init__ check that demands a video processor
-    proc.image_processor, proc.tokenizer, proc.video_processor = (
-        (getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
-         ).from_pretrained(model_path), tok, None)
-    proc.chat_template = tok.chat_template
-    proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
-    proc.image_token_id = tok.convert_tokens_to_ids(proc.image_token)
-    proc.video_token_id = tok.convert_tokens_to_ids(proc.video_token)
-    # Qwen3-VL's processor also knows the frame delimiters (its videos get a timestamp and a start/end per frame)
-    proc.vision_start_token, proc.vision_end_token = "<|vision_start|>", "<|vision_end|>"
-    proc.vision_start_token_id = tok.convert_tokens_to_ids(proc.vision_start_token)
-    proc.vision_end_token_id = tok.convert_tokens_to_ids(proc.vision_end_token)
     return proc
 
 

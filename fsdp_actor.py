@@ -328,7 +328,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     wide = getattr(getattr(hf.config, "text_config", hf.config), "hidden_size", 0) >= 1024
     if torch_compile == "on" or (torch_compile == "auto" and device.type == "cuda" and wide
                                  and param_dtype in (torch.bfloat16, torch.float16)):
-        model.chunk_kernels, _ = varlen.compile_elementwise(hf)
+        model.chunk_kernels = varlen.compile_elementwise(hf)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     # a frozen reference is not offloaded by FSDP2: it waits whole on the host and visits the GPU for its pass

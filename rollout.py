@@ -72,11 +72,8 @@ def unsent(named_params, loaded):
 
 
 def _sampled_logprobs(c, ids):
-    """The sampled tokens' log-probs of one vLLM completion (logprobs=0), from FlatLogprobs or per-position dicts."""
-    lp = c.logprobs
-    if hasattr(lp, "start_indices"):
-        return [lp.logprobs[i] for i in lp.start_indices]
-    return [lp[i][t].logprob for i, t in enumerate(ids)]
+    """The sampled tokens' log-probs of one vLLM completion (logprobs=0: one dict per position)."""
+    return [c.logprobs[i][t].logprob for i, t in enumerate(ids)]
 
 
 # ------------------------------------------------------------------------------------------------ HF engine

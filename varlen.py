@@ -472,12 +472,9 @@ class ChunkLogProbs(torch.autograd.Function):
 def compile_elementwise(hf):
     """Compile hf's norms, gated MLPs and its modeling module's rotary functions in place, and return the compiled
     twins of LOGPROB_KERNELS (the per-chunk log-probs' forward and backward, also elementwise over [n, vocab])."""
-    n = 0
     for m in hf.modules():
-        name = type(m).__name__
-        if name.endswith("RMSNorm") or name.endswith("MLP"):
+        if type(m).__name__.endswith(("RMSNorm", "MLP")):
             m.compile(dynamic=True)  # token counts change every micro-batch: one graph with a symbolic length
-            n += 1
     mod = sys.modules[type(hf).__module__]
     # Not the vision tower's rotary function: its cos/sin are fp32 and FSDP2 casts a unit's inputs to bf16 in forward
     # but not in checkpointing's recompute, so a compiled graph would save bf16 tensors once and fp32 the next time
@@ -486,4 +483,4 @@ def compile_elementwise(hf):
         f = getattr(mod, fn, None)
         if f is not None and not hasattr(f, "_torchdynamo_orig_callable"):  # a module-level function, read at
             setattr(mod, fn, torch.compile(f, dynamic=True))               # call time by attention: swap it once
-    return tuple(torch.compile(k, dynamic=True) for k in LOGPROB_KERNELS), n
+    return tuple(torch.compile(k, dynamic=True) for k in LOGPROB_KERNELS)
