@@ -224,11 +224,6 @@ def _hashable(d):
     return HashableDict(d)
 
 
-def _engine_arg_names():
-    from vllm.engine.arg_utils import EngineArgs  # optional: the GPU engine
-    return {f.name for f in dataclasses.fields(EngineArgs)}
-
-
 class VLLMRollout:
     """vLLM colocated with the trainer. Under torchrun (WORLD_SIZE > 1) every rank builds its own LLM with
     distributed_executor_backend="external_launcher": TP groups of tensor_parallel_size consecutive ranks, and
@@ -247,6 +242,7 @@ class VLLMRollout:
             raise RuntimeError("VLLMRollout needs the in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
         import vllm  # optional: the GPU engine; imported after _set_vllm_env, which it reads
         from vllm import LLM  # (likewise)
+        from vllm.engine.arg_utils import EngineArgs  # (likewise)
         self.version = vllm.__version__
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.tp = tensor_parallel_size
@@ -280,7 +276,7 @@ class VLLMRollout:
             # Qwen3.5's GDN prefill: vLLM 0.26 picks FlashInfer's kernel on Hopper by default, and fails without it
             kw["additional_config"] = {"gdn_prefill_backend": "triton"}
         kw.update(engine_kwargs)
-        known = _engine_arg_names()
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
         dropped = [k for k in kw if k not in known]
         if dropped:  # e.g. logprobs_mode appeared in vLLM 0.10.1
             warnings.warn(f"vLLM {self.version} does not know {dropped}; ignoring them")
