@@ -8,7 +8,6 @@ Sequences are laid out as one row per sample: prompt + response, right-padded:
 Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch.
 """
 import functools
-import inspect
 import math
 import os
 import types
@@ -440,16 +439,11 @@ def _rope_index(hf, ids, mm):
     kw = dict(input_ids=ids, attention_mask=None, **grids)
     if "second_per_grid_ts" in mm:  # Qwen2.5-VL's video time axis: positions count tokens_per_second x seconds
         kw["second_per_grid_ts"] = mm["second_per_grid_ts"]
-    if "mm_token_type_ids" in _params(type(hf.model).get_rope_index):
-        kw.update(mm_token_types(hf, ids, mm))
+    kw.update(mm_token_types(hf, ids, mm))  # (the forward and get_rope_index take it alike: transformers >= 5)
     return hf.model.get_rope_index(**kw)[0][:, 0]
 
 
 @functools.cache
-def _params(fn):
-    return set(inspect.signature(fn).parameters)
-
-
 def to_device(t, device):
     """Host -> GPU copy that does not wait: a plain .to(cuda) synchronizes with the GPU's queue (the host then
     idles until the previous micro-batch's backward is done, and the GPU until the host launches the next)."""
