@@ -17,6 +17,8 @@ From the repository root (the trainer's files import from there):
     python -m benchmarks.bench --preset qwen2_5_vl_7b --lora-rank 64 --gpu-memory-cap-gb 40  # as if on a 40 GB card
     python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b     # a step's generation: the engine alone,
                                                                           # then each of our additions (engine_bench)
+    python -m benchmarks.bench two-turn --limit-images 2                  # a two-turn rollout with a tool's picture
+                                                                          # beside one turn of as many tokens (two_turn)
     python -m benchmarks.bench --sample-stacks 5                          # + where each step's generation loop spends
                                                                           # its time (gen_stacks.json; also above)
     bash benchmarks/gpu_moe30b.sh                                         # Qwen3-VL-30B-A3B on one H200: no weights
@@ -58,7 +60,7 @@ import memory
 import presets
 import tiny_model
 import tiny_moe
-from benchmarks import engine_bench
+from benchmarks import engine_bench, two_turn
 from common import UserError, one_line_errors
 
 
@@ -528,13 +530,14 @@ def main():
                                                             dtype=torch.float32).state_dict()
         print(compare_runs(start, argv[1], argv[2:]))
         return
-    ablation = argv[:1] == ["engine-ablation"]
-    argv = argv[1:] if ablation else argv
+    ablation, two = argv[:1] == ["engine-ablation"], argv[:1] == ["two-turn"]
+    argv = argv[1:] if ablation or two else argv
     flags = {f: f in argv for f in ("--trainer-only", "--profile", "--prepare-only", "--random-init")}
     argv = [a for a in argv if a not in flags]
     opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced", "--gpu-memory-cap-gb": "",  # bench.py's own
             "--rows": "", "--repeats": "1", "--warmup-tokens": "32", "--bare-memory-share": "0.6",
-            "--sample-stacks": "0"}  # engine-ablation's (--sample-stacks: both)
+            "--sample-stacks": "0",  # engine-ablation's (--sample-stacks: both; --repeats: two-turn's too)
+            "--first": "512", "--second": "512", "--image": "512"}  # two-turn's
     for flag in opts:
         if flag in argv:
             i = argv.index(flag)
@@ -573,6 +576,10 @@ def main():
     cfg = replace(cfg, checkpoint_layers=layers)  # (auto: on this card, less the cap's ballast)
     if note and rank == 0:
         print(f"[bench] {note}", flush=True)
+    if two:
+        two_turn.run(cfg, int(opts["--repeats"]), int(opts["--first"]), int(opts["--second"]), int(opts["--image"]))
+        dist.destroy_process_group()
+        return
     if ablation:
         engine_bench.run(cfg, [r for r in opts["--rows"].split(",") if r], int(opts["--repeats"]),
                          int(opts["--warmup-tokens"]), float(opts["--bare-memory-share"]), sys.argv[1:],

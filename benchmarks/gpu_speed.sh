@@ -45,6 +45,9 @@
 #              reads them
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
+#   two_turn   (not yet run; estimated ~5 min with the model build) bench.py two-turn on the 3B shape: the bar's 64
+#              prompts x 8, 512 forced tokens, a tool's 512x512 picture, 512 more, against one turn of 1024 forced
+#              tokens, REPEATS=2 rounds each (benchmarks/two_turn.py; the bar: at most 1.3x)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
 # ARGS: more bench.py flags for every run (e.g. ARGS="--torch-compile off"); STEPS and LIMIT (seconds per run)
 # override a mode's. Results in $OUT: <run>.log, <run>_metrics.jsonl, <run>_summary.json, <run>_gpu.csv (clocks,
@@ -105,6 +108,12 @@ knobs() {  # knobs GPU: the issue-23 knobs against today's defaults, the trainer
 case "$MODE" in
   bar) bar 0 ;;
   ablation) ablation 0; exit ;;  # (no metrics.jsonl: no report.md)
+  two_turn)
+    prepare qwen2_5_vl_3b
+    timeout "${LIMIT:-500}" python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b --limit-images 2 \
+      --repeats "${REPEATS:-2}" --output-dir /tmp/two_turn ${ARGS:-} > "$OUT/two_turn3b.log" 2>&1
+    echo "two_turn3b: exit $?"; cp /tmp/two_turn/two_turn.json "$OUT/two_turn3b.json" 2> /dev/null
+    tail -6 "$OUT/two_turn3b.log"; exit ;;
   realistic) realistic 0 ;;
   knobs) knobs 0 ;;
   spread) REPEATS=${REPEATS:-4} ARGS="--rollout-batch-size 32 --rows bare,all_ours --sample-stacks 5 \

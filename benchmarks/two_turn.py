@@ -1,0 +1,119 @@
+"""A two-turn rollout with a tool that returns a picture, timed beside one turn of as many generated tokens (issue:
+multi-turn tools; the bar: at most 1.3x, prefix caching making turn two's prompt cheap).
+
+    python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b --limit-images 2 [--repeats 2] [--first 512]
+        [--second 512] [--image 512]
+
+The step's prompts (bench.py's geometry data, rollout batch x n samples), forced lengths as bench.py's forced
+workload has them (EOS ignored: every run generates the same tokens). one_turn: one engine call of first + second
+tokens per sample. two_turn: the engine call of `first` tokens, then per trajectory what tools.rollout does after a
+call: the tool's picture (image x image pixels) rendered by the model's chat template (tools.render_answer: the tool
+message and the next assistant header, the processor on the picture) and the trajectory continued (tools.continuation),
+then one engine call of `second` tokens for every trajectory. Both start cold (prefix, encoder and processor caches
+emptied); their order alternates by round. Results: <output_dir>/two_turn.json and a table.
+"""
+import json
+import os
+import random
+import time
+from dataclasses import replace
+
+import torch
+from PIL import Image
+
+import data
+import fsdp_actor as actor
+import rollout
+import tools
+from benchmarks import engine_bench
+
+
+def picture(size, seed=0):
+    """The tool's answer: a size x size picture of seeded noise (no two patches alike: nothing for a cache to
+    share)."""
+    rng = random.Random(seed)
+    img = Image.new("RGB", (size, size))
+    img.putdata([tuple(rng.randrange(256) for _ in range(3)) for _ in range(size * size)])
+    return img
+
+
+def setup(cfg):
+    """The engine, the processor and the step's prompts, as grpo.setup builds them (no policy)."""
+    rank, world, device = actor.init_distributed()
+    processor, train, _ = data.load_datasets(replace(cfg, val_files=""), cfg.model_path)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    eng = rollout.make_rollout(cfg.rollout_engine, cfg.model_path, device, dtype, **rollout.engine_options(cfg))
+    return eng, processor, data.draw_prompts(train, 0, cfg.rollout_batch_size, rank, world, cfg.seed)
+
+
+def one_turn(eng, prompts, seeds, n, tokens):
+    outs = eng.generate(prompts, n, 1.0, 1.0, tokens, seeds, lengths=[[tokens] * n for _ in prompts])
+    return sum(len(o["response_ids"]) for g in outs for o in g), {}
+
+
+def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg):
+    """Returns (generated tokens, seconds of the render between the calls and the prompt tokens turn two added)."""
+    outs = eng.generate(prompts, n, 1.0, 1.0, first, seeds, lengths=[[first] * n for _ in prompts])
+    t, trajs = time.perf_counter(), []
+    for p, group in zip(prompts, outs):
+        for o in group:
+            ids = list(o["response_ids"])
+            raw, exp, imgs, mm = tools.render_answer(proc, [{"name": "zoom", "result": image}], "", cfg.min_pixels,
+                                                     cfg.max_pixels)
+            trajs.append(dict(prompt=p, ids=ids + exp, raw=ids + raw, images=imgs, mm=mm, first=len(ids),
+                              added=len(exp)))
+    render = time.perf_counter() - t
+    conts = [tools.continuation(x) for x in trajs]
+    outs2 = eng.generate(conts, 1, 1.0, 1.0, second, [s * n + j for s in seeds for j in range(n)],
+                         lengths=[[second]] * len(conts))
+    tokens = sum(x["first"] for x in trajs) + sum(len(g[0]["response_ids"]) for g in outs2)
+    return tokens, dict(render_seconds=render, tool_tokens=trajs[0]["added"] if trajs else 0)
+
+
+def cold(eng):
+    if isinstance(eng, rollout.VLLMRollout):
+        engine_bench.cold(eng)
+
+
+def run(cfg, repeats=2, first=512, second=512, size=512):
+    eng, proc, drawn = setup(cfg)
+    if cfg.limit_images < 2:
+        raise ValueError("two-turn: the tool's picture is a second image per prompt: pass --limit-images 2")
+    prompts, seeds, n, image = [p for _, p in drawn], [pos for pos, _ in drawn], cfg.n, picture(size)
+    runs = {"one_turn": [], "two_turn": []}
+    calls = {"one_turn": lambda: one_turn(eng, prompts, seeds, n, first + second),
+             "two_turn": lambda: two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg)}
+    for name in calls:  # warm-up, untimed: short turns
+        cold(eng)
+        (one_turn(eng, prompts, seeds, n, 8) if name == "one_turn"
+         else two_turn(eng, proc, prompts, seeds, n, 4, 4, image, cfg))
+    for k in range(repeats):
+        for name in (list(calls) if k % 2 == 0 else list(calls)[::-1]):
+            cold(eng)
+            if hasattr(eng, "wake"):
+                eng.wake()
+            t = time.perf_counter()
+            tokens, extra = calls[name]()
+            runs[name].append(dict(seconds=time.perf_counter() - t, tokens=tokens, **extra))
+            print(f"[two-turn] round {k + 1}: {name} {runs[name][-1]['seconds']:.2f} s, {tokens} tokens", flush=True)
+    mean = {k: sum(r["seconds"] for r in v) / len(v) for k, v in runs.items()}
+    result = dict(runs=runs, seconds=mean, ratio=mean["two_turn"] / mean["one_turn"], prompts=len(prompts), n=n,
+                  first=first, second=second, image=size, engine=type(eng).__name__,
+                  vllm=getattr(eng, "version", None), model=cfg.model_path)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.output_dir, "two_turn.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(result), flush=True)
+    return result
+
+
+def table(result):
+    r = result
+    out = [f"{r['prompts']} prompts x {r['n']}, {r['engine']} (vLLM {r['vllm']}): one turn of {r['first'] + r['second']}"
+           f" tokens against {r['first']} + a {r['image']}^2 picture + {r['second']}", "",
+           "| run | seconds (rounds) | tokens | x one turn |", "|---|---|---|---|"]
+    for name, rs in r["runs"].items():
+        rounds = ", ".join(f"{x['seconds']:.2f}" for x in rs)
+        out.append(f"| {name} | {r['seconds'][name]:.2f} ({rounds}) | {rs[-1]['tokens']} | "
+                   f"{r['seconds'][name] / r['seconds']['one_turn']:.3f} |")
+    return "\n".join(out)

@@ -1,0 +1,29 @@
+"""benchmarks/two_turn.py (the two-turn rollout's timing) on the CPU with the HF engine and the tiny Qwen2.5-VL: both
+runs generate the same forced tokens, and turn two's prompts carry the tool's picture (processor tensors and image
+tokens) after the first turn's tokens, as tools.rollout continues a trajectory."""
+import json
+
+import grpo
+import rollout
+import tiny_model
+from benchmarks import two_turn
+
+
+def test_two_turns_generate_as_many_tokens_as_one_and_continue_with_the_picture(tmp_path, monkeypatch):
+    seen = []
+    generate = rollout.HFRollout.generate
+    monkeypatch.setattr(rollout.HFRollout, "generate", lambda self, prompts, *a, **k: seen.append(prompts) or
+                        generate(self, prompts, *a, **k))
+    cfg = grpo.Config(model_path=tiny_model.build_tiny_model(), train_files=tiny_model.demo_data()[0], val_files="",
+                      rollout_engine="hf", rollout_batch_size=2, n=2, limit_images=2, min_pixels=56 * 56,
+                      max_pixels=112 * 112, max_prompt_length=256, max_response_length=64,
+                      output_dir=str(tmp_path / "out"))
+    r = two_turn.run(cfg, repeats=1, first=3, second=2, size=56)
+    assert [rs[0]["tokens"] for rs in r["runs"].values()] == [2 * 2 * 5] * 2
+    assert r["runs"]["two_turn"][0]["tool_tokens"] >= 4  # the picture's 4 image tokens and the template's around it
+    second = seen[-1]  # the last call: turn two of the timed two_turn run
+    first = seen[-2]
+    assert len(second) == 4 and all(len(p["images"]) == 2 for p in second)
+    assert all(c["prompt_ids"][:len(p["prompt_ids"])] == p["prompt_ids"] for c, p in zip(second[::2], first))
+    assert all(c["mm_inputs"]["image_grid_thw"].shape[0] == 2 for c in second)
+    assert json.load(open(tmp_path / "out" / "two_turn.json"))["ratio"] > 0
