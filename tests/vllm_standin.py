@@ -26,17 +26,6 @@ class StandInSamplingParams:
             setattr(self, k, v)
 
 
-class FlatLogprobs:
-    """vLLM's FlatLogprobs as VLLMRollout reads it (logprobs=0: one entry, the sampled token's, per position)."""
-
-    def __init__(self, ids, lps):
-        self.start_indices, self.end_indices = list(range(len(ids))), list(range(1, len(ids) + 1))
-        self.token_ids, self.logprobs = list(ids), list(lps)
-
-    def __len__(self):
-        return len(self.start_indices)
-
-
 class StandInModel(torch.nn.Module):
     """The nn.Module inside the stand-in engine: load_weights records the names each sync streams (in the LLM's
     .loaded, events "load") and reports its one parameter loaded when anything came."""
@@ -56,7 +45,7 @@ class StandInLLM:
     """vLLM's LLM as VLLMRollout and engine_bench use it. Records each generate (and enqueue) call's prompts and
     SamplingParams and each cache reset, sleep, wake, enqueue, abort and run of the queue (in .events); answers
     deterministically from (prompt, seed + j) (a request without a seed: from its place in the run), with the
-    log-probs in FlatLogprobs or as a {token: Logprob} dict per position, as asked. Tokens are drawn from 10..499 (the
+    log-probs as a {token: Logprob} dict per position when asked. Tokens are drawn from 10..499 (the
     tiny model's EOS and pad ids lie above)."""
 
     def __init__(self):
@@ -104,8 +93,7 @@ class StandInLLM:
                     p.seed + j if p.seed is not None else 10**9 + 1000 * i + j))
                 ids = torch.randint(10, 500, (p.max_tokens,), generator=g).tolist()
                 lps = (-torch.rand(p.max_tokens, generator=g, dtype=torch.float64)).tolist()
-                lp = None if p.logprobs is None else FlatLogprobs(ids, lps) if p.flat_logprobs else [
-                    {t: types.SimpleNamespace(logprob=x)} for t, x in zip(ids, lps)]
+                lp = None if p.logprobs is None else [{t: types.SimpleNamespace(logprob=x)} for t, x in zip(ids, lps)]
                 comps.append(types.SimpleNamespace(token_ids=ids, logprobs=lp))
             outs.append(types.SimpleNamespace(request_id=rid, outputs=comps))
         return outs
