@@ -7,7 +7,6 @@ Sequences are laid out as one row per sample: prompt + response, right-padded:
     resp_mask  [B, T]   0 0 0 1 1 1 0 0 0   (position t predicts token t+1: marks the positions *before* response tokens)
 Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch.
 """
-import functools
 import math
 import os
 import types
@@ -443,7 +442,6 @@ def _rope_index(hf, ids, mm):
     return hf.model.get_rope_index(**kw)[0][:, 0]
 
 
-@functools.cache
 def to_device(t, device):
     """Host -> GPU copy that does not wait: a plain .to(cuda) synchronizes with the GPU's queue (the host then
     idles until the previous micro-batch's backward is done, and the GPU until the host launches the next)."""

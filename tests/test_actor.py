@@ -1,5 +1,8 @@
 """The FSDP2 actor: log-probs equal a plain HF forward pass; micro-batching does not change loss or gradients."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -232,3 +235,14 @@ def test_text_only_rows_in_a_vlm_match_plain_hf_forward(setup):
     assert seen == [1]
     grads = [q.grad for n, q in model.named_parameters() if ".visual." in n]
     assert grads and all(g is not None and float(g.full_tensor().abs().sum()) == 0 for g in grads)
+
+
+def test_a_micro_batchs_tensors_are_not_kept_alive_by_the_copy_to_the_device():
+    """to_device once carried a stray @functools.cache (left from a removed helper above it): every micro-batch's
+    tensors stayed referenced by the cache, and the host's memory grew ~70 MB a step on the Gemma 4 demo."""
+    t = torch.ones(3)
+    ref = weakref.ref(t)
+    actor.to_device(t, torch.device("cpu"))
+    del t
+    gc.collect()
+    assert ref() is None
