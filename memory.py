@@ -279,8 +279,7 @@ def dims_from_config(cfg):
     mlp = 3 * H * t.moe_intermediate_size * E + H * E if E else 3 * H * t.intermediate_size
     layer = 2 * H * H * hd_frac(t) + 2 * H * H * kv * hd_frac(t) + mlp  # q, o: H x H; k, v: H x kv H; the MLP
     return dict(params=params, hidden=t.hidden_size, inter=inter, layers=t.num_hidden_layers, moe=bool(E), experts=E,
-                expert_inter=t.moe_intermediate_size if E else 0,
-                vocab=t.vocab_size, kv_frac=t.num_key_value_heads / t.num_attention_heads, layer_params=layer,
+                expert_inter=t.moe_intermediate_size if E else 0, vocab=t.vocab_size, kv_frac=kv, layer_params=layer,
                 root_params=t.vocab_size * t.hidden_size * (1 if cfg.tie_word_embeddings else 2))
 
 

@@ -135,8 +135,7 @@ def complete_for_vllm(folder):
     n, shared = t.get("num_hidden_layers", 0), t.get("num_kv_shared_layers") or 0
     if cfg.get("model_type") != "gemma4" or not shared:
         return
-    per_layer = t.get("per_layer_config") or {}  # as transformers writes it; the hub's config: global_head_dim (the
-    # full-attention layers', 512 where it is absent)
+    per_layer = t.get("per_layer_config") or {}  # as transformers writes it; a hub config: global_head_dim (or 512)
     dims = [(per_layer.get(str(i)) or {}).get("head_dim")
             or (kind == "full_attention" and t.get("global_head_dim", 512)) or t["head_dim"]
             for i, kind in enumerate(t["layer_types"])]
