@@ -106,7 +106,7 @@ def test_vllm_continues_from_the_raw_ids_and_the_tools_picture(tiny, monkeypatch
     # the vLLM engine (tests/vllm_standin.py: VLLMRollout as on a GPU, around a stand-in LLM) gets each next turn as
     # the raw ids (one pad per picture: vLLM expands them) and the pictures, the trainer the expanded ids.
     # watched failing: with continuation() sending t["ids"] (the expanded ids) as raw_prompt_ids
-    from vllm_standin import FlatLogprobs, standin_vllm
+    from vllm_standin import standin_vllm
     path, proc, recs = tiny
     tok = proc.tokenizer
     call, end = tok.convert_tokens_to_ids(tools.ZOOM_CALL), tok.convert_tokens_to_ids("<|im_end|>")
@@ -117,7 +117,8 @@ def test_vllm_continues_from_the_raw_ids_and_the_tools_picture(tiny, monkeypatch
     def first_turn_calls():  # the stand-in samples random ids: in turn 1 every sample calls zoom and ends its turn
         outs = run()
         for c in (c for o in outs for c in o.outputs if len(eng.llm.calls) == 1):
-            c.token_ids, c.logprobs = [call, end], c.logprobs and FlatLogprobs([call, end], [-0.1, -0.2])
+            c.token_ids, c.logprobs = [call, end], c.logprobs and [{call: types.SimpleNamespace(logprob=-0.1)},
+                                                                    {end: types.SimpleNamespace(logprob=-0.2)}]
         return outs
     eng.llm.run = first_turn_calls
     samples = tools.rollout(ctx_for(proc, eng, max_turns=2), call_for(recs[:1], n=2, max_tokens=8))
