@@ -431,14 +431,15 @@ def draw_color_image(rng: random.Random):
     return img, color, shape
 
 
-def make_color_dataset(out_path: str, n_rows: int, seed: int) -> str:
-    """EasyR1-format parquet (problem, answer, images=[{"bytes": png}]); written atomically."""
+def make_color_dataset(out_path: str, n_rows: int, seed: int, draw=draw_color_image, question=COLOR_QUESTION) -> str:
+    """EasyR1-format parquet (problem, answer, images=[{"bytes": png}]) of draw(rng)'s (picture, colour, ...);
+    written atomically."""
     import datasets  # slow to import (~2 s): only where a task's data are written or read
     rng = random.Random(seed)
     rows = {"problem": [], "answer": [], "images": []}
     for _ in range(n_rows):
-        img, color, _ = draw_color_image(rng)
-        rows["problem"].append(COLOR_QUESTION)
+        img, color = draw(rng)[:2]
+        rows["problem"].append(question)
         rows["answer"].append(color)
         rows["images"].append([png_item(img)])
     features = datasets.Features({"problem": datasets.Value("string"),
@@ -466,20 +467,12 @@ ZOOM_QUESTION = "<image>What is the color of the dot in the middle?"
 ZOOM_FORMAT_PROMPT = "{{ content }} Zoom in, then answer with one word."
 
 
-def make_zoom_dataset(out_path: str, n_rows: int, seed: int) -> str:
-    import datasets  # slow to import (~2 s): only where a task's data are written or read
-    rng, rows = random.Random(seed), {"problem": [], "answer": [], "images": []}
-    for _ in range(n_rows):
-        color = rng.choice(list(COLORS))
-        img = Image.new("RGB", (112, 112))
-        img.putdata([(g, g, g) for g in (rng.randint(100, 160) for _ in range(112 * 112))])  # grey noise
-        ImageDraw.Draw(img).rectangle([55, 55, 56, 56], fill=jittered(rng, color))
-        rows["problem"].append(ZOOM_QUESTION)
-        rows["answer"].append(color)
-        rows["images"].append([png_item(img)])
-    features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
-                                  "images": datasets.List(datasets.Image())})
-    return write_parquet(rows, out_path, features)
+def draw_zoom_image(rng: random.Random):
+    """(picture, colour) of the zoom task (make_color_dataset's rows)."""
+    color, img = rng.choice(list(COLORS)), Image.new("RGB", (112, 112))
+    img.putdata([(g, g, g) for g in (rng.randint(100, 160) for _ in range(112 * 112))])  # grey noise
+    ImageDraw.Draw(img).rectangle([55, 55, 56, 56], fill=jittered(rng, color))
+    return img, color
 
 
 def demo_zoom_data(data_dir=None, n_train=2000, n_val=200):
@@ -488,7 +481,7 @@ def demo_zoom_data(data_dir=None, n_train=2000, n_val=200):
     paths = [os.path.join(data_dir, f"{s}-{k}.parquet") for s, k in (("train", n_train), ("val", n_val))]
     for path, k, seed in zip(paths, (n_train, n_val), (0, 1)):
         if not os.path.isfile(path):
-            make_zoom_dataset(path, k, seed)
+            make_color_dataset(path, k, seed, draw_zoom_image, ZOOM_QUESTION)
     return tuple(paths)
 
 

@@ -312,7 +312,7 @@ def metrics(samples, prefix="tools/"):
 
 
 # ------------------------------------------------------------------------------------------------ the zoom demo
-# --demo-task zoom (the task: tiny_model.make_zoom_dataset): a dot too small for the tiny vision tower to tell its
+# --demo-task zoom (the task: tiny_model.draw_zoom_image): a dot too small for the tiny vision tower to tell its
 # colour, and the `zoom` tool, which returns the picture's centre magnified. The tiny model's tokenizer knows the
 # demo's one call as one token (ZOOM_CALL: its text is Qwen's format, parsed as any call is), as BPE gives each colour
 # word one token: a random policy would never find a 20-token call by chance.
