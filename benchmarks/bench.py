@@ -17,8 +17,7 @@ From the repository root (the trainer's files import from there):
     python -m benchmarks.bench --preset qwen2_5_vl_7b --lora-rank 64 --gpu-memory-cap-gb 40  # as if on a 40 GB card
     python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b     # a step's generation: the engine alone,
                                                                           # then each of our additions (engine_bench)
-    python -m benchmarks.bench two-turn --limit-images 2                  # a two-turn rollout with a tool's picture
-                                                                          # beside one turn of as many tokens (two_turn)
+    python -m benchmarks.bench two-turn                                   # a tool's picture between turns (two_turn)
     python -m benchmarks.bench --sample-stacks 5                          # + where each step's generation loop spends
                                                                           # its time (gen_stacks.json; also above)
     bash benchmarks/gpu_moe30b.sh                                         # Qwen3-VL-30B-A3B on one H200: no weights
@@ -535,9 +534,8 @@ def main():
     flags = {f: f in argv for f in ("--trainer-only", "--profile", "--prepare-only", "--random-init")}
     argv = [a for a in argv if a not in flags]
     opts = {"--preset": "qwen2_5_vl_3b", "--workload": "forced", "--gpu-memory-cap-gb": "",  # bench.py's own
-            "--rows": "", "--repeats": "1", "--warmup-tokens": "32", "--bare-memory-share": "0.6",
-            "--sample-stacks": "0",  # engine-ablation's (--sample-stacks: both; --repeats: two-turn's too)
-            "--first": "512", "--second": "512", "--image": "512"}  # two-turn's
+            "--rows": "", "--repeats": "1", "--warmup-tokens": "32", "--bare-memory-share": "0.6",  # engine-ablation's
+            "--sample-stacks": "0", "--first": "512", "--second": "512", "--image": "512"}  # (both), two-turn's
     for flag in opts:
         if flag in argv:
             i = argv.index(flag)
@@ -578,18 +576,16 @@ def main():
         print(f"[bench] {note}", flush=True)
     if two:
         two_turn.run(cfg, int(opts["--repeats"]), int(opts["--first"]), int(opts["--second"]), int(opts["--image"]))
-        dist.destroy_process_group()
-        return
-    if ablation:
+    elif ablation:
         engine_bench.run(cfg, [r for r in opts["--rows"].split(",") if r], int(opts["--repeats"]),
                          int(opts["--warmup-tokens"]), float(opts["--bare-memory-share"]), sys.argv[1:],
                          float(opts["--sample-stacks"]))
+    if two or ablation:
         dist.destroy_process_group()
         return
     summary = run(replace(cfg, resume="never"), flags["--trainer-only"], flags["--profile"], workload,
                   float(opts["--sample-stacks"]))
     if rank == 0:
-
         summary.update(preset=preset, workload=workload, padding_free=cfg.padding_free, config=asdict(cfg),
                        world=grpo.dist.get_world_size(), date=time.strftime("%Y-%m-%d", time.gmtime()),
                        command=" ".join(["bench.py"] + sys.argv[1:]), gpu_memory_cap_gb=opts["--gpu-memory-cap-gb"],

@@ -110,7 +110,7 @@ case "$MODE" in
   ablation) ablation 0; exit ;;  # (no metrics.jsonl: no report.md)
   two_turn)
     prepare qwen2_5_vl_3b
-    timeout "${LIMIT:-500}" python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b --limit-images 2 \
+    timeout "${LIMIT:-500}" python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b \
       --repeats "${REPEATS:-2}" --output-dir /tmp/two_turn ${ARGS:-} > "$OUT/two_turn3b.log" 2>&1
     echo "two_turn3b: exit $?"; cp /tmp/two_turn/two_turn.json "$OUT/two_turn3b.json" 2> /dev/null
     tail -6 "$OUT/two_turn3b.log"; exit ;;

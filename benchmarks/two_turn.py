@@ -1,7 +1,7 @@
 """A two-turn rollout with a tool that returns a picture, timed beside one turn of as many generated tokens (issue:
 multi-turn tools; the bar: at most 1.3x, prefix caching making turn two's prompt cheap).
 
-    python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b --limit-images 2 [--repeats 2] [--first 512]
+    python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b [--repeats 2] [--first 512]
         [--second 512] [--image 512]
 
 The step's prompts (bench.py's geometry data, rollout batch x n samples), forced lengths as bench.py's forced
@@ -76,9 +76,8 @@ def cold(eng):
 
 
 def run(cfg, repeats=2, first=512, second=512, size=512):
+    cfg = replace(cfg, limit_images=max(cfg.limit_images, 2))  # the tool's picture: a second image per prompt
     eng, proc, drawn = setup(cfg)
-    if cfg.limit_images < 2:
-        raise ValueError("two-turn: the tool's picture is a second image per prompt: pass --limit-images 2")
     prompts, seeds, n, image = [p for _, p in drawn], [pos for pos, _ in drawn], cfg.n, picture(size)
     runs = {"one_turn": [], "two_turn": []}
     calls = {"one_turn": lambda: one_turn(eng, prompts, seeds, n, first + second),
@@ -109,8 +108,8 @@ def run(cfg, repeats=2, first=512, second=512, size=512):
 
 def table(result):
     r = result
-    out = [f"{r['prompts']} prompts x {r['n']}, {r['engine']} (vLLM {r['vllm']}): one turn of {r['first'] + r['second']}"
-           f" tokens against {r['first']} + a {r['image']}^2 picture + {r['second']}", "",
+    out = [f"{r['prompts']} prompts x {r['n']}, {r['engine']} (vLLM {r['vllm']}): one turn of "
+           f"{r['first'] + r['second']} tokens against {r['first']} + a {r['image']}^2 picture + {r['second']}", "",
            "| run | seconds (rounds) | tokens | x one turn |", "|---|---|---|---|"]
     for name, rs in r["runs"].items():
         rounds = ", ".join(f"{x['seconds']:.2f}" for x in rs)

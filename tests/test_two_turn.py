@@ -15,7 +15,7 @@ def test_two_turns_generate_as_many_tokens_as_one_and_continue_with_the_picture(
     monkeypatch.setattr(rollout.HFRollout, "generate", lambda self, prompts, *a, **k: seen.append(prompts) or
                         generate(self, prompts, *a, **k))
     cfg = grpo.Config(model_path=tiny_model.build_tiny_model(), train_files=tiny_model.demo_data()[0], val_files="",
-                      rollout_engine="hf", rollout_batch_size=2, n=2, limit_images=2, min_pixels=56 * 56,
+                      rollout_engine="hf", rollout_batch_size=2, n=2, min_pixels=56 * 56,
                       max_pixels=112 * 112, max_prompt_length=256, max_response_length=64,
                       output_dir=str(tmp_path / "out"))
     r = two_turn.run(cfg, repeats=1, first=3, second=2, size=56)
