@@ -22,6 +22,10 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 if [ ! -d /tmp/site ] && ls .gpu/wheels/*.whl > /dev/null 2>&1; then  # the carried wheels, installed once per machine
   python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl
 fi
+# The slim bundle keeps FlashAttention 4's Python (vllm_flash_attn/cute) but not the CuTe DSL it imports (`cutlass`,
+# nvidia-cutlass-dsl: 92 MB, which a full `pip install vllm` brings): vLLM then takes FA4 as present and Gemma 4 (two
+# head sizes: FA4 for every layer) fails at its first forward. Without the folder vLLM falls back to TRITON_ATTN itself.
+python -c "import cutlass" 2> /dev/null || rm -rf /tmp/vsite/vllm/vllm_flash_attn/cute
 python -c "import vllm, tyro, datasets" 2> /dev/null \
   || echo "gpu_env.sh: vllm, tyro or datasets does not import: install them as the top of benchmarks/gpu_env.sh says" >&2
 NGPU=$(nvidia-smi -L 2> /dev/null | wc -l)
