@@ -159,11 +159,9 @@ def resident(model, device, offload):
 
 
 # ----------------------------------------------------------------------------------------------- accounting
-# torch counts every tensor of its caching allocator as allocated, and vLLM's sleep-mode pool (CuMemAllocator: the
-# engine's weights and KV cache, allocated through a torch MemPool) is one of its pools; asleep, the pool's physical
-# memory is released but its tensors still exist, so torch.cuda.max_memory_allocated() includes the engine's whole
-# pool, awake or not. The trainer's own peak (weights, gradients, optimizer state, activations) is that minus the
-# pool's bytes (the engine's pool_bytes(), constant after start-up).
+# vLLM's sleep-mode pool (CuMemAllocator: the engine's weights and KV cache) is a torch MemPool; asleep, its physical
+# memory is released but its tensors still exist, so torch.cuda.max_memory_allocated() includes the whole pool, awake
+# or not. The trainer's own peak (weights, gradients, optimizer state, activations) is that less the pool's bytes.
 BALLAST = []  # benchmarks/bench.py --gpu-memory-cap-gb: memory taken away to emulate a smaller card (not the trainer's)
 
 def sleep(engine):
@@ -217,9 +215,8 @@ def metrics(engine, peaks, step_metrics):
 
 
 def host_bytes_to_come(cfg, model, engine):
-    """Host memory (bytes, this rank) that the offload modes still take after setup: the optimizer's state (made at
-    the first step), with --offload-params also the gradients, and a level-1 sleeping engine's bf16 weights. (What
-    is on the host already, the offloaded weights and the reference, is out of MemAvailable by then.)"""
+    """Host memory (bytes, this rank) the offload modes take after setup (what is there already is out of
+    MemAvailable): the optimizer's state, with --offload-params the gradients, a level-1 sleeping engine's weights."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     n = sum(local(p).numel() for p in trainable)
     b = STATE_BYTES[cfg.precision]
@@ -241,9 +238,8 @@ def available_host_bytes():
 
 
 def check_host_memory(cfg, model, engine):
-    """With --offload-params / --offload-optimizer, one line at setup when a node's host memory cannot hold what the
-    offloaded state will take at the first step (a lower bound), instead of the kernel killing the ranks minutes
-    later with no word. Collective: every rank raises the same error."""
+    """With --offload-params / --offload-optimizer, one line at setup (every rank: collective) when a node's host
+    memory cannot hold what the offloaded state takes at the first step, not the kernel killing the ranks later."""
     if not (cfg.offload_params or cfg.offload_optimizer):
         return
     need = host_bytes_to_come(cfg, model, engine) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -274,29 +270,31 @@ def dims_from_config(cfg):
     H, kv = t.hidden_size, t.num_key_value_heads / t.num_attention_heads
     E = getattr(t, "num_experts", 0) or 0
     # MoE: a layer (one FSDP unit, gathered whole) holds all E experts (3 x H x I' each) and the router (E x H);
-    # a token's MLP intermediates are those of its k routed experts, k x I' wide
-    inter = t.num_experts_per_tok * t.moe_intermediate_size if E else t.intermediate_size
-    mlp = 3 * H * t.moe_intermediate_size * E + H * E if E else 3 * H * t.intermediate_size
-    layer = 2 * H * H * hd_frac(t) + 2 * H * H * kv * hd_frac(t) + mlp  # q, o: H x H; k, v: H x kv H; the MLP
+    # a token's MLP intermediates are those of its k routed experts, k x I' wide. Gemma 4: the layers reusing keys and
+    # values have a double-wide MLP; per-layer inputs (ple wide) from a [vocab, L x ple] table in the root unit; an
+    # audio tower the trainer never runs (`idle`: weights, no gradient or optimizer state)
+    wide = 2 if getattr(t, "use_double_wide_mlp", False) and getattr(t, "num_kv_shared_layers", 0) else 1
+    inter = t.num_experts_per_tok * t.moe_intermediate_size if E else t.intermediate_size * wide
+    mlp = 3 * H * t.moe_intermediate_size * E + H * E if E else 3 * H * inter
+    # q, o: H x heads x head_dim (the layers' mean where they differ: Gemma 4); k, v: H x kv of that; the MLP
+    layer = 2 * H * t.num_attention_heads * sum(families.head_dims(t)) / t.num_hidden_layers * (1 + kv) + mlp
+    ple = getattr(t, "hidden_size_per_layer_input", 0) or 0
     return dict(params=params, hidden=t.hidden_size, inter=inter, layers=t.num_hidden_layers, moe=bool(E), experts=E,
                 expert_inter=t.moe_intermediate_size if E else 0, vocab=t.vocab_size, kv_frac=kv, layer_params=layer,
-                root_params=t.vocab_size * t.hidden_size * (1 if cfg.tie_word_embeddings else 2))
-
-
-def hd_frac(t):
-    """heads x head_dim over the hidden size: 1 for Qwen2.5-VL and the 8B, 2 for the 30B-A3B (32 x 128 = 4096 of
-    a 2048 residual stream); the layers' mean where they differ (Gemma 4)."""
-    return t.num_attention_heads * sum(families.head_dims(t)) / t.num_hidden_layers / t.hidden_size
+                root_params=t.vocab_size * t.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+                + getattr(t, "vocab_size_per_layer_input", 0) * t.num_hidden_layers * ple, ple=ple,
+                idle=params - presets.count_params(type(cfg).from_dict({**cfg.to_dict(), "audio_config": None}))
+                if getattr(cfg, "audio_config", None) else 0,
+                softcap=bool(getattr(t, "final_logit_softcapping", None)))
 
 
 def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offload_params=False,
                  offload_optimizer=False, kl_coef=1e-2, mb_tokens=16384, chunk=4096, engine_gb=0.0, lp_tokens=None,
                  recompute=1.0, lora_experts=False):
-    """GiB per GPU by phase, from bytes per parameter: the policy's state (STATE_BYTES; LoRA: the frozen base's
-    weights only, the adapters with the full state) and the reference model (bf16, when kl_coef > 0 without LoRA),
-    sharded over `world`; then what is not sharded: the largest FSDP units all-gathered in bf16 and the activations
-    of a micro-batch of `mb_tokens` (`lp_tokens` in the log-prob passes; `recompute`: the share of layers that
-    recompute). The engine's pool (`engine_gb`) counts while awake, nothing asleep. Returns {phase: GiB}, parts."""
+    """GiB per GPU by phase: the policy's state (STATE_BYTES; LoRA: the frozen base's weights, the adapters' full
+    state) and the reference model (bf16, when kl_coef > 0 without LoRA), sharded over `world`; then the largest FSDP
+    units all-gathered in bf16 and the activations of a micro-batch of `mb_tokens` (`lp_tokens` in the log-prob
+    passes; `recompute`: the share of layers that recompute); the engine's pool (`engine_gb`) while awake."""
     P, H, L = dims["params"], dims["hidden"], dims["layers"]
     b = dict(STATE_BYTES[precision])
     if precision == "bf16" and kahan:
@@ -310,7 +308,7 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
         train = adapters
         base = P * b["weights"]
     else:
-        train, base = P, 0
+        train, base = P - dims.get("idle", 0), dims.get("idle", 0) * b["weights"]
     weights = base + train * b["weights"]
     grads, optim = train * b["grads"], train * b["optim"]
     ref = 2 * P if kl_coef > 0 and not lora_rank else 0
@@ -319,14 +317,16 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     # The update: gradient checkpointing keeps each layer's bf16 input, and on top of them either one layer
     # recomputed with its gradient (during the layers' backward) or a chunk of fp32 logits with its softmax and
     # gradient (at the head): the two are never alive together (summing them overshot the 3B's update by 47 %).
-    ckpt = mb_tokens * 2 * H * L
+    # Gemma 4: each layer's per-layer input too, and the table's projection before its norm, as wide; its soft-capped
+    # logits take one more fp32 chunk (`head`)
+    ckpt, head = mb_tokens * 2 * L * (H + 2 * dims.get("ple", 0)), 4 * chunk * dims["vocab"]
     # --checkpoint-layers: a layer that does not recompute keeps its bf16 activations (the recomputed layer's,
     # without their gradient) from forward to backward; all of them are alive when the backward starts
     kept = (L - math.ceil(round(recompute * L, 6))) * mb_tokens * 2 * (4 * H + 3 * dims["inter"])
-    act_update = ckpt + kept + max(mb_tokens * 2 * 2 * (4 * H + 3 * dims["inter"]), 3 * 4 * chunk * dims["vocab"])
+    act_update = ckpt + kept + max(mb_tokens * 2 * 2 * (4 * H + 3 * dims["inter"]), (3 + dims.get("softcap", 0)) * head)
     # a no-grad forward keeps nothing from layer to layer: its peak is inside one MLP (gate, up and their product,
     # bf16) beside the residual stream's input and output, or at the head, a chunk of fp32 logits and their softmax
-    act_fwd = max((lp_tokens or mb_tokens) * 2 * (3 * dims["inter"] + 2 * H), 2 * 4 * chunk * dims["vocab"])
+    act_fwd = max((lp_tokens or mb_tokens) * 2 * (3 * dims["inter"] + 2 * H), (2 + dims.get("softcap", 0)) * head)
     resident = on_gpu(weights, offload_params) + on_gpu(optim, offload_params or offload_optimizer)
     # --offload-optimizer: the state comes in for the optimizer step, after the backward freed its activations
     # (with --offload-params the step runs on the host)
@@ -394,9 +394,8 @@ def check_fits(c, dims, world, card_gib, what, slack=0.1):
 
 
 def known_dims(model_path, config=None):
-    """dims_from_config of the model a run starts from, when it is known before loading (presets.known_config: a
-    readable config.json, or a hub name of a preset; or `config`, read already); None for any other (no check: a
-    guess could stop a run that fits)."""
+    """dims_from_config of the model a run starts from when known before loading (presets.known_config, or `config`
+    read already); None for any other (no check: a guess could stop a run that fits)."""
     cfg = config or presets.known_config(model_path)
     try:
         return None if cfg is None else dims_from_config(cfg)
@@ -422,8 +421,7 @@ def this_gpu_gib():
 
 def auto_checkpoint_layers(c, dims, world, card_gib, error=0.15):
     """--checkpoint-layers auto: the smallest share of the decoder layers that recompute (k of L) with which the
-    memory model's update, grown by its error bound (15 %), fits `card_gib` less ~1 GiB of CUDA context; 1 when even
-    that does not fit. (The update runs with the engine asleep; generation's peak does not depend on the share.)"""
+    memory model's update (the engine asleep), grown by its error bound, fits `card_gib` less ~1 GiB; else 1."""
     L = dims["layers"]
     for k in range(L + 1):
         m = memory_model(dims, **config_mode({**c, "checkpoint_layers": k / L}, world))
@@ -433,9 +431,8 @@ def auto_checkpoint_layers(c, dims, world, card_gib, error=0.15):
 
 
 def resolve_checkpoint_layers(cfg, world, card_gib=None):
-    """(share, note) for a run's --checkpoint-layers: a number as given; `auto` by auto_checkpoint_layers on this
-    rank's GPU, or 1 where no model or card says, and with padded rows (the model knows packed ones; padded ones at
-    the packed share ran out of memory). note: one line for the log, empty for a number."""
+    """(share, note: a line for the log) of --checkpoint-layers: a number as given; `auto` by auto_checkpoint_layers
+    on this rank's GPU, or 1 without a known model or card, and for padded rows (the packed share ran out of memory)."""
     if cfg.checkpoint_layers != "auto":
         return float(cfg.checkpoint_layers), ""
     model_config = presets.known_config(cfg.model_path) if cfg.gradient_checkpointing else None
@@ -514,9 +511,8 @@ def oom_explained(ctx, step):
 def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visual.*", modules_to_save="",
              target_experts=False):
     """LoRA through peft, in place: every parameter outside the adapters frozen (the vision tower too, unless
-    targeted: vLLM takes no LoRA on the vision encoder). The trainer keeps calling the HF model, whose layers now
-    carry the adapters; the PeftModel is returned for merge.py. `modules_to_save`: trained in full beside them.
-    `target_experts`: also the MoE experts' fused 3-D tensors (peft's target_parameters)."""
+    targeted: vLLM takes no LoRA on it); the trainer keeps calling the HF model, the PeftModel is for merge.py.
+    `modules_to_save`: trained in full beside them; `target_experts`: also the MoE experts' fused 3-D tensors."""
     from peft import LoraConfig, get_peft_model  # peft: slow to import (~3 s)
     targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
     experts = tiny_moe.expert_parameters(hf) if target_experts else None

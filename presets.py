@@ -1,16 +1,15 @@
-"""Real-size models with random weights (benchmarks/bench.py's presets): the dimensions of the real Qwen2.5-VL /
-Qwen3-VL / Qwen3.5 checkpoints (from their hub config.json files), so a benchmark measures the real shapes without a
-download; and what the trainer knows of a model before loading it (known_config, count_params: the memory check).
-A preset too big for the disk is written without weights (RANDOM_INIT says so): the trainer builds the model from
-the config where it runs (random_model: the same seed, so the same values), and vLLM starts on placeholder weights
-(load_format="dummy") that the first weight sync replaces in full, before anything is generated."""
+"""Real-size models with random weights (benchmarks/bench.py's presets): the dimensions of real Qwen2.5-VL, Qwen3-VL,
+Qwen3.5 and Gemma 4 checkpoints (their hub config.json files), measured without a download; and what the trainer knows
+of a model before loading it (known_config, count_params: the memory check). A preset too big for the disk is written
+without weights (RANDOM_INIT): the trainer builds the model from the config where it runs (random_model: the same
+seed, the same values), vLLM starts on placeholders (load_format="dummy") that the first weight sync replaces."""
 import json
 import os
 
 import torch
 
-from tiny_model import (ARCHS, TEXT_ARCHS, _text_config, _token_ids, _vl_classes, _vl_config, build_tokenizer,
-                        tiny_config)
+import tiny_families
+from tiny_model import _text_config, _token_ids, _vl_classes, _vl_config, build_tokenizer, tiny_config
 
 RANDOM_INIT = "random_init.json"  # in a model folder without weights: {"preset", "seed"}
 
@@ -50,6 +49,24 @@ PRESETS = {
                             vocab_size=248320, tie=False,
                             moe=dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                                      shared_expert_intermediate_size=512, router_aux_loss_coef=0.001)),
+    # google/gemma-4-E2B-it, its config.json's values, all written out (transformers' defaults differ in the text's
+    # width, depth, MLP, heads, layer pattern, sharing, soft cap and the towers' clipped linears): 5.17 and 5.24 read
+    # them alike. The audio conformer is kept as the checkpoint has it (0.31B); the trainer never runs it (no gradient
+    # or optimizer state: memory.dims_from_config's `idle`)
+    "gemma4_e2b": dict(arch="gemma4", vision_soft_tokens_per_image=280, text=dict(
+        vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size=1536, intermediate_size=6144, head_dim=256,
+        num_hidden_layers=35, layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7, sliding_window=512,
+        num_attention_heads=8, num_key_value_heads=1, global_head_dim=512, attention_k_eq_v=False, rms_norm_eps=1e-6,
+        hidden_size_per_layer_input=256, num_kv_shared_layers=20, use_double_wide_mlp=True, tie_word_embeddings=True,
+        final_logit_softcapping=30.0, max_position_embeddings=131072, hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=1e4), "full_attention": dict(
+            rope_type="proportional", rope_theta=1e6, partial_rotary_factor=0.25)}),
+        vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12, head_dim=64,
+                    num_key_value_heads=12, global_head_dim=64, patch_size=16, pooling_kernel_size=3, standardize=False,
+                    position_embedding_size=10240, default_output_length=280, use_clipped_linears=True),
+        audio=dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, subsampling_conv_channels=[128, 32],
+                   conv_kernel_size=5, attention_chunk_size=12, attention_context_left=13, attention_context_right=0,
+                   output_proj_dims=1536, residual_weight=0.5, use_clipped_linears=True)),
     # the tiny demo MoE (tiny_model.tiny_config, its own small vocabulary) as a preset: bench.py's paths on the CPU
     "tiny_qwen3_vl_moe": dict(arch="qwen3_vl_moe", tiny=True),
 }
@@ -58,7 +75,10 @@ PRESETS = {
 HUB_NAMES = {"Qwen/Qwen2.5-VL-3B-Instruct": "qwen2_5_vl_3b", "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2_5_vl_7b",
              "Qwen/Qwen2.5-VL-32B-Instruct": "qwen2_5_vl_32b", "Qwen/Qwen2.5-VL-72B-Instruct": "qwen2_5_vl_72b",
              "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl_8b", "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_30b_a3b",
-             **{f"Qwen/Qwen3.5-{n}": f"qwen3_5_{n.lower().replace('-', '_')}" for n in ("9B", "27B", "35B-A3B")}}
+             **{f"Qwen/Qwen3.5-{n}": f"qwen3_5_{n.lower().replace('-', '_')}" for n in ("9B", "27B", "35B-A3B")},
+             "google/gemma-4-E2B-it": "gemma4_e2b"}
+GEMMA4_HUB_IDS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<|image>": 255999, "<|audio>": 256000, "<|image|>": 258880,
+                  "<|audio|>": 258881, "<image|>": 258882, "<audio|>": 258883, "<|video|>": 258884}
 
 
 # per family: the M-RoPE sections and the context length of its checkpoints' config.json
@@ -69,11 +89,14 @@ QWEN3_VIT = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=1
 
 
 def preset_config(preset, ids):
-    """Config of a real-size Qwen2.5-VL / Qwen3-VL / Qwen3.5 (vocab of the real model, not of the small tokenizer)."""
+    """Config of a real-size preset (the real model's vocabulary, not the small tokenizer's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     p = PRESETS[preset]
     arch = p.get("arch", "qwen2_5_vl")
+    if arch == "gemma4":  # the special tokens' ids of the bench's Gemma 4 tokenizer, else (Qwen's) the hub's (above)
+        return tiny_families.gemma4_config(ids=ids if "<|image|>" in ids else GEMMA4_HUB_IDS,
+                                           **{k: v for k, v in p.items() if k != "arch"})
     if p.get("tiny"):  # the demo's vocabulary: the tokenizer's (its special tokens last), in rows of 64
         return tiny_config(arch, ids, (max(ids.values()) + 64) // 64 * 64)
     family = arch.removesuffix("_moe")
@@ -117,17 +140,13 @@ def init_model(Model, cfg, seed, device=None):
 def random_init(path):
     """{"preset", "seed"} of a model folder written without weights (bench.build_random_model), else None."""
     f = os.path.join(path, RANDOM_INIT) if isinstance(path, str) else ""
-    if not os.path.isfile(f):
-        return None
-    with open(f) as fh:
-        return json.load(fh)
+    return json.load(open(f)) if os.path.isfile(f) else None
 
 
 def random_model(path, dtype=torch.float32, attn_implementation=None, device=None):
-    """The model of a folder without weights, as from_pretrained would give it had its weights been saved: built
-    from its config with its seed in bf16 on `device` (default: this process's GPU, else the CPU), then each
-    parameter cast to `dtype` in turn (bf16 -> fp32 is exact). Every rank builds the whole model before FSDP2 shards
-    it: 2 bytes per parameter on its GPU, 4 at most for fp32 master weights (the 30B-A3B in AMP: 116 GiB)."""
+    """The model of a folder without weights, as from_pretrained would give it had they been saved: built from its
+    config with its seed in bf16 on `device` (default: this process's GPU, else the CPU), then cast to `dtype` a
+    parameter at a time. Every rank builds it whole before FSDP2 shards it (the 30B-A3B in AMP: 116 GiB at most)."""
     from transformers import AutoConfig  # slow to import (~2 s)
     cfg = AutoConfig.from_pretrained(path)
     model = init_model(_vl_classes(cfg.model_type)[1], cfg, random_init(path)["seed"], device)
@@ -142,9 +161,8 @@ def random_model(path, dtype=torch.float32, attn_implementation=None, device=Non
 
 
 def known_config(model_path):
-    """The config of the model a --model-path names, without loading or downloading anything: its config.json where
-    one is readable (the folder's, or the HF cache's copy of a hub name), else its preset's for a name of HUB_NAMES;
-    None for any other."""
+    """The config a --model-path names, nothing loaded or downloaded: its readable config.json (a folder's, or the HF
+    cache's copy of a hub name), else its preset's for a name of HUB_NAMES; None for any other."""
     if not model_path:
         return None
     from transformers import AutoConfig  # slow to import (~2 s)
@@ -156,17 +174,13 @@ def known_config(model_path):
     return preset_config(preset, _token_ids(build_tokenizer())) if preset else None
 
 
-def count_params(cfg, arch=None) -> int:
-    """Parameter count of a config without allocating (meta device): a VLM of tiny_model's, else the model
-    fsdp_actor.load_hf_model would load (a text LLM's causal LM, another VLM's image-text-to-text model)."""
-    arch = arch or cfg.model_type
+def count_params(cfg) -> int:
+    """Parameter count of a config without allocating (meta device): of the model fsdp_actor.load_hf_model would
+    load (a VLM's image-text-to-text model, a text LLM's causal LM)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # slow to import (~2 s)
     with torch.device("meta"):
-        if arch in ARCHS and arch not in TEXT_ARCHS:
-            model = _vl_classes(arch)[1](cfg)
-        else:
-            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # slow to import (~2 s)
-            try:
-                model = AutoModelForImageTextToText.from_config(cfg)
-            except ValueError:  # "Unrecognized configuration class": a text LLM (as load_hf_model tells them apart)
-                model = AutoModelForCausalLM.from_config(cfg)
+        try:
+            model = AutoModelForImageTextToText.from_config(cfg)
+        except ValueError:  # "Unrecognized configuration class": a text LLM (as load_hf_model tells them apart)
+            model = AutoModelForCausalLM.from_config(cfg)
     return sum(p.numel() for p in model.parameters())

@@ -1,13 +1,12 @@
-"""Tiny checkpoints of the non-Qwen families (tiny_model.build_tiny_model's arch "gemma4" / "internvl"), built in
-code from transformers' own classes with the real module layout, their own processor class and special tokens, a
-chat template in the family's format, saved with save_pretrained as a hub folder is laid out (AutoProcessor and
-vLLM load them; without torchvision data.load_processor does, the video processor left out).
+"""Tiny checkpoints of the non-Qwen families (tiny_model.build_tiny_model's arch "gemma4" / "internvl"), built from
+transformers' own classes with the real module layout, processor class, special tokens and the family's chat format,
+saved as a hub folder is laid out (AutoProcessor and vLLM load them; without torchvision, data.load_processor). Gemma
+4's tokenizer, config and processor also serve presets.py's real-size gemma4_e2b (benchmarks/bench.py).
 
-  gemma4    Gemma 4's image-text shape (the E2B/E4B layout) in small: sliding and full attention layers with their
-            own head sizes (32 / 64) and rotary (default / proportional, a quarter of the dims), per-layer inputs,
-            the last 2 layers reusing the keys/values of earlier ones, a double-wide MLP there, the final logits
-            soft-capped at 30; the vision tower with 2-D positions and 2x2 pooling (3x3 in the hub's; 70 soft tokens an
-            image, the fewest the processor allows).
+  gemma4    Gemma 4's image-text shape (the E2B layout) in small: sliding and full attention layers with their own
+            head sizes (32 / 64) and rotary (default / proportional on a quarter), per-layer inputs, the last 2 layers
+            reusing earlier keys/values with a double-wide MLP, logits soft-capped at 30; the vision tower with 2-D
+            positions and 2x2 pooling (3x3 in the hub's; 70 soft tokens an image, the fewest the processor allows).
   internvl  InternVL3's layout (transformers' InternVLForConditionalGeneration): an InternViT (layer-scaled,
             mean-pooled) of 56-pixel tiles (crop_to_patches: the tiles of an image, then its thumbnail), pixel
             shuffle 0.5 and a 2-layer projector before a Qwen2 LLM; 4 <IMG_CONTEXT> tokens a tile.
@@ -49,9 +48,38 @@ def _save_processor(cls, out, **parts):
         ProcessorMixin.check_argument_for_proper_class = check
 
 
-def _generation_config(out, eos, pad, bos):
+def generation_config(out, eos, pad, bos):
     from transformers import GenerationConfig  # slow to import (~2 s)
     GenerationConfig(eos_token_id=eos, pad_token_id=pad, bos_token_id=bos, do_sample=False).save_pretrained(out)
+
+
+def gemma4_tokenizer(make_tokenizer):
+    """tiny_model's BPE (`make_tokenizer`) with Gemma 4's special tokens and turn format: (tokenizer, {token: id})."""
+    tok = make_tokenizer(specials=GEMMA4_SPECIALS, eos="<eos>", pad="<pad>", template=GEMMA4_TEMPLATE,
+                         bos_token="<bos>", **GEMMA4_TOKENS)
+    return tok, {t: tok.convert_tokens_to_ids(t) for t in GEMMA4_SPECIALS}
+
+
+def gemma4_config(text, vision, ids, audio=None, **extra):
+    """Gemma4Config of these sub-configs (dicts) with the special tokens' ids of `ids` (GEMMA4_SPECIALS -> id)."""
+    import transformers  # slow to import (~2 s)
+    cfg = transformers.Gemma4Config(
+        text_config={**text, "pad_token_id": ids["<pad>"], "eos_token_id": ids["<eos>"], "bos_token_id": ids["<bos>"]},
+        vision_config=vision, audio_config=audio, image_token_id=ids["<|image|>"], boi_token_id=ids["<|image>"],
+        eoi_token_id=ids["<image|>"], video_token_id=ids["<|video|>"], audio_token_id=ids["<|audio|>"],
+        boa_token_id=ids["<|audio>"], eoa_token_index=ids["<audio|>"], **extra)
+    cfg.architectures = ["Gemma4ForConditionalGeneration"]
+    return cfg
+
+
+def save_gemma4(out, tok, ids, **image):
+    """Gemma 4's generation config (eos: <eos> and <turn|>) and processor (image: its image processor's settings)."""
+    import transformers  # slow to import (~2 s)
+    generation_config(out, [ids["<eos>"], ids["<turn|>"]], ids["<pad>"], ids["<bos>"])
+    _save_processor(transformers.Gemma4Processor, out, tokenizer=tok, image_seq_length=image["max_soft_tokens"],
+                    chat_template=GEMMA4_TEMPLATE, image_processor=transformers.Gemma4ImageProcessorPil(**image),
+                    feature_extractor=transformers.Gemma4AudioFeatureExtractor(),
+                    video_processor=_Saved(video_processor_type="Gemma4VideoProcessor", **image))
 
 
 def build(arch, out, seed, make_tokenizer, text_config, qwen_template, qwen_specials):
@@ -59,30 +87,17 @@ def build(arch, out, seed, make_tokenizer, text_config, qwen_template, qwen_spec
     special tokens come as arguments (it imports this file)."""
     import transformers  # slow to import (~2 s)
     if arch == "gemma4":
-        tok = make_tokenizer(specials=GEMMA4_SPECIALS, eos="<eos>", pad="<pad>", template=GEMMA4_TEMPLATE,
-                                bos_token="<bos>", **GEMMA4_TOKENS)
-        ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA4_SPECIALS}
+        tok, ids = gemma4_tokenizer(make_tokenizer)
         V = (len(tok) + 63) // 64 * 64
         text = dict(vocab_size=V, vocab_size_per_layer_input=V, hidden_size=128, intermediate_size=256,
                     num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=512,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
                     hidden_size_per_layer_input=16, num_kv_shared_layers=2, use_double_wide_mlp=True,
-                    final_logit_softcapping=30.0, max_position_embeddings=4096, pad_token_id=ids["<pad>"],
-                    eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"], tie_word_embeddings=True)
+                    final_logit_softcapping=30.0, max_position_embeddings=4096, tie_word_embeddings=True)
         vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=32, patch_size=8, pooling_kernel_size=2,
                       position_embedding_size=1024, default_output_length=70, standardize=True)
-        cfg = transformers.Gemma4Config(
-            text_config=text, vision_config=vision, audio_config=None, image_token_id=ids["<|image|>"],
-            boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"], video_token_id=ids["<|video|>"],
-            audio_token_id=ids["<|audio|>"], boa_token_id=ids["<|audio>"], eoa_token_index=ids["<audio|>"])
-        model_cls, eos = transformers.Gemma4ForConditionalGeneration, [ids["<eos>"], ids["<turn|>"]]
-        image = dict(max_soft_tokens=70, patch_size=8, pooling_kernel_size=2)
-        proc = dict(cls=transformers.Gemma4Processor, image_seq_length=70, chat_template=GEMMA4_TEMPLATE,
-                    image_processor=transformers.Gemma4ImageProcessorPil(**image),
-                    feature_extractor=transformers.Gemma4AudioFeatureExtractor(),
-                    video_processor=_Saved(video_processor_type="Gemma4VideoProcessor", **image))
-        pad, bos = ids["<pad>"], ids["<bos>"]
+        cfg, model_cls = gemma4_config(text, vision, ids), transformers.Gemma4ForConditionalGeneration
     elif arch == "internvl":
         # InternVL3-hf: Qwen2's chat format, each image one <IMG_CONTEXT> on its own line (the processor expands it)
         template = qwen_template.replace("<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>\n")
@@ -102,7 +117,6 @@ def build(arch, out, seed, make_tokenizer, text_config, qwen_template, qwen_spec
         proc = dict(cls=transformers.InternVLProcessor, image_seq_length=4, chat_template=template,
                     image_processor=transformers.GotOcr2ImageProcessorPil(**image),
                     video_processor=_Saved(video_processor_type="InternVLVideoProcessor", **image))
-        pad, bos = ids["<|endoftext|>"], ids["<|endoftext|>"]
     else:
         raise ValueError(f"unknown arch {arch!r}")
     cfg.architectures = [model_cls.__name__]
@@ -121,7 +135,9 @@ def build(arch, out, seed, make_tokenizer, text_config, qwen_template, qwen_spec
                 torch.nn.init.constant_(w, w.numel() ** -0.25)
     model.to(torch.float32).eval().save_pretrained(out)
     complete_for_vllm(out)
-    _generation_config(out, eos, pad, bos)
+    if arch == "gemma4":
+        return save_gemma4(out, tok, ids, max_soft_tokens=70, patch_size=8, pooling_kernel_size=2)
+    generation_config(out, eos, *[ids["<|endoftext|>"]] * 2)
     _save_processor(proc.pop("cls"), out, tokenizer=tok, **proc)
 
 
@@ -135,8 +151,8 @@ def complete_for_vllm(folder):
     n, shared = t.get("num_hidden_layers", 0), t.get("num_kv_shared_layers") or 0
     if cfg.get("model_type") != "gemma4" or not shared:
         return
-    per_layer = t.get("per_layer_config") or {}  # as transformers writes it; a hub config: global_head_dim (or 512)
-    dims = [(per_layer.get(str(i)) or {}).get("head_dim")
+    per_layer = {int(k): v for k, v in (t.get("per_layer_config") or {}).items()}  # transformers' ("04": ...); the
+    dims = [(per_layer.get(i) or {}).get("head_dim")  # hub's config: global_head_dim (or 512)
             or (kind == "full_attention" and t.get("global_head_dim", 512)) or t["head_dim"]
             for i, kind in enumerate(t["layer_types"])]
     norms = {f"model.language_model.layers.{i}.self_attn.k_norm.weight": torch.ones(dims[i])

@@ -106,27 +106,20 @@ def _token_ids(tok):
 
 
 # ----------------------------------------------------------------------------- configs
+# arch -> transformers' prefix of its config and model classes (+ "Config", + "ForConditionalGeneration") and its
+# processor class: Qwen3-VL's serves the MoE and Qwen3.5 (its vision tower, without deepstack, before a hybrid LLM)
+VL_CLASSES = {"qwen2_5_vl": ("Qwen2_5_VL", "Qwen2_5_VLProcessor"), "qwen2_vl": ("Qwen2VL", "Qwen2VLProcessor"),
+              "qwen3_vl": ("Qwen3VL", "Qwen3VLProcessor"), "qwen3_vl_moe": ("Qwen3VLMoe", "Qwen3VLProcessor"),
+              "qwen3_5": ("Qwen3_5", "Qwen3VLProcessor"), "qwen3_5_moe": ("Qwen3_5Moe", "Qwen3VLProcessor"),
+              "gemma4": ("Gemma4", "Gemma4Processor")}  # (tiny_families.py; presets.py's gemma4_e2b)
+
+
 def _vl_classes(arch):
-    if arch == "qwen2_5_vl":
-        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,  # slow to import (~2 s)
-                                  Qwen2_5_VLProcessor)
-        return Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
-    if arch == "qwen2_vl":
-        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor  # slow to import
-        return Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
-    if arch == "qwen3_vl":
-        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor  # slow to import
-        return Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
-    if arch == "qwen3_vl_moe":  # Qwen3-VL's vision tower and processor; sparse-MoE decoder layers
-        from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, Qwen3VLProcessor  # (slow)
-        return Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, Qwen3VLProcessor
-    if arch == "qwen3_5":  # Qwen3-VL's vision tower (no deepstack) before a hybrid LLM: Gated DeltaNet + attention
-        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor  # (slow)
-        return Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
-    if arch == "qwen3_5_moe":
-        from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3VLProcessor  # (slow)
-        return Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3VLProcessor
-    raise ValueError(f"unknown VL arch {arch!r}; expected one of {ARCHS}")
+    if arch not in VL_CLASSES:
+        raise ValueError(f"unknown VL arch {arch!r}; expected one of {ARCHS}")
+    import transformers  # slow to import (~2 s)
+    prefix, proc = VL_CLASSES[arch]
+    return tuple(getattr(transformers, n) for n in (prefix + "Config", prefix + "ForConditionalGeneration", proc))
 
 
 def _text_config(ids, vocab_size, hidden, intermediate, layers, heads, kv_heads, mrope_section,
@@ -237,18 +230,14 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
     import transformers  # slow to import (~2 s)
     # The PIL backend (transformers 5: *Pil; 4.x: the slow class) works without torchvision and
     # saves as the plain "Qwen2VLImageProcessor" type, so each machine picks its own backend.
-    ImgProc = getattr(transformers, "Qwen2VLImageProcessorPil", None)
-    if ImgProc is None:
-        ImgProc = transformers.Qwen2VLImageProcessor
-    kw = {}
-    if arch in QWEN3_VISION:  # the Qwen3-VL repos: 16-pixel patches, inputs scaled to [-1, 1]
-        kw = dict(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    ImgProc = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+    # the Qwen3-VL repos: 16-pixel patches, inputs scaled to [-1, 1]
+    kw = dict(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3) if arch in QWEN3_VISION else {}
     ImgProc(min_pixels=min_pixels, max_pixels=max_pixels, **kw).save_pretrained(out)
     proc_class = _vl_classes(arch)[2].__name__
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     path = os.path.join(out, "preprocessor_config.json")
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = json.load(open(path))
     # min/max_pixels + processor_class: what transformers 4.x and older vLLM versions read.
     cfg.update(processor_class=proc_class, min_pixels=min_pixels, max_pixels=max_pixels, size=size)
     _write_json(path, cfg)
@@ -269,13 +258,6 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
 def _write_json(path, obj):
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
-
-
-def _save_generation_config(ids, out):
-    from transformers import GenerationConfig  # slow to import (~2 s)
-    GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-                     pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"],
-                     do_sample=False).save_pretrained(out)
 
 
 def _is_complete(path):
@@ -338,7 +320,7 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None, extra_t
         model = model.to(torch.float32).eval()  # fp32: the CPU demo trains in fp32
         model.save_pretrained(tmp)
         tiny_moe.hub_layout(tmp)
-        _save_generation_config(ids, tmp)
+        tiny_families.generation_config(tmp, [ids["<|im_end|>"], ids["<|endoftext|>"]], *[ids["<|endoftext|>"]] * 2)
         tok.save_pretrained(tmp)
         if arch not in TEXT_ARCHS:  # 4..16 image tokens per image keeps CPU steps fast
             _save_processor(arch, tok, tmp, min_pixels=56 * 56, max_pixels=112 * 112)
@@ -458,7 +440,6 @@ def demo_data(data_dir=None, n_train=2000, n_val=200):
     if not os.path.isfile(val):
         make_color_dataset(val, n_val, seed=1)
     return train, val
-
 
 
 # --demo-task zoom (tools.py): a grey, noisy picture with a 2 x 2-pixel coloured dot at its centre, too small for the

@@ -22,6 +22,7 @@ From the repository root (the trainer's files import from there):
                                                                           # its time (gen_stacks.json; also above)
     bash benchmarks/gpu_moe30b.sh                                         # Qwen3-VL-30B-A3B on one H200: no weights
                                                                           # on disk
+    bash benchmarks/gpu_gemma4.sh e2b                                     # Gemma 4 E2B's shape on one H200
 
 Random weights with the real dimensions (build_random_model: no download) and geo3k-like prompts: one
 512x512 figure and about 100 text tokens. A preset above RANDOM_INIT_ABOVE parameters (the 30B-A3B, 32B, 72B),
@@ -57,6 +58,7 @@ from PIL import Image, ImageDraw
 import grpo
 import memory
 import presets
+import tiny_families
 import tiny_model
 import tiny_moe
 from benchmarks import engine_bench, two_turn
@@ -97,17 +99,23 @@ def build_random_model(out_dir, preset, seed=0, device=None, weights=True) -> st
     arch = presets.PRESETS.get(preset, {}).get("arch", "qwen2_5_vl")
 
     def build(tmp):
-        tok = tiny_model.build_tokenizer(split_digits=arch in tiny_model.QWEN3_VISION)
-        ids = tiny_model._token_ids(tok)
+        if arch == "gemma4":  # Gemma 4's special tokens and turn format (tiny_families)
+            tok, ids = tiny_families.gemma4_tokenizer(tiny_model.build_tokenizer)
+        else:
+            tok = tiny_model.build_tokenizer(split_digits=arch in tiny_model.QWEN3_VISION)
+            ids = tiny_model._token_ids(tok)
         cfg = presets.preset_config(preset, ids)
         if weights:
             presets.init_model(tiny_model._vl_classes(arch)[1], cfg, seed, device).save_pretrained(tmp)
+            tiny_families.complete_for_vllm(tmp)  # (Gemma 4's k norms of its KV-shared layers)
         else:
             cfg.dtype = torch.bfloat16  # what save_pretrained of the bf16 model records
             cfg.save_pretrained(tmp)
             tiny_model._write_json(os.path.join(tmp, presets.RANDOM_INIT), {"preset": preset, "seed": seed})
+        if arch == "gemma4":  # its processor: 280 soft tokens an image (patch 16, 3x3 pooling: the class's defaults)
+            return tiny_families.save_gemma4(tmp, tok, ids, max_soft_tokens=cfg.vision_soft_tokens_per_image)
         tiny_moe.hub_layout(tmp)
-        tiny_model._save_generation_config(ids, tmp)
+        tiny_families.generation_config(tmp, [ids["<|im_end|>"], ids["<|endoftext|>"]], *[ids["<|endoftext|>"]] * 2)
         tok.save_pretrained(tmp)
         tiny_model._save_processor(arch, tok, tmp, min_pixels=3136, max_pixels=512 * 512)
 
@@ -449,7 +457,7 @@ def table(paths):
            "parameter):", "",
            "| model | mode | 1 GPU | 2 GPUs | 4 GPUs | 8 GPUs |", "|---|---|---|---|---|---|"]
     for preset in ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b", "qwen2_5_vl_32b", "qwen2_5_vl_72b",
-                   "qwen3_vl_30b_a3b", "qwen3_5_9b", "qwen3_5_27b", "qwen3_5_35b_a3b"):
+                   "qwen3_vl_30b_a3b", "qwen3_5_9b", "qwen3_5_27b", "qwen3_5_35b_a3b", "gemma4_e2b"):
         dims = model_dims(preset)
         for name, kw in modes:
             cells = [memory.memory_model(dims, world=w, mb_tokens=11 * memory.TOKENS_PER_SAMPLE, **kw)

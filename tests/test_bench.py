@@ -190,10 +190,10 @@ def test_benchmarks_holds_every_computed_row_of_the_table():
     """BENCHMARKS.md "Memory modes" (README links it) holds `python -m benchmarks.bench table`'s computed rows (the
     30B-A3B's and Qwen3.5's among them): a change to the memory model or a preset shows here until that section's
     table is regenerated. Only that section counts: the sessions' tables above it are the record of their day."""
-    rows = [r for r in bench.table([]).splitlines() if r.startswith("| qwen")]
+    rows = [r for r in bench.table([]).splitlines() if r.startswith(("| qwen", "| gemma4"))]
     doc = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "BENCHMARKS.md")).read()
     section = doc.split("\n## Memory modes\n", 1)[1].split("\n## ", 1)[0]
-    assert any("qwen3_vl_30b_a3b" in r for r in rows)
+    assert any("qwen3_vl_30b_a3b" in r for r in rows) and any("gemma4_e2b" in r for r in rows)
     assert [r for r in rows if r not in section] == []
 
 
@@ -211,14 +211,16 @@ def test_qwen3_vl_30b_a3b_preset_and_its_easyr1_script():
     assert memory.memory_model(dims, lora_rank=64)["parts"]["optim"] < dense_like["parts"]["optim"]
 
 
-def _recipe_config(tmp_path, precision=None):
-    """grpo.Config of benchmarks/gpu_moe30b.sh's bench.py run (the flags as bash passes them), and its preset."""
+def _recipe_config(tmp_path, precision=None, script="gpu_moe30b.sh"):
+    """grpo.Config of a GPU recipe's (first) bench.py run (the flags as bash passes them, ${X:-default} as its
+    default), and its preset."""
+    import re
     import tyro
     import easyr1_config
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "gpu_moe30b.sh")
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", script)
     text = open(here).read().replace("\\\n", " ")
-    words = [w.replace("${STEPS:-3}", "3") for w in shlex.split(next(x for x in text.splitlines()
-                                                                     if x.startswith("run_bench ")))[4:]]
+    line = next(x.strip() for x in text.splitlines() if x.strip().startswith("run_bench "))
+    words = [re.sub(r"\$\{\w+:-(\w+)\}", r"\1", w) for w in shlex.split(line.removesuffix(";;"))[4:]]
     i = words.index("--preset")
     preset = words[i + 1]
     del words[i:i + 2]
@@ -252,6 +254,76 @@ def test_the_30b_recipe_fits_one_h200_by_the_memory_model(tmp_path):
     cfg, _ = _recipe_config(tmp_path, precision="amp")
     with pytest.raises(UserError, match="it takes 2 such GPUs"):
         memory.check_fits(asdict(cfg), dims, 1, 140.4, f"--preset {preset}")
+
+
+def test_gemma4_e2b_preset_is_the_hub_checkpoints_shape():
+    """presets.py's gemma4_e2b: google/gemma-4-E2B-it's config.json as transformers reads it (its layer pattern, head
+    sizes, shared key/value layers, double-wide MLP there, per-layer inputs, soft cap, towers), 5.10B parameters: the
+    model card's 5.1B "with embeddings"; without its two embedding tables (0.40B + 2.35B per-layer inputs) 2.35B,
+    the card's 2.3B "effective". Its hub name needs no download, with the hub's token ids."""
+    import torch
+    import families
+    import presets
+    from transformers import Gemma4ForConditionalGeneration
+    cfg = presets.known_config("google/gemma-4-E2B-it")
+    t = cfg.text_config
+    assert (cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id, t.eos_token_id) == (258880, 255999, 258882, 1)
+    assert [i for i, k in enumerate(t.layer_types) if k == "full_attention"] == list(range(4, 35, 5))
+    assert families.head_dims(t) == [256, 256, 256, 256, 512] * 7 and t.num_key_value_heads == 1
+    assert t.num_kv_shared_layers == 20 and t.final_logit_softcapping == 30.0 and cfg.tie_word_embeddings
+    assert t.rope_parameters["full_attention"]["partial_rotary_factor"] == 0.25
+    with torch.device("meta"):
+        m = Gemma4ForConditionalGeneration(cfg)
+    lm = m.model.language_model
+    assert [lm.layers[i].mlp.gate_proj.weight.shape[0] for i in (14, 15)] == [6144, 12288]  # shared: double-wide
+    assert m.model.vision_tower.config.num_hidden_layers == 16 and m.model.audio_tower.config.num_hidden_layers == 12
+    total = presets.count_params(cfg)
+    tables = lm.embed_tokens.weight.numel() + lm.embed_tokens_per_layer.weight.numel()
+    assert total == sum(p.numel() for p in m.parameters()) == pytest.approx(5.10e9, rel=0.002)
+    assert lm.embed_tokens_per_layer.weight.shape == (262144, 35 * 256)
+    assert (total - tables) / 1e9 == pytest.approx(2.35, abs=0.01)
+    assert bench.model_dims("gemma4_e2b")["params"] == total and not bench.too_big_for_disk("gemma4_e2b")
+
+
+def test_gemma4_e2b_bench_folder_loads_as_a_gemma4_checkpoint(tmp_path):
+    """bench.build_random_model's gemma4_e2b folder (without weights here: 10 GB in bf16; the GPU recipe writes them):
+    AutoConfig reads the preset's config with the folder's tokenizer ids, data.load_processor gives Gemma 4's
+    processor, which puts 256 image tokens between <|image> and <image|> for the bench's 512 x 512 picture (resized to
+    768 x 768: 48 x 48 patches, pooled 3 x 3), and the engines stop at <eos> and <turn|>."""
+    import families
+    import presets
+    from PIL import Image
+    from transformers import AutoConfig
+    path = bench.build_random_model(str(tmp_path / "e2b"), "gemma4_e2b", weights=False)
+    cfg = AutoConfig.from_pretrained(path)
+    assert presets.random_init(path) == {"preset": "gemma4_e2b", "seed": 0}
+    assert presets.count_params(cfg) == bench.model_dims("gemma4_e2b")["params"]
+    proc = data.load_processor(path, min_pixels=3136, max_pixels=512 * 512)
+    tok = proc.tokenizer
+    assert type(proc).__name__ == "Gemma4Processor" and cfg.image_token_id == tok.convert_tokens_to_ids("<|image|>")
+    parquet = bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 1, tok)
+    rec = data.encode_prompt(data.load_rows(parquet)[0], proc, min_pixels=3136, max_pixels=512 * 512)
+    ids = rec["prompt_ids"]
+    assert ids.count(cfg.image_token_id) == 256 and ids[ids.index(cfg.image_token_id) - 1] == cfg.boi_token_id
+    assert rec["mm_inputs"]["pixel_values"].shape[-2:] == (2520, 768)  # (padded to 280 x 9 patches of 16 x 16 x 3)
+    assert families.special_token_ids(path) == ([tok.convert_tokens_to_ids(t) for t in ("<eos>", "<turn|>")],
+                                                [cfg.image_token_id, cfg.video_token_id])
+
+
+def test_the_gemma4_recipe_fits_one_h200_by_the_memory_model(tmp_path):
+    """benchmarks/gpu_gemma4.sh e2b: the E2B shape in pure bf16, 16 prompts x 8 x 1024 tokens. By the memory model
+    the trainer holds 45.8 GiB while generating beside the engine's 0.3 of the card (42 GiB: ~10 of weights, a KV
+    cache far above the ~3 GiB the 128 samples need), and needs 84.8 in the update with the engine asleep: one H200
+    holds it with room for the model's 15 % error; the run passes bench.py's check before loading."""
+    cfg, preset = _recipe_config(tmp_path, script="gpu_gemma4.sh")
+    assert preset == "gemma4_e2b" and (cfg.precision, cfg.rollout_batch_size, cfg.n) == ("bf16", 16, 8)
+    assert (cfg.max_response_length, cfg.max_steps, cfg.gpu_memory_utilization) == (1024, 2, 0.3)
+    dims = bench.model_dims(preset)
+    m = memory.memory_model(dims, **memory.config_mode(asdict(cfg), 1))
+    assert m["gen"] == pytest.approx(45.8, abs=0.1) and m["update"] == pytest.approx(84.8, abs=0.1)
+    card = 139.0  # GiB an H200 leaves to a process
+    assert 1.15 * m["gen"] + cfg.gpu_memory_utilization * 140.4 < card and 1.15 * m["update"] < card
+    memory.check_fits(asdict(cfg), dims, 1, 140.4, f"--preset {preset}")
 
 
 def test_phases_reads_the_gpu_log_inside_each_phase(tmp_path):

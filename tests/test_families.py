@@ -210,3 +210,47 @@ def test_the_folders_written_for_gemma4_hold_a_k_norm_in_every_layer_as_vllm_loa
         assert [keys.get(f"model.language_model.layers.{i}.self_attn.k_norm.weight") for i in range(4)] == \
             [[d] for d in heads], folder
         actor.load_hf_model(folder)
+
+
+def test_gemma4_e2b_in_small_trains_and_leaves_its_audio_tower_alone(tmp_path, monkeypatch):
+    """presets.py's gemma4_e2b with its dimensions scaled down (the same layer pattern over 15 layers, the last 4
+    sharing keys/values, per-layer inputs, the vision and audio towers), written by bench.build_random_model with its
+    weights as the GPU recipe writes the real one: the k norms vLLM reads sit at each shared layer's head size
+    (transformers writes per_layer_config's keys as "09", "14"), and a trainer step moves the LLM and the vision tower
+    while the audio tower, which the trainer never runs, gets no gradient and no AdamW state (the memory model's
+    `idle`)."""
+    from safetensors import safe_open
+    import presets
+    from benchmarks import bench
+    e2b = presets.PRESETS["gemma4_e2b"]
+    monkeypatch.setitem(presets.PRESETS, "gemma4_small", dict(e2b, text={
+        **e2b["text"], "vocab_size": 1024, "vocab_size_per_layer_input": 1024, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 15, "layer_types": e2b["text"]["layer_types"][:15],
+        "num_attention_heads": 2, "head_dim": 16, "global_head_dim": 32, "hidden_size_per_layer_input": 8,
+        "num_kv_shared_layers": 4}, vision={**e2b["vision"], "hidden_size": 32, "intermediate_size": 64,
+                                            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                            "head_dim": 16, "global_head_dim": 16, "position_embedding_size": 1024},
+        audio={**e2b["audio"], "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "subsampling_conv_channels": [8, 4], "output_proj_dims": 64}))
+    path = bench.build_random_model(str(tmp_path / "small"), "gemma4_small")
+    assert "09" in json.load(open(os.path.join(path, "config.json")))["text_config"]["per_layer_config"]  # (not 9)
+    with safe_open(os.path.join(path, "model-kv-shared-norms.safetensors"), "pt") as f:
+        assert [f.get_slice(f"model.language_model.layers.{i}.self_attn.k_norm.weight").get_shape() for i in
+                range(11, 15)] == [[16], [16], [16], [32]]
+    actor.init_distributed()
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
+    proc = data.load_processor(path, **PIXELS)
+    rows = data.load_rows(bench.make_geo_dataset(str(tmp_path / "geo.parquet"), 2, proc.tokenizer, size=112,
+                                                 text_tokens=10))
+    samples = [{"prompt": data.encode_prompt(r, proc, **PIXELS), "response_ids": [5, 6, 7]} for r in rows]
+    lp, _ = model(**actor.collate(samples, proc.tokenizer.pad_token_id, torch.device("cpu"), model)[0])
+    lp.sum().backward()
+    params = dict(model.named_parameters())
+    got = {n for n, p in params.items() if p.grad is not None}
+    opt, sched = actor.build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 0, torch.device("cpu"))
+    actor.optimizer_step(model, opt, sched, 1.0)
+    audio = [n for n in params if ".audio_tower." in n or ".embed_audio." in n]
+    assert audio and not got & set(audio) and not any(params[n] in opt.state for n in audio)
+    for part in (".vision_tower.", ".embed_tokens_per_layer.", ".layers.14.mlp."):  # (14: shared, double-wide)
+        assert all(n in got and params[n] in opt.state for n in params if part in n), part
+    assert memory.known_dims(path)["idle"] == sum(params[n].numel() for n in audio)

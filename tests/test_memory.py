@@ -336,3 +336,48 @@ def test_the_memory_model_knows_a_model_from_its_config_json_or_its_hub_name(tmp
     assert text["params"] > 0 and not text["moe"]
     for unknown in ("someone/not-cached", "Qwen/Qwen3-VL-4B-Instruct", str(tmp_path), "", "./no/such/model"):
         assert memory.known_dims(unknown) is None, unknown
+
+
+def test_the_memory_model_knows_gemma4_e2b_by_its_hub_name(tmp_path):
+    """google/gemma-4-E2B-it, not downloaded: grpo.py's check before loading takes its preset's dimensions, with what
+    a Qwen model lacks counted as FSDP2 holds it (each decoder layer and vision/audio block a unit, the root the
+    rest): the per-layer-input table (2.35B) in the root unit, gathered whole with the embedding; the largest unit,
+    a key/value-sharing layer with its double-wide MLP; the audio tower (0.31B with its projection) held but never
+    run, so no gradient or optimizer state; each layer's per-layer input among the checkpointed activations; one more
+    fp32 chunk of the soft-capped logits. The check passes on an H200 and names the 2 GPUs AMP takes on 80 GiB cards;
+    grpo.py on the CPU gets through it (no traceback) to the one-line message that the download is missing."""
+    import subprocess
+    import sys
+    from transformers import Gemma4ForConditionalGeneration
+    import presets
+    from common import UserError
+    from config import Config
+    from conftest import clean_env
+    dims = memory.known_dims("google/gemma-4-E2B-it")
+    assert dims == bench.model_dims("gemma4_e2b")
+    with torch.device("meta"):
+        m = Gemma4ForConditionalGeneration(presets.known_config("google/gemma-4-E2B-it"))
+    units = [u for u in m.modules() if type(u).__name__ in m._no_split_modules]
+    count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+    assert dims["params"] == count(m) and dims["idle"] == count(m.model.audio_tower) + count(m.model.embed_audio)
+    assert dims["root_params"] == pytest.approx(count(m) - sum(map(count, units)), rel=0.01)  # 2.75B
+    assert dims["layer_params"] == pytest.approx(max(map(count, units)), rel=0.1)  # 70M: layer 19
+    assert (dims["inter"], dims["ple"], dims["softcap"]) == (12288, 256, True)
+    bf16 = memory.memory_model(dims, precision="bf16", kahan=False, kl_coef=0, mb_tokens=0, chunk=0)["parts"]
+    assert bf16["weights"] * memory.GIB == 2 * dims["params"] and bf16["grads"] * memory.GIB == 2 * (
+        dims["params"] - dims["idle"])
+    base = dict(dims, ple=0, softcap=False)
+    for kw, grows in ((dict(mb_tokens=4096, chunk=1), 4096 * 2 * 35 * 2 * 256),  # per-layer inputs, bf16
+                      (dict(mb_tokens=0, chunk=4096), 4 * 4096 * 262144)):  # one more fp32 chunk of logits
+        assert memory.memory_model(dims, **kw)["update"] - memory.memory_model(base, **kw)["update"] == \
+            pytest.approx(grows / memory.GIB)
+    memory.check_before_loading(Config(model_path="google/gemma-4-E2B-it"), 1, card_gib=140.4)
+    with pytest.raises(UserError, match="--model-path google/gemma-4-E2B-it .* it takes 2 such GPUs"):
+        memory.check_before_loading(Config(model_path="google/gemma-4-E2B-it"), 1, card_gib=80)  # AMP: 105 GiB
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "grpo.py", "--model-path", "google/gemma-4-E2B-it", "--output-dir",
+                        str(tmp_path / "out")], cwd=root, capture_output=True, text=True, timeout=300,
+                       env=clean_env(HF_HUB_OFFLINE="1"))
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in out and out.splitlines()[-1].startswith(
+        "error: --model-path google/gemma-4-E2B-it: could not load its tokenizer/processor"), out
