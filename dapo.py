@@ -4,10 +4,9 @@
     torchrun --nproc_per_node 8 dapo.py --model-path Qwen/Qwen2.5-VL-7B-Instruct --reward-function dapo \
         --max-response-length 20480 --overlong-buffer-length 4096 --gen-batch-size 1536 --rollout-batch-size 512 ...
 
-DAPO = GRPO with clip-higher (eps_high 0.28), the token-level loss (grpo.py's default), no KL (no reference model),
-and two changes in the collect step: dynamic sampling (grpo.py's filter_groups, on here: a group whose samples all
-score the same has zero advantage, so generate until the batch holds only groups with mixed `filter_key`) and
-overlong shaping (a soft length penalty in the reward; optionally truncated samples out of the loss).
+DAPO = GRPO with clip-higher (eps_high 0.28), the token-level loss, no KL, and two changes in the collect step:
+dynamic sampling (filter_groups: generate until every group's `filter_key` varies; a group that scores alike has no
+advantage) and overlong shaping (a soft length penalty in the reward; optionally truncated samples out of the loss).
 """
 from dataclasses import dataclass
 

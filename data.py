@@ -2,11 +2,10 @@
 
 Rows follow EasyR1: a `problem` text (with optional `<image>` / `<video>` placeholders), an `answer`, an
 `images` list and a `videos` list (each video a file path or a list of frames). encode_prompt turns one row into the
-prompt record (see encode_prompt): prompt_ids (image and video pads expanded, what the actor sees), raw_prompt_ids
-(one pad per image or video, what vLLM expands itself), resized PIL images, sampled and resized video frames with
-their frame rates, processor outputs (mm_inputs), answer, prompt_text. draw_prompts is the training stream (seeded
-epoch shuffles, a function of its cursor); take_prompts and prefetch_prompts take a step's share of it, drawn ahead
-on a second thread while the previous step trains.
+prompt record: prompt_ids (pads expanded: the actor's), raw_prompt_ids (one pad per image or video: vLLM expands
+them), resized images, sampled and resized video frames with their frame rates, processor outputs (mm_inputs),
+answer, prompt_text. draw_prompts is the training stream (seeded epoch shuffles, a function of its cursor);
+take_prompts and prefetch_prompts take a step's share, drawn on a second thread while the previous step trains.
 """
 import collections
 import dataclasses

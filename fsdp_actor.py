@@ -266,13 +266,12 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
     r, alpha, target_modules, exclude_modules, modules_to_save (see memory.add_lora). padding_free / vision_varlen:
-    "auto" (on where a fast variable-length kernel runs: CUDA, bf16/fp16), "on" (also on CPU, through the plain
-    reference path: for tests) or "off" (transformers' own attention). torch_compile: fused elementwise kernels
-    (varlen.compile_elementwise), "auto" = on for CUDA in bf16/fp16 and a hidden size of at least 1024. offload:
-    FSDP2's CPUOffloadPolicy, which keeps the sharded weights, their gradients and hence the optimizer state and
-    step on the host (FSDP2 offers the three only together), each unit's shard copied in just before its
-    all-gather; a frozen model is kept on the host whole instead. router_aux_loss_coef > 0 (MoE): every forward
-    keeps its router logits and sets model.aux_loss (the caller adds coef x it); 0 = off. checkpoint_layers: above.
+    "auto" (on where a fast variable-length kernel runs: CUDA, bf16/fp16), "on" (also on CPU, the plain reference
+    path: tests) or "off" (transformers' attention). torch_compile: fused elementwise kernels, "auto" = on for CUDA
+    in bf16/fp16 and a hidden size >= 1024. offload: FSDP2's CPUOffloadPolicy: the sharded weights, their gradients,
+    the optimizer state and step on the host (FSDP2 offers them only together), each unit's shard copied in before
+    its all-gather; a frozen model stays on the host whole. router_aux_loss_coef > 0 (MoE): every forward keeps its
+    router logits and sets model.aux_loss (the caller adds coef x it); 0 = off. checkpoint_layers: above.
     share_prompts: packed rows hold each prompt once (collate); not with the MoE balancing loss (its token counts).
     MoE decoder layers are units like the dense ones (their _no_split_modules), so each layer's experts (the fused
     [experts, 2 x width, hidden] tensors) shard and all-gather with their layer; routers run in the model's own

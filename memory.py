@@ -3,18 +3,17 @@ the reference model (--offload-optimizer, --offload-params), LoRA; where the GPU
 phase, the engine's share); the memory model (what a run needs of each GPU: bench.py's table, and the check before
 anything loads); and out of memory told in one line.
 
-Pure bf16: weights, gradients and AdamW state in bf16 (8 bytes per parameter, 10 with Kahan's buffer, against AMP's
-16). The trap: bf16 keeps 8 significant bits, so a weight w moves only if its update exceeds half an ulp, about
-|w| * 2^-9. At RL's lr ~1e-6 an AdamW update is ~lr, and a weight of 0.02 has a half-ulp of 6e-5: rounded to
-nearest, every update vanishes and the model never trains. Two ways out (`rounding`):
+Pure bf16: weights, gradients and AdamW state in bf16 (8 bytes per parameter, 10 with Kahan's buffer; AMP: 16). The
+trap: a bf16 weight w moves only by more than half an ulp (~|w| 2^-9); at RL's lr ~1e-6 an AdamW update is ~lr, and a
+weight of 0.02 (half-ulp 6e-5) rounded to nearest never moves: the model never trains. Two ways out (`rounding`):
   stochastic: the new fp32 weight rounded up or down at random, up with probability equal to how far it lies
       towards the next bf16 value: the expected weight follows the fp32 path. No extra memory; the noise is seeded
       per (seed, step, parameter, rank), so resume is exact without RNG state.
   kahan: what the bf16 weight could not absorb is kept in a bf16 compensation buffer and added to the next update
       (Kahan summation). Deterministic; 2 more bytes per parameter. The default (README "Memory modes" says why).
   nearest: the trap itself, for the comparisons.
-The moments meet the same trap (v * 0.999 rounds back to v) and are rounded stochastically but in `nearest`. Under
-FSDP2 the step works on each rank's own shard (`local`), element by element: no communication.
+The moments meet the same trap (v * 0.999 rounds back to v): rounded stochastically but in `nearest`. Under FSDP2
+the step works on each rank's own shard (`local`), element by element: no communication.
 """
 import contextlib
 import hashlib
@@ -279,13 +278,17 @@ def dims_from_config(cfg):
     # q, o: H x heads x head_dim (the layers' mean where they differ: Gemma 4); k, v: H x kv of that; the MLP
     layer = 2 * H * t.num_attention_heads * sum(families.head_dims(t)) / t.num_hidden_layers * (1 + kv) + mlp
     ple = getattr(t, "hidden_size_per_layer_input", 0) or 0
+    # Gated DeltaNet (Qwen3.5) on the plain-torch path: its chunked rule keeps fp32 intermediates of every chunk for the
+    # backward, `gdn` = 4 Hv (9 (K + V) + K V / 64 + 360) bytes a token (fitted to its saved tensors; the 9B's 365 KiB)
+    hv, dk, dv = (getattr(t, "linear_" + n, 0) or 0 for n in ("num_value_heads", "key_head_dim", "value_head_dim"))
     return dict(params=params, hidden=t.hidden_size, inter=inter, layers=t.num_hidden_layers, moe=bool(E), experts=E,
                 expert_inter=t.moe_intermediate_size if E else 0, vocab=t.vocab_size, kv_frac=kv, layer_params=layer,
                 root_params=t.vocab_size * t.hidden_size * (1 if cfg.tie_word_embeddings else 2)
                 + getattr(t, "vocab_size_per_layer_input", 0) * t.num_hidden_layers * ple, ple=ple,
                 idle=params - presets.count_params(type(cfg).from_dict({**cfg.to_dict(), "audio_config": None}))
                 if getattr(cfg, "audio_config", None) else 0,
-                softcap=bool(getattr(t, "final_logit_softcapping", None)))
+                softcap=bool(getattr(t, "final_logit_softcapping", None)),
+                gdn=4 * hv * (9 * (dk + dv) + dk * dv / 64 + 360))
 
 
 def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offload_params=False,
@@ -320,10 +323,13 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     # Gemma 4: each layer's per-layer input too, and the table's projection before its norm, as wide; its soft-capped
     # logits take one more fp32 chunk (`head`)
     ckpt, head = mb_tokens * 2 * L * (H + 2 * dims.get("ple", 0)), 4 * chunk * dims["vocab"]
-    # --checkpoint-layers: a layer that does not recompute keeps its bf16 activations (the recomputed layer's,
-    # without their gradient) from forward to backward; all of them are alive when the backward starts
-    kept = (L - math.ceil(round(recompute * L, 6))) * mb_tokens * 2 * (4 * H + 3 * dims["inter"])
-    act_update = ckpt + kept + max(mb_tokens * 2 * 2 * (4 * H + 3 * dims["inter"]), (3 + dims.get("softcap", 0)) * head)
+    # --checkpoint-layers: a layer that does not recompute keeps its activations (`layer` bytes a token: a GDN layer's
+    # where larger, on the plain path) from forward to backward; all of them are alive when the backward starts
+    plain = dims.get("gdn") and not (torch.cuda.is_available() and varlen.fla_kernels() and varlen.fla_trains(
+        int(os.environ.get("LOCAL_RANK", "0"))))
+    layer = max(2 * (4 * H + 3 * dims["inter"]), dims["gdn"] if plain else 0)
+    kept = (L - math.ceil(round(recompute * L, 6))) * mb_tokens * layer
+    act_update = ckpt + kept + max(mb_tokens * 2 * layer, (3 + dims.get("softcap", 0)) * head)
     # a no-grad forward keeps nothing from layer to layer: its peak is inside one MLP (gate, up and their product,
     # bf16) beside the residual stream's input and output, or at the head, a chunk of fp32 logits and their softmax
     act_fwd = max((lp_tokens or mb_tokens) * 2 * (3 * dims["inter"] + 2 * H), (2 + dims.get("softcap", 0)) * head)

@@ -7,9 +7,8 @@ With --adapter-only, the checkpoint of a LoRA run becomes a peft adapter folder 
 folder) loads it). Only the model's tensors are read from the sharded checkpoint (not the optimizer state); no process
 group and no GPU are needed, whatever the number of ranks that saved it.
 
-The default dtype is the one the policy ran in: its compute dtype, recorded in trainer_state.json (bfloat16 on GPUs,
-float32 on the CPU). Training keeps fp32 master weights and casts them for every forward, so a bfloat16 folder is
-the model that generated the rollouts and was validated; --dtype float32 keeps the master weights themselves.
+The default dtype is the policy's compute dtype (trainer_state.json: bfloat16 on GPUs, float32 on the CPU): the fp32
+master weights cast as for every forward, the model that generated the rollouts; --dtype float32 keeps the masters.
 """
 import json
 import os

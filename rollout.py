@@ -7,10 +7,9 @@ Two engines with one interface: generate(prompts, n, temperature, top_p, max_tok
   VLLMRollout  vLLM colocated with the trainer, SPMD under torchrun (one engine per rank, no Ray)
   make_rollout picks one ("auto": vLLM when it imports and CUDA is there, else HF).
 
-Log-probs, alike in both engines: each sampled token's under the distribution it was sampled from, log_softmax of
-the *processed* scores (pad tokens forbidden, logits / temperature, top-p renormalised over the nucleus): vLLM's
-logprobs_mode="processed_logprobs" (its default "raw_logprobs" ignores the temperature). With top_p == 1 (GRPO's
-default) this is the trainer's log_softmax(logits / T), the same tokens forbidden. Greedy: untempered logits.
+Log-probs, alike in both engines: each sampled token's under the distribution it was drawn from, log_softmax of the
+*processed* scores (pads forbidden, logits / T, top-p renormalised): vLLM's logprobs_mode="processed_logprobs" (its
+"raw_logprobs" ignores T). With top_p == 1 (GRPO's default): the trainer's log_softmax(logits / T). Greedy: untempered.
 """
 import dataclasses
 import importlib.util

@@ -2,12 +2,11 @@
 
 --tools FILE (or a built-in: zoom) names plain Python functions, as --reward-function names a reward: each one's type
 hints and docstring make its JSON schema (the chat template's `tools`), and it returns text or a PIL image (or a list
-of them). A turn of the loop below: one engine call for every active sample of the rank; the tool calls in what it
-sampled (Qwen's <tool_call> format) run on threads, each cut at --tool-timeout; their answers are rendered by the
-model's own chat template and tokenized on their own; the trajectory grows by exactly the sampled ids, then those
-answer tokens, and the next turn continues it. Nothing the model sampled is ever decoded and re-tokenized (Agent-R1
-#46: a re-tokenized turn is not what the policy produced). The trainer learns from the sampled tokens only:
-`policy_mask` is 1 on them and 0 on the tools' answers and the template's tokens between turns.
+of them). A turn: one engine call for every active sample of the rank; the calls in what it sampled (Qwen's
+<tool_call> format) run on threads, each cut at --tool-timeout; their answers, rendered by the model's own chat
+template and tokenized alone, follow exactly the sampled ids, and the next turn continues. Nothing sampled is ever
+decoded and re-tokenized (Agent-R1 #46: a re-tokenized turn is not what the policy produced). The trainer learns from
+the sampled tokens only: `policy_mask` is 1 on them, 0 on the tools' answers and the template's tokens between turns.
 """
 import importlib.util
 import inspect

@@ -5,7 +5,8 @@
 #            GDN layer after a sync and after a level-2 sleep (dense and MoE), the two demos' agreement (~6 min)
 #   matrix   the learning matrix's two Qwen3.5 rows side by side, then each row's parity check (~5 min)
 #   9b       the Qwen3.5-9B shape (9.41B, random weights), pure bf16, 16 prompts x 8 x 1024 tokens, 2 steps (~7 min)
-#   9b_bare  its generation beside bare vLLM on the same model, one call (engine-ablation rows bare, all_ours)
+#   9b_bare  its generation beside bare vLLM on the same model, one call (engine-ablation rows bare, all_ours; ROWS=
+#            bare,banned,all_ours_no_lp,all_ours tells the pad tokens' ban from the log-probs: 1.163x in session 21)
 #   35b      the Qwen3.5-35B-A3B shape (35.1B, 256 experts), LoRA r64 on a bf16 base, --sleep-level 2, nothing on disk,
 #            8 prompts x 8 x 512 tokens, as the Qwen3-VL-30B-A3B row (benchmarks/gpu_moe30b.sh) (~8 min)
 # Seen on the H200 (BENCHMARKS.md session 18): vLLM 0.26 needs compressed-tensors 0.17.0 and loguru for Qwen3.5
@@ -30,12 +31,15 @@ case "${1:-}" in
     exit ;;
   9b)
     prepare qwen3_5_9b
+    # 16k-token micro-batches: with 64k ones step 2's update ran out of memory (session 21; the GDN layers' plain-torch
+    # backward under the image's Triton 3.6 keeps ~365 KiB a token a layer, the memory model knows it since)
     run_bench bench9b_qwen35_bf16_1gpu_16x8 0 "${LIMIT:-480}" --preset qwen3_5_9b --precision bf16 \
-      --max-steps "${STEPS:-2}" --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 ;;
+      --max-steps "${STEPS:-2}" --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 \
+      --max-token-len-per-device 16384 ;;
   9b_bare)
     prepare qwen3_5_9b
     timeout "${LIMIT:-480}" python -m benchmarks.bench engine-ablation --preset qwen3_5_9b --precision bf16 \
-      --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 --rows bare,all_ours \
+      --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 --rows "${ROWS:-bare,all_ours}" \
       --repeats "${REPEATS:-1}" --bare-memory-share 0 --output-dir /tmp/abl9b > "$OUT/ablation9b.log" 2>&1
     echo "9b engine-ablation: exit $?"; cp /tmp/abl9b/engine_ablation.json "$OUT/ablation9b.json" 2> /dev/null
     python -c "import json, sys; from benchmarks import engine_bench as e; print(e.table(json.load(open(sys.argv[1]))))" \

@@ -175,3 +175,66 @@ def test_a_load_after_vllm_registered_its_own_config_class_gets_transformers_cla
     monkeypatch.setitem(CONFIG_MAPPING._extra_content, kind, vllms)
     model = actor.load_hf_model(tiny)
     assert type(model.config).__module__ == f"transformers.models.{kind}.configuration_{kind}"
+
+
+def _plain_gdn_bytes_per_token(hidden, hk, hv, dk, dv, samples=2, length=128):
+    """What one GDN layer on the plain-torch path keeps for its backward (saved tensors, its weights left out), bytes
+    a token of a packed row, and the config it ran with."""
+    import types
+
+    import presets
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    base = presets.preset_config("qwen3_5_9b", tiny_model._token_ids(tiny_model.build_tokenizer()))
+    cfg = type(base).from_dict({**base.to_dict(), "text_config": {
+        **base.text_config.to_dict(), "hidden_size": hidden, "linear_num_key_heads": hk, "linear_num_value_heads": hv,
+        "linear_key_head_dim": dk, "linear_value_head_dim": dv}})
+    torch.manual_seed(0)
+    layer = modeling_qwen3_5.Qwen3_5GatedDeltaNet(cfg.text_config, 0).to(torch.bfloat16)
+    layer.forward = types.MethodType(V.gdn_forward, layer)
+    n = samples * length
+    x = torch.randn(1, n, hidden, dtype=torch.bfloat16, requires_grad=True)
+    saved = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        layer(x, cu_seq_lens_q=torch.arange(0, n + 1, length, dtype=torch.int32))
+    weights = sum(p.numel() * p.element_size() for p in layer.parameters())
+    return (sum(saved.values()) - weights) / n, cfg
+
+
+@pytest.mark.parametrize("dims", [(256, 4, 8, 32, 32), (256, 2, 8, 64, 128)])
+def test_the_memory_model_counts_what_a_plain_path_gdn_layer_keeps_for_its_backward(dims):
+    """The plain-torch chunked delta rule keeps fp32 intermediates of every chunk (~361 KiB a token in the 9B's layer,
+    against the 208 KiB of any other layer): the memory model's per-token figure (dims["gdn"]) within 10 % of the
+    saved tensors measured on two layer shapes."""
+    import memory
+    measured, cfg = _plain_gdn_bytes_per_token(*dims)
+    assert abs(memory.dims_from_config(cfg)["gdn"] / measured - 1) < 0.10, (memory.dims_from_config(cfg)["gdn"],
+                                                                             measured)
+
+
+def test_the_9b_shape_that_ran_out_of_memory_is_refused_before_loading_and_fits_in_smaller_micro_batches(monkeypatch):
+    """Session 21 on one H200 (benchmarks/h200/bench9b_qwen35_s21_c_*): the 9B shape in pure bf16 with 64k-token
+    micro-batches peaked at 109.7 GiB in step 1's update and ran out of memory in step 2's (the optimizer's state came
+    at step 1's end). The memory model on the plain GDN path: step 1's update within 15 % of the measured peak, and
+    the run refused before loading on a 139.8 GiB card; with 16k-token micro-batches it fits."""
+    import dataclasses
+    import json
+    import os
+
+    import memory
+    from benchmarks import bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the plain GDN path, as under the H200's Triton
+    dims = bench.model_dims("qwen3_5_9b")
+    runs = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "h200")
+    step1 = json.loads(open(os.path.join(runs, "bench9b_qwen35_s21_c_oom_in_step2_metrics.jsonl")).readline())
+    c = dict(dataclasses.asdict(bench.defaults("/tmp", "/tmp/m", "/tmp/d")), precision="bf16", rollout_batch_size=16,
+             global_batch_size=16, checkpoint_layers=1.0)
+    m = memory.memory_model(dims, **memory.config_mode(c, 1))
+    model_step1 = m["update"] - m["parts"]["optim"]  # (the state did not exist yet at step 1's peak)
+    assert abs(model_step1 / step1["memory/trainer_peak_update_gb"] - 1) < 0.15, (model_step1, step1)
+    with pytest.raises(memory.UserError, match="GiB per GPU"):
+        memory.check_fits(c, dims, 1, 139.8, "--preset qwen3_5_9b")
+    memory.check_fits({**c, "max_token_len_per_device": 16384}, dims, 1, 139.8, "--preset qwen3_5_9b")
