@@ -15,6 +15,8 @@ from tqdm import tqdm
 
 # EasyR1 defaults (data.min_pixels / data.max_pixels).
 MIN_PIXELS, MAX_PIXELS = 262144, 4194304
+# LoRA's default exclusion: every family's vision and audio towers and projector (EasyR1's .*visual.*: Qwen's only)
+LORA_EXCLUDE = r".*(visual|vision_tower|audio_tower|embed_vision|embed_audio|multi_modal_projector).*"
 
 
 class UserError(ValueError):

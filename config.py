@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from common import MAX_PIXELS, MIN_PIXELS
+from common import LORA_EXCLUDE, MAX_PIXELS, MIN_PIXELS
 
 
 @dataclass
@@ -149,7 +149,7 @@ class Config:
     lora_rank: int = 0  # LoRA (peft) rank; 0 = full fine-tuning. With LoRA only adapters train: the vision tower is frozen unless targeted
     lora_alpha: int = 64  # LoRA scale = alpha / rank (EasyR1's default)
     lora_target_modules: str = "all-linear"  # comma-separated module names, or peft's "all-linear"
-    lora_exclude_modules: str = r".*visual.*"  # regex of modules left without adapters (vLLM has no vision LoRA)
+    lora_exclude_modules: str = LORA_EXCLUDE  # regex of modules left without adapters (the vision towers)
     lora_modules_to_save: str = ""  # comma-separated modules trained in full beside the adapters (peft's), e.g. lm_head
     # MoE: LoRA on the experts' fused 3-D tensors too (peft's target_parameters, r per expert); off: attention only
     # (the experts are not nn.Linear, so all-linear leaves them frozen). An error on a model without experts

@@ -30,7 +30,7 @@ import families
 import presets
 import tiny_moe
 import varlen
-from common import UserError, all_reduce_cpu
+from common import LORA_EXCLUDE, UserError, all_reduce_cpu
 from config import bf16_compute
 
 # bytes per parameter of the policy's state (weights, gradients, AdamW's two moments), per --precision; pure bf16
@@ -514,7 +514,7 @@ def oom_explained(ctx, step):
 
 
 # ----------------------------------------------------------------------------------------------- LoRA
-def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=r".*visual.*", modules_to_save="",
+def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=LORA_EXCLUDE, modules_to_save="",
              target_experts=False):
     """LoRA through peft, in place: every parameter outside the adapters frozen (the vision tower too, unless
     targeted: vLLM takes no LoRA on it); the trainer keeps calling the HF model, the PeftModel is for merge.py.

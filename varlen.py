@@ -19,14 +19,12 @@ import torch.nn.functional as F
 
 # Both speed paths hand transformers' attention modules one call over many independent sequences, described by
 # cumulative lengths cu_seqlens [S + 1] (int32) and the longest length:
-#  - the vision tower: Qwen2-VL / Qwen2.5-VL run one SDPA call per window (per image for full-attention layers)
-#    unless the configured attention's name contains "flash", in which case they pass cu_seqlens to it instead
-#    (modeling_qwen2_5_vl.py, Qwen2_5_VLVisionAttention.forward, same code in transformers 5.17 and 5.24). So the
-#    vision config gets our function under a name with "flash" in it: one call per layer, no monkeypatching.
+#  - the vision tower: Qwen2-VL / Qwen2.5-VL run one SDPA call per window (per image for full-attention layers),
+#    unless the attention's name contains "flash": then they pass it cu_seqlens (Qwen2_5_VLVisionAttention.forward,
+#    transformers 5.17 and 5.24). So the vision config gets our function under a name with "flash" in it.
 #  - the language model on packed rows (padding-free): the text config gets our function under a plain name; the
-#    cu_seqlens travel as the `cu_seq_lens_q/k`, `max_length_q/k` keyword arguments that transformers forwards
-#    from the model call to every attention function (the TransformersKwargs contract). A name unknown to the mask
-#    interface makes create_causal_mask return None, so no [T, T] mask is ever built for the packed row.
+#    cu_seqlens travel as the `cu_seq_lens_q/k`, `max_length_q/k` keywords transformers passes to every attention
+#    function (TransformersKwargs); a name unknown to its mask interface: no [T, T] mask is built for the packed row.
 # Both are registered in transformers' AttentionInterface and selected per sub-config with set_attn_implementation.
 VARLEN_TEXT, VARLEN_VISION = "vlm_rl_varlen", "vlm_rl_flash_varlen"
 

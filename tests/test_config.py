@@ -23,7 +23,9 @@ DELIBERATE = {"train_files", "val_files", "model_path", "format_prompt", "reward
               "offload_params", "offload_optimizer",
               # dynamic sampling's prompts per try: 0 here, which is the rollout batch (EasyR1's null) for grpo.py
               # and 3 x it for dapo.py (the paper's); EasyR1's null reads as the rollout batch in both
-              "gen_batch_size"}
+              "gen_batch_size",
+              # LoRA leaves every family's towers alone (EasyR1's .*visual.* names Qwen's only; the same on Qwen)
+              "lora_exclude_modules"}
 
 
 def leaves(d, prefix=""):

@@ -142,6 +142,18 @@ def test_logprobs_and_grads_equal_a_plain_forward(tiny):
         assert (g - ref_grads[n]).norm() <= 1e-4 * ref_grads[n].norm() + 1e-8, (n, (g - ref_grads[n]).norm())
 
 
+def test_lora_by_default_adapts_the_language_model_and_leaves_every_tower_and_projector_alone(tiny):
+    """The default --lora-exclude-modules (common.LORA_EXCLUDE) keeps adapters out of Gemma 4's vision tower and
+    embed_vision and InternVL's vision_tower and multi_modal_projector, as EasyR1's `.*visual.*` does for Qwen's
+    `visual` (vLLM serves the towers without adapters); the language model's projections get them."""
+    arch, path, _, _ = tiny
+    hf = actor.load_hf_model(path)
+    memory.add_lora(hf, 4, 8)
+    adapted = {n.split(".lora_")[0] for n, _ in hf.named_parameters() if ".lora_" in n}
+    assert any("language_model" in n for n in adapted)
+    assert not [n for n in adapted if any(t in n for t in ("vision", "audio", "multi_modal_projector"))], adapted
+
+
 def test_the_hf_engine_generates_with_the_processor_inputs(tiny):
     """The engine's sampled tokens' log-probs are the trainer's (the same forbidden tokens, soft cap, inputs)."""
     arch, path, proc, samples = tiny
