@@ -300,7 +300,7 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None, extra_t
         dist.barrier()
     if arch not in ARCHS + FAMILIES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + FAMILIES}")
-    version = 5 if arch == "gemma4" else 3  # 3: the MoE config names norm_topk_prob; 5: Gemma 4's init, k norms
+    version = 6 if arch == "gemma4" else 3  # 3: the MoE config names norm_topk_prob; 6: Gemma 4's k norms, own widths
     out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v{version}" + "-tools" * bool(extra_tokens))
 
     def build(tmp):
