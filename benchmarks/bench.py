@@ -1,14 +1,11 @@
-"""bench.py -- seconds per phase of a GRPO step on a real-sized, randomly initialised Qwen2.5-VL or Qwen3-VL.
+"""bench.py -- seconds per phase of a GRPO step on a real-sized, randomly initialised model (presets.py).
 
 From the repository root (the trainer's files import from there):
     python -m benchmarks.bench --preset qwen2_5_vl_3b --max-steps 3       # one GPU (the design card's speed bar)
-    python -m benchmarks.bench --preset qwen3_vl_8b --max-steps 3         # Qwen3-VL-8B's dimensions (deepstack,
-                                                                          # patch 16)
+    python -m benchmarks.bench --preset qwen3_vl_8b --max-steps 3         # Qwen3-VL-8B's dimensions (deepstack)
     python -m benchmarks.bench report benchmarks/h200/*.jsonl             # the tables of benchmarks/BENCHMARKS.md
-    python -m benchmarks.bench phases RUN_metrics.jsonl RUN_gpu.csv [RUN_host.csv]  # the GPU's (and host's) side
-                                                                          # per phase
+    python -m benchmarks.bench phases RUN_metrics.jsonl RUN_gpu.csv [RUN_host.csv]  # the GPU's, host's side
     python -m benchmarks.bench compare AMP_CKPT BF16_CKPT...              # pure-bf16 demo runs against AMP's
-                                                                          # (Memory modes)
     python -m benchmarks.bench pyspy pyspy_raw.txt.xz [root=FUNCTION]     # py-spy's stacks inside vLLM's engine step
     torchrun --nproc_per_node 8 -m benchmarks.bench --preset qwen2_5_vl_7b --tensor-parallel-size 2
     python -m benchmarks.bench --trainer-only --profile --max-steps 2     # no engine: log-probs + update, kernels
@@ -18,24 +15,19 @@ From the repository root (the trainer's files import from there):
     python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b     # a step's generation: the engine alone,
                                                                           # then each of our additions (engine_bench)
     python -m benchmarks.bench two-turn                                   # a tool's picture between turns (two_turn)
-    python -m benchmarks.bench --sample-stacks 5                          # + where each step's generation loop spends
-                                                                          # its time (gen_stacks.json; also above)
-    bash benchmarks/gpu_moe30b.sh                                         # Qwen3-VL-30B-A3B on one H200: no weights
-                                                                          # on disk
-    bash benchmarks/gpu_gemma4.sh e2b                                     # Gemma 4 E2B's shape on one H200
+    python -m benchmarks.bench --sample-stacks 5                          # + the generation loop's stacks
+    bash benchmarks/gpu_moe30b.sh                                         # Qwen3-VL-30B-A3B on one H200 (no weights)
+    bash benchmarks/gpu_qwen3_5.sh 9b; bash benchmarks/gpu_gemma4.sh e2b  # Qwen3.5-9B's, Gemma 4 E2B's shapes
 
-Random weights with the real dimensions (build_random_model: no download) and geo3k-like prompts: one
-512x512 figure and about 100 text tokens. A preset above RANDOM_INIT_ABOVE parameters (the 30B-A3B, 32B, 72B),
-or any with --random-init, is written without weights (presets.py says how the trainer and vLLM then start).
+Random weights with the real dimensions (no download), geo3k-like prompts (a 512x512 figure, ~100 text tokens); above
+RANDOM_INIT_ABOVE parameters, or with --random-init, no weights on disk (presets.py: how trainer and vLLM start).
 A run that by the memory model cannot fit this GPU count stops first with one line naming the GPUs it needs.
 Two workloads, each the same work on every run:
-- forced (default): a random policy almost never emits EOS, so every response runs to max_response_length (the
-  worst case; the issue's bar);
-- realistic: each sample's length is drawn from a seeded log-normal shaped like geo3k RL runs (median 0.3 x
-  max_response_length, sigma 0.65: most answers a few hundred tokens, a tail to the maximum, ~3% truncated) and
-  enforced per request (vLLM: max_tokens = the length, ignore_eos).
-Any flag of grpo.Config can be given; the defaults below are the benchmark's. Writes <output_dir>/metrics.jsonl
-and prints a summary line per phase (mean over the steps after the first, which pays for warm-up).
+- forced (default): a random policy almost never emits EOS: every response runs to max_response_length (worst case);
+- realistic: each sample's length drawn from a seeded log-normal shaped like geo3k RL runs (median 0.3 x
+  max_response_length, sigma 0.65, ~3% truncated), enforced per request (vLLM: max_tokens = the length, ignore_eos).
+Any flag of grpo.Config can be given (defaults below: the benchmark's). Writes <output_dir>/metrics.jsonl and a
+summary line per phase (mean over the steps after the first, which pays for warm-up).
 """
 import collections
 import csv
