@@ -29,11 +29,8 @@ from tiny_moe import per_expert
 
 
 # ------------------------------------------------------------------------------------------------ shared helpers
-# A prompt's samples in vLLM use the seeds request_seed(s) + j, j < n (vLLM derives a request's j-th sample's seed as
-# `seed + j`). The callers' per-prompt seeds are consecutive (one per stream position), so passing them on as they
-# are gave prompts pos and pos + 1 n - 1 noise streams in common, and the next step's prompts the same ones again:
-# prompts with similar distributions drew the same samples, and a policy could go on never sampling an answer (the
-# Qwen3-VL demo never said "white", validation 0.755 from step 30 on). The HF engine seeds one generator per prompt.
+# vLLM seeds a request's j-th sample `seed + j`: the consecutive per-prompt seeds passed on as they were gave prompts
+# pos and pos + 1 n - 1 noise streams in common (the Qwen3-VL demo never said "white": 0.755), hence request_seed(s).
 SEED_STRIDE = 2**16  # more samples per prompt than any run asks for: the prompts' seed ranges never overlap
 
 
@@ -281,6 +278,8 @@ class VLLMRollout:
             warnings.warn(f"vLLM {self.version} does not know {dropped}; ignoring them")
         self.processed_logprobs = "logprobs_mode" not in dropped
         self.llm = LLM(**{k: v for k, v in kw.items() if k in known})
+        # V1's sampler draws a seeded request's noise in a Python loop: a kernel per sequence per step (_requests)
+        self.v1_runner = not getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False)
         self.sleep_mode, self.sleep_level = enable_sleep_mode, sleep_level
         # load_format="dummy" (make_rollout, for a folder without weights): placeholders until the first full sync
         self.asleep, self.weights_lost = set(), kw.get("load_format") == "dummy"
@@ -291,7 +290,7 @@ class VLLMRollout:
                 [list(range(r, r + self.tp)) for r in range(0, world, self.tp)], backend="gloo")
 
     # ---- generation
-    per_prompt_seeds = True  # (class attributes: make_rollout sets them) --per-prompt-seeds, see _requests
+    per_prompt_seeds, v1_runner = True, False  # (class attributes: make_rollout, __init__ set them) see _requests
 
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True):
         """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j`, so
@@ -329,8 +328,7 @@ class VLLMRollout:
         return out
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
-        """lengths (benchmarks): per prompt, n forced response lengths; each sample is then its own request with
-        max_tokens = its length and EOS ignored, so every run generates exactly the same number of tokens.
+        """lengths (benchmarks): per prompt, n forced response lengths, each sample its own request (EOS ignored).
         logprobs: per prompt, how many of its samples (the first) return their log-probs: True or None all, False
         or 0 none. The requests submit() queued for the same call are run, not made again."""
         if len(seeds) != len(prompts):
@@ -345,15 +343,17 @@ class VLLMRollout:
         with collector_paused():
             if queued:
                 _, ids, items, mine, per_item = queued
-                outs = self.llm.wait_for_completion(use_tqdm=False)
-                # (enqueue gives vLLM's internal ids, "<id>-<8 random characters>"; the outputs carry <id>)
-                if len(outs) != len(ids) or any(i != o.request_id and not i.startswith(f"{o.request_id}-")
-                                                for i, o in zip(ids, outs)):
-                    raise RuntimeError(f"vLLM returned {len(outs)} requests, not the {len(ids)} queued")
             else:
                 items, mine = self._items(prompts, seeds, lengths, logprobs)
                 reqs, params, per_item = self._requests(items, n, temperature, top_p, max_tokens)
-                outs = self.llm.generate(reqs, params, use_tqdm=False)
+            if self.per_prompt_seeds and self.v1_runner:  # unseeded requests (_requests): the call's seeds seed the
+                torch.cuda.manual_seed(hash(tuple(s for _, s, _, _ in items)))  # sampler's stream (same on resume)
+            outs = self.llm.wait_for_completion(use_tqdm=False) if queued else self.llm.generate(reqs, params,
+                                                                                                  use_tqdm=False)
+            # (enqueue gives vLLM's internal ids, "<id>-<8 random characters>"; the outputs carry <id>)
+            if queued and (len(outs) != len(ids) or any(i != o.request_id and not i.startswith(f"{o.request_id}-")
+                                                         for i, o in zip(ids, outs))):
+                raise RuntimeError(f"vLLM returned {len(outs)} requests, not the {len(ids)} queued")
             return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
 
     queued = None  # submit()'s requests: (call key, request ids, items, mine, requests per item)
@@ -388,7 +388,7 @@ class VLLMRollout:
     def _requests(self, items, n, temperature, top_p, max_tokens, *, seeded=None, logprobs=True, ban=True):
         """(vLLM prompts, SamplingParams, requests per item) that generate sends. The switches are what it adds to a
         bare request, all on in generate (seeded: None = per_prompt_seeds); bench.py engine-ablation times each."""
-        seeded = self.per_prompt_seeds if seeded is None else seeded
+        seeded = self.per_prompt_seeds and not self.v1_runner if seeded is None else seeded
         rows = 1 if temperature == 0 else n  # vLLM rejects n > 1 with greedy sampling; greedy copies are identical
         reqs, params, per_item = [], [], []
         for pr, s, L, want in items:

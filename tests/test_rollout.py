@@ -313,6 +313,25 @@ def test_per_prompt_seeds_option_reaches_the_requests(path, monkeypatch):
                       rollout.HFRollout)
 
 
+def test_v1_runner_seeds_the_call_not_each_request(path, monkeypatch):
+    """On vLLM's V1 runner (Qwen3.5, MoE models) a seeded request costs a kernel per sequence per decode step, so
+    with --per-prompt-seeds the requests go unseeded and the call's seeds seed the sampler's one CUDA stream: the same
+    seeds give the same stream (a resumed run repeats itself), other seeds another; off, nothing is seeded."""
+    standin_vllm(monkeypatch)
+    seeded = []
+    monkeypatch.setattr(rollout.torch.cuda, "manual_seed", seeded.append)
+    prompts = [{"raw_prompt_ids": [3, 4, 5]}, {"raw_prompt_ids": [6, 7]}]
+    for on in (True, False):
+        eng = rollout.make_rollout("vllm", path, per_prompt_seeds=on)
+        eng.v1_runner = True
+        for seeds in ([7, 8], [7, 8], [8, 7]):
+            eng.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=3, seeds=seeds)
+            assert [p.seed for p in eng.llm.calls[-1]["params"]] == [None, None]
+        if on:
+            assert len(seeded) == 3 and seeded[0] == seeded[1] != seeded[2]
+    assert len(seeded) == 3
+
+
 def test_unsent_counts_vllm_moe_expert_names():
     """After a level-2 sleep (or dummy weights) every engine parameter must be re-sent. vLLM's MoE runner reports its
     experts as `experts.w13_weight` while the parameter is `experts.routed_experts.w13_weight` (the 30B-A3B's first
