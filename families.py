@@ -111,6 +111,13 @@ def vllm_overrides(cfg):
     return {"text_config": out}
 
 
+def engine_only(cfg):
+    """Name endings of the parameters vLLM builds and never computes with, which transformers' model lacks (a sync
+    never sends them): the k norms of Gemma 4's KV-shared layers, which read an earlier layer's keys (vLLM gemma4.py)."""
+    n, shared = (t := cfg.get_text_config()).num_hidden_layers, getattr(t, "num_kv_shared_layers", 0) or 0
+    return tuple(f".layers.{i}.self_attn.k_norm.weight" for i in range(n - shared, n) if cfg.model_type == "gemma4")
+
+
 def processor_without_video(model_path):
     """AutoProcessor without its video processor (transformers' need torchvision; the generic path takes images)."""
     import transformers  # slow to import (~2 s)

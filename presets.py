@@ -36,11 +36,9 @@ PRESETS = {
                              moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                                       decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
                                       norm_topk_prob=True)),
-    # Qwen3.5 (hybrid): of every 4 layers 3 Gated DeltaNet (16 key heads of 128 shared by 32 value heads, a 4-tap
-    # conv) and 1 gated attention (head 256, rotary on a quarter); a 27-block ViT (patch 16, no deepstack). 9B and 27B
-    # dense, 35B-A3B with 256 experts of 512 (8 routed) and a shared one (transformers' Qwen3.5 config defaults are the
-    # 9B's; the 27B's and 35B-A3B's attention, MLP and experts as slime's Megatron scripts give them; the 27B's GDN
-    # value heads are not in them: 48, the count that makes 27B parameters, the 9B's 32 would make 25.8B)
+    # Qwen3.5: of every 4 layers 3 Gated DeltaNet (16 key heads of 128 for 32 value heads) and 1 gated attention; the
+    # 9B is transformers' defaults, the 27B / 35B-A3B's as slime's Megatron scripts give them (the 27B's 48 GDN value
+    # heads: the count that makes 27B parameters)
     "qwen3_5_9b": dict(arch="qwen3_5", hidden=4096, intermediate=12288, layers=32, heads=16, kv_heads=4,
                        vocab_size=248320, tie=False),
     "qwen3_5_27b": dict(arch="qwen3_5", hidden=5120, intermediate=17408, layers=64, heads=24, kv_heads=4,
@@ -49,10 +47,8 @@ PRESETS = {
                             vocab_size=248320, tie=False,
                             moe=dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                                      shared_expert_intermediate_size=512, router_aux_loss_coef=0.001)),
-    # google/gemma-4-E2B-it, its config.json's values, all written out (transformers' defaults differ in the text's
-    # width, depth, MLP, heads, layer pattern, sharing, soft cap and the towers' clipped linears): 5.17 and 5.24 read
-    # them alike. The audio conformer is kept as the checkpoint has it (0.31B); the trainer never runs it (no gradient
-    # or optimizer state: memory.dims_from_config's `idle`)
+    # google/gemma-4-E2B-it's config.json, all written out (transformers' defaults differ); its audio conformer (0.31B)
+    # kept as the checkpoint has it, never run by the trainer (no gradient or optimizer state: memory's `idle`)
     "gemma4_e2b": dict(arch="gemma4", vision_soft_tokens_per_image=280, text=dict(
         vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size=1536, intermediate_size=6144, head_dim=256,
         num_hidden_layers=35, layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7, sliding_window=512,

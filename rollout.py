@@ -23,7 +23,7 @@ from transformers import (AutoConfig, GenerationConfig, LogitsProcessorList,
 
 import presets
 from common import UserError, collector_paused
-from families import QWEN_VL, special_token_ids, vllm_overrides  # noqa: F401 (rollout.special_token_ids)
+from families import QWEN_VL, engine_only, special_token_ids, vllm_overrides  # noqa: F401 (rollout.special_token_ids)
 from fsdp_actor import load_hf_model, mm_token_types  # the same loading and M-RoPE inputs as the trainer
 from tiny_moe import per_expert
 
@@ -60,11 +60,12 @@ def _forced(ids, logprobs, max_tokens):
     return {"response_ids": list(ids), "finished": len(ids) < max_tokens, "logprobs": logprobs}
 
 
-def unsent(named_params, loaded):
-    """The engine's parameters that load_weights did not report loaded. vLLM's MoE runner reports its experts without
-    their `routed_experts.` module (fused_moe/runner/moe_runner.py delegates load_weights to it): either name counts."""
+def unsent(named_params, loaded, unused=()):
+    """The engine's parameters load_weights did not report loaded (names ending as `unused`: families.engine_only,
+    aside). vLLM's MoE runner reports its experts without `routed_experts.` (fused_moe/runner): either name counts."""
     loaded = set(loaded)
-    return sorted(n for n, _ in named_params if n not in loaded and n.replace(".routed_experts.", ".") not in loaded)
+    return sorted(n for n, _ in named_params if n not in loaded and n.replace(".routed_experts.", ".") not in loaded
+                  and not n.endswith(unused))
 
 
 def _sampled_logprobs(c, ids):
@@ -254,6 +255,7 @@ class VLLMRollout:
         hf_config = AutoConfig.from_pretrained(model_path)
         self.model_type = hf_config.model_type
         kw["hf_overrides"] = vllm_overrides(hf_config)  # Gemma 4's full-attention heads under vLLM's names ({} else)
+        self.unused_params = engine_only(hf_config)
         if self.model_type not in QWEN_VL:  # min/max_pixels: Qwen-VL's image budget (other families: their own)
             engine_kwargs.pop("mm_processor_kwargs", None)
         if hasattr(hf_config, "vision_config"):  # text-only models reject these
@@ -290,7 +292,7 @@ class VLLMRollout:
                 [list(range(r, r + self.tp)) for r in range(0, world, self.tp)], backend="gloo")
 
     # ---- generation
-    per_prompt_seeds, v1_runner = True, False  # (class attributes: make_rollout, __init__ set them) see _requests
+    per_prompt_seeds, v1_runner, unused_params = True, False, ()  # (make_rollout, __init__ set them) _requests
 
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True):
         """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j`, so
@@ -461,7 +463,7 @@ class VLLMRollout:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         if self.weights_lost and loaded is not None:  # after level-2 sleep (or dummy weights) every one is sent
-            missing = unsent(model.named_parameters(), loaded)
+            missing = unsent(model.named_parameters(), loaded, self.unused_params)
             if missing:
                 raise RuntimeError(f"after sleep(level=2) or a start without weights these were not sent: "
                                    f"{missing[:5]}...")

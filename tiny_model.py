@@ -181,10 +181,8 @@ def tiny_config(arch, ids, vocab_size):
     return _vl_config(Cfg, Model, text, vision, ids, tie=False)
 
 
-# Qwen3.5 in small, in the checkpoints' pattern: of every 4 layers the first 3 are Gated DeltaNet (a 4-tap causal conv
-# and a gated delta-rule recurrence; key heads shared by 2 value heads, as 16 serve 32 in Qwen3.5-9B), the 4th full
-# attention (head 64 with an output gate; rotary on a quarter of it: 8 frequencies interleaved 3 / 3 / 2 over time,
-# height, width, as the real [11, 11, 10] of 32)
+# Qwen3.5 in small, in the checkpoints' pattern: 3 Gated DeltaNet layers (2 value heads per key head, as the 9B's) then
+# full attention (output gate; rotary on a quarter of head 64: 8 frequencies 3 / 3 / 2 over t, h, w, as [11, 11, 10])
 QWEN3_5_TINY = dict(num_hidden_layers=4, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
                     layer_types=["linear_attention"] * 3 + ["full_attention"],
@@ -339,10 +337,8 @@ if __name__ == "__main__":
 DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=4, min_pixels=56 * 56,
             max_pixels=112 * 112, n=16, rollout_batch_size=16, global_batch_size=16, lr=1e-3, max_steps=150,
             val_freq=10, save_freq=10, output_dir="outputs/demo")
-# The text demo (--demo-model qwen3) changes five more: its own reward; answers of one digit, i.e. one token; groups
-# of 32; half the colour demo's lr; rollouts sampled at temperature 1.5. A digit the policy stops sampling is never
-# learned: at lr 1e-3 (groups of 64; lists of different digits) it stopped answering 2 and 8, validation stuck at
-# 0.765; at lr 5e-4 and temperature 1 it lost only the 2 (0.94); at 1.5 it kept every digit (1.0; README).
+# The text demo (--demo-model qwen3): one-digit answers, groups of 32, half the lr, temperature 1.5. A digit the policy
+# stops sampling is never learned: at lr 1e-3 it lost 2 and 8 (0.765); at 5e-4, temperature 1 the 2 (0.94); 1.5: 1.0.
 TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4, temperature=1.5)
 # The video demo (--demo-task video): answers of one token and groups of 32. With 4 tokens and groups of 16 the policy
 # stopped saying "green" before it could tell the clip's halves apart, and never learned it (greedy validation stuck

@@ -311,10 +311,9 @@ def metrics(samples, prefix="tools/"):
 
 
 # ------------------------------------------------------------------------------------------------ the zoom demo
-# --demo-task zoom (the task: tiny_model.draw_zoom_image): a dot too small for the tiny vision tower to tell its
-# colour, and the `zoom` tool, which returns the picture's centre magnified. The tiny model's tokenizer knows the
-# demo's one call as one token (ZOOM_CALL: its text is Qwen's format, parsed as any call is), as BPE gives each colour
-# word one token: a random policy would never find a 20-token call by chance.
+# --demo-task zoom (tiny_model.draw_zoom_image): a dot too small for the tiny vision tower to tell its colour, and the
+# `zoom` tool, which returns the picture's centre magnified. The tiny tokenizer knows the one call as one token (Qwen's
+# format, parsed as any call is), as each colour word: a random policy would never find a 20-token call by chance.
 ZOOM_CALL = '<tool_call>{"name": "zoom", "arguments": {}}</tool_call>'
 
 

@@ -39,7 +39,7 @@ case "${1:-}" in
   9b_bare)
     prepare qwen3_5_9b
     timeout "${LIMIT:-480}" python -m benchmarks.bench engine-ablation --preset qwen3_5_9b --precision bf16 \
-      --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 --rows "${ROWS:-bare,all_ours}" \
+      --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 --max-token-len-per-device 16384 --rows "${ROWS:-bare,all_ours}" \
       --repeats "${REPEATS:-1}" --bare-memory-share 0 --output-dir /tmp/abl9b > "$OUT/ablation9b.log" 2>&1
     echo "9b engine-ablation: exit $?"; cp /tmp/abl9b/engine_ablation.json "$OUT/ablation9b.json" 2> /dev/null
     python -c "import json, sys; from benchmarks import engine_bench as e; print(e.table(json.load(open(sys.argv[1]))))" \

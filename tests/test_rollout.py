@@ -344,6 +344,28 @@ def test_unsent_counts_vllm_moe_expert_names():
     assert rollout.unsent(params, loaded[:2]) == ["lm.layers.0.mlp.gate.weight"]
 
 
+def test_unsent_spares_gemma4s_kv_shared_k_norms_only():
+    """A Gemma 4 checkpoint (and vLLM's model) has a k norm in its KV-shared layers, transformers' model has none, so
+    a sync never sends them and the level-2 check stopped the H200's gemma4 row at its first sync; vLLM never computes
+    with them (those layers read an earlier layer's keys). Exactly the folder's names the HF model lacks are spared."""
+    import os
+
+    import families
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    path = tiny_model.build_tiny_model(arch="gemma4")
+    cfg = AutoConfig.from_pretrained(path)
+    folder = [k for f in os.listdir(path) if f.endswith(".safetensors")
+              for k in safe_open(os.path.join(path, f), "pt").keys()]
+    hf = set(rollout.load_hf_model(path, torch.float32).state_dict())
+    vllm_names = [(k.replace("model.language_model.", "language_model.model."), None) for k in folder]
+    sent = [k.replace("model.language_model.", "language_model.model.") for k in folder if k in hf]
+    lacking = rollout.unsent(vllm_names, sent)
+    assert lacking and all(k.endswith("self_attn.k_norm.weight") for k in lacking)
+    assert rollout.unsent(vllm_names, sent, families.engine_only(cfg)) == []
+    assert rollout.unsent(vllm_names, sent[1:], families.engine_only(cfg)) == [sent[0]]  # a real one still counts
+
+
 def test_engine_logprobs_for_one_prompt_in_k(path, monkeypatch):
     """--rollout-logprobs-every (auto: 8, or 1 with tis): vLLM is asked for log-probs (logprobs=0) on the training
     prompts at every K-th position only, the other samples carry none, validation and ReMax's greedy never ask; the

@@ -30,16 +30,17 @@ def make_prompts(path, k=4):
     return recs
 
 
-def sharpen(sd):
+def sharpen(sd, factor=10):
     """The random tiny model is almost uniform (log-probs ~ -log V), where temperature hardly matters; a 10x
-    lm_head makes it peaked so the temperature convention and greedy agreement are really tested."""
+    lm_head makes it peaked so the temperature convention and greedy agreement are really tested. (Gemma 4's logits
+    are soft-capped at 30: 10x saturates them, every prompt then answers one token whatever the weights: 2x there.)"""
     head = sd.get("lm_head.weight")
     if head is None:
         return dict(sd)
     # tie_word_embeddings (the tiny Llama): lm_head.weight is the embedding's tensor under a second name. The engine
     # skips that name and reads the embedding, HF loads both into one parameter: scale the shared tensor once, so
     # both names carry the same values (scaled input embeddings are undone by the first RMSNorm)
-    big = head * 10
+    big = head * factor
     return {k: (big if v.data_ptr() == head.data_ptr() else v) for k, v in sd.items()}
 
 
