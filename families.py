@@ -112,8 +112,7 @@ def vllm_overrides(cfg):
 
 
 def engine_only(cfg):
-    """Name endings of the parameters vLLM builds and never computes with, which transformers' model lacks (a sync
-    never sends them): the k norms of Gemma 4's KV-shared layers, which read an earlier layer's keys (vLLM gemma4.py)."""
+    """Endings of names vLLM builds, never uses, and transformers lacks (no sync sends): Gemma 4's KV-shared k norms."""
     n, shared = (t := cfg.get_text_config()).num_hidden_layers, getattr(t, "num_kv_shared_layers", 0) or 0
     return tuple(f".layers.{i}.self_attn.k_norm.weight" for i in range(n - shared, n) if cfg.model_type == "gemma4")
 

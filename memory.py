@@ -348,8 +348,7 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
                 peak=max(gen + engine_gb, update), parts=parts)
 
 
-ENGINE_LEAST_GIB = 4.5  # vLLM beside its weights at its least: a 1.5 GiB KV cache, ~3 GiB of activations and graphs
-# (session 6, the 7B at --kv-cache-memory-gb 1.5: 15.7 GiB of weights, 20.7 awake)
+ENGINE_LEAST_GIB = 4.5  # vLLM beside its weights at its least (session 6's 7B: 15.7 GiB of weights, 20.7 awake)
 
 
 def need_gib(m, dims, world):
@@ -380,23 +379,25 @@ def config_mode(c, world):
 
 
 def check_fits(c, dims, world, card_gib, what, slack=0.1):
-    """A UserError (one line, naming how many such GPUs would hold it) when by the memory model the run of `what`
-    cannot fit `world` GPUs of `card_gib` even with the engine at its least. The model is within 15 % of every
-    measured phase: only a need above the card by more than `slack` stops a run."""
-    need = need_gib(memory_model(dims, **config_mode(c, world)), dims, world)
-    if need <= (card_gib - 1) * (1 + slack):
+    """One line (a UserError: how many such GPUs, or which smaller micro-batches or modes would hold it) when by the
+    memory model (within 15 % of every measured phase) the run of `what` needs more than `world` GPUs of `card_gib`
+    by over `slack`, the engine at its least."""
+    cell = lambda cc, w: need_gib(memory_model(dims, **config_mode(cc, w)), dims, w)  # noqa: E731
+    if (need := cell(c, world)) <= (card_gib - 1) * (1 + slack):
         return
-    fits = next((w for w in (2, 4, 8, 16, 32, 64) if w > world
-                 and need_gib(memory_model(dims, **config_mode(c, w)), dims, w) <= card_gib - 1), None)
+    fits = next((w for w in (2, 4, 8, 16, 32, 64) if w > world and cell(c, w) <= card_gib - 1), None)
     mode = " ".join([f"--precision {c['precision']}"] + [f"--lora-rank {c['lora_rank']}"] * bool(c["lora_rank"])
                     + ["--offload-params"] * c["offload_params"] + ["--offload-optimizer"] * c["offload_optimizer"])
-    less = [flag for flag, on in (("--lora-rank 64", c["lora_rank"]), ("--precision bf16", c["precision"] == "bf16"),
-                                  ("--offload-params", c["offload_params"])) if not on]
+    tok = next((t for t in (c["max_token_len_per_device"] >> k for k in range(1, 7)) if t >= PROMPT_TOKENS
+                + c["max_response_length"] and cell({**c, "max_token_len_per_device": t}, world) <= card_gib - 1), 0)
+    less = [f"--max-token-len-per-device {tok}"] * bool(tok) + [flag for flag, on in (
+        ("--lora-rank 64", c["lora_rank"]), ("--precision bf16", c["precision"] == "bf16"),
+        ("--offload-params", c["offload_params"])) if not on]
     where = "not even 64 such GPUs hold it" if fits is None else f"it takes {fits} such GPUs (" + (
         f"torchrun --nproc_per_node {fits})" if fits <= 8 else "several nodes)")
     raise UserError(f"{what} with {mode} needs about {need:.0f} GiB per GPU on {world} GPU{'s' * (world > 1)} (the "
                     f"memory model, README \"Memory modes\"), more than a {card_gib:.0f} GiB GPU holds: {where}"
-                    + (f"; or less state per GPU: {', '.join(less)}" if less else ""))
+                    + (f"; or less per GPU: {', '.join(less)}" if less else ""))
 
 
 def known_dims(model_path, config=None):

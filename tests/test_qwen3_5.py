@@ -235,6 +235,10 @@ def test_the_9b_shape_that_ran_out_of_memory_is_refused_before_loading_and_fits_
     m = memory.memory_model(dims, **memory.config_mode(c, 1))
     model_step1 = m["update"] - m["parts"]["optim"]  # (the state did not exist yet at step 1's peak)
     assert abs(model_step1 / step1["memory/trainer_peak_update_gb"] - 1) < 0.15, (model_step1, step1)
-    with pytest.raises(memory.UserError, match="GiB per GPU"):
+    with pytest.raises(memory.UserError, match="GiB per GPU") as e:
         memory.check_fits(c, dims, 1, 139.8, "--preset qwen3_5_9b")
-    memory.check_fits({**c, "max_token_len_per_device": 16384}, dims, 1, 139.8, "--preset qwen3_5_9b")
+    tok = int(str(e.value).split("--max-token-len-per-device ")[1].split(",")[0])  # the one line names what fits
+    memory.check_fits({**c, "max_token_len_per_device": tok}, dims, 1, 139.8, "--preset qwen3_5_9b")
+    need = lambda t: memory.need_gib(memory.memory_model(dims, **memory.config_mode(  # noqa: E731
+        {**c, "max_token_len_per_device": t}, 1)), dims, 1)
+    assert tok == 16384 and need(tok) <= 138.8 < need(2 * tok)  # the largest halving under the card, no slack
