@@ -67,9 +67,9 @@ class Config:
     # full fine-tuning (every weight is re-sent each step anyway: level 1's copy out and back is pure cost), 1 with LoRA
     # (and --debug-skip-sync)
     sleep_level: int | Literal["auto"] = "auto"
-    # each prompt's samples seeded from its place in the data: a run is the same on any layout and on resume; off:
-    # vLLM seeds each request itself (seeds cost a loop per request and decode step on vLLM's V1 runner, which MoE
-    # models get, nothing on its V2 runner; README Speed)
+    # each prompt's samples seeded from its place in the data: a run is the same on any layout and on resume (vLLM's
+    # V1 runner, Qwen3.5's and MoE models': each call seeded from its prompts' seeds, the same on resume and layout
+    # only); off: vLLM seeds each request itself (BENCHMARKS Speed)
     per_prompt_seeds: bool = True
     # vLLM's intake of the next step's requests (its processor on every image) on the prefetch thread while this step
     # trains, not at the start of generating (never before a validation). auto: where it can (vLLM at tensor parallel
