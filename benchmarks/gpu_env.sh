@@ -32,7 +32,7 @@ NGPU=$(nvidia-smi -L 2> /dev/null | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 prepare() {  # prepare PRESET: build the random model and the data set once, before the runs that share them
-  timeout "${PREPARE_LIMIT:-200}" python -m benchmarks.bench --preset "$1" --prepare-only > "$OUT/prepare_$1.log" 2>&1 \
+  timeout -k 20 "${PREPARE_LIMIT:-200}" python -m benchmarks.bench --preset "$1" --prepare-only > "$OUT/prepare_$1.log" 2>&1 \
     || { echo "prepare $1 failed:"; tail -5 "$OUT/prepare_$1.log"; }
 }
 
@@ -58,12 +58,13 @@ smi_stop() {
 
 run_bench() {  # run_bench NAME GPUS LIMIT_S BENCH_ARGS...: bench.py on GPUS ("0", or "0,1" under torchrun); its log,
   # metrics.jsonl and bench_summary.json in $OUT as NAME.log, NAME_metrics.jsonl, NAME_summary.json. A run cut by
-  # its limit keeps the metrics of its finished steps.
+  # its limit keeps the metrics of its finished steps. (timeout -k 20 here and in the recipes: a SIGKILL 20 s after the
+  # SIGTERM, should the run's shutdown hang; session 22's first call ran to the device's 600 s cap and returned nothing)
   local name=$1 gpus=$2 limit=$3; shift 3
   local launch=(python)
   [[ $gpus == *,* ]] && launch=(torchrun --standalone --nproc_per_node "$(tr ',' '\n' <<< "$gpus" | wc -l)")
   smi_start "$name"
-  CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "${launch[@]}" -m benchmarks.bench --output-dir "/tmp/$name" "$@" \
+  CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$limit" "${launch[@]}" -m benchmarks.bench --output-dir "/tmp/$name" "$@" \
     ${ARGS:-} > "$OUT/$name.log" 2>&1
   local rc=$?
   smi_stop

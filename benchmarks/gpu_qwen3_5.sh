@@ -19,13 +19,13 @@ case "${1:-}" in
   tests)
     python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in ('qwen3_5', 'qwen3_5_moe')]" \
       > "$OUT/build.log" 2>&1
-    timeout "${LIMIT:-560}" python -m pytest -m gpu -q -s tests/test_qwen3_5_gpu.py ${K:+-k "$K"} \
+    timeout -k 20 "${LIMIT:-560}" python -m pytest -m gpu -q -s tests/test_qwen3_5_gpu.py ${K:+-k "$K"} \
       > "$OUT/test_qwen3_5_gpu.log" 2>&1  # K="not demo": the engine checks only (the matrix runs the demos)
     echo "tests/test_qwen3_5_gpu.py: exit $?: $(tail -1 "$OUT/test_qwen3_5_gpu.log")"
     grep -E "^\[(gdn|qwen3_5)" "$OUT/test_qwen3_5_gpu.log"
     exit ;;
   matrix)
-    timeout "${LIMIT:-560}" python -m benchmarks.matrix run --rows qwen35_colour,qwen35_moe --parity \
+    timeout -k 20 "${LIMIT:-560}" python -m benchmarks.matrix run --rows qwen35_colour,qwen35_moe --parity \
       --out "$OUT/matrix" --timeout "${ROW_LIMIT:-420}" > "$OUT/matrix.log" 2>&1
     echo "matrix: exit $?"; tail -8 "$OUT/matrix.log"
     exit ;;
@@ -38,7 +38,7 @@ case "${1:-}" in
       --max-token-len-per-device 16384 ;;
   9b_bare)
     prepare qwen3_5_9b
-    timeout "${LIMIT:-480}" python -m benchmarks.bench engine-ablation --preset qwen3_5_9b --precision bf16 \
+    timeout -k 20 "${LIMIT:-480}" python -m benchmarks.bench engine-ablation --preset qwen3_5_9b --precision bf16 \
       --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 --max-token-len-per-device 16384 --rows "${ROWS:-bare,all_ours}" \
       --repeats "${REPEATS:-1}" --bare-memory-share 0 --output-dir /tmp/abl9b > "$OUT/ablation9b.log" 2>&1
     echo "9b engine-ablation: exit $?"; cp /tmp/abl9b/engine_ablation.json "$OUT/ablation9b.json" 2> /dev/null

@@ -76,7 +76,7 @@ ablation() {  # ablation GPU
   prepare qwen2_5_vl_3b
   local name=engine3b_ablation
   smi_start "$name"
-  CUDA_VISIBLE_DEVICES=$1 timeout "${LIMIT:-500}" python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b \
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 20 "${LIMIT:-500}" python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b \
     --repeats "${REPEATS:-1}" --output-dir "/tmp/$name" ${ARGS:-} > "$OUT/$name.log" 2>&1
   echo "$name: exit $?"
   smi_stop
@@ -110,7 +110,7 @@ case "$MODE" in
   ablation) ablation 0; exit ;;  # (no metrics.jsonl: no report.md)
   two_turn)
     prepare qwen2_5_vl_3b
-    timeout "${LIMIT:-500}" python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b \
+    timeout -k 20 "${LIMIT:-500}" python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b \
       --repeats "${REPEATS:-2}" --output-dir /tmp/two_turn ${ARGS:-} > "$OUT/two_turn3b.log" 2>&1
     echo "two_turn3b: exit $?"; cp /tmp/two_turn/two_turn.json "$OUT/two_turn3b.json" 2> /dev/null
     tail -6 "$OUT/two_turn3b.log"; exit ;;
@@ -126,7 +126,7 @@ case "$MODE" in
     "$spy" record --nonblocking -d 2 -o /tmp/spy_check.txt --format raw -- python -c "sum(range(10**8))" \
       > "$OUT/pyspy_check.log" 2>&1 || { echo "py-spy does not run here:"; tail -3 "$OUT/pyspy_check.log"; spy=; }
     smi_start pyspy
-    CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-420}" ${spy:+$spy record --nonblocking --idle --threads --rate 200 \
+    CUDA_VISIBLE_DEVICES=0 timeout -k 20 "${LIMIT:-420}" ${spy:+$spy record --nonblocking --idle --threads --rate 200 \
       --format raw -o "$OUT/pyspy_raw.txt" --} python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b \
       --rows bare,all_ours --repeats "${REPEATS:-1}" --bare-memory-share 0 --output-dir /tmp/pyspy ${ARGS:-} \
       > "$OUT/pyspy.log" 2>&1

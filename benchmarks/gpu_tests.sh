@@ -33,7 +33,7 @@ python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in tiny
   > "$OUT/build_tiny_models.log" 2>&1  # once, before the tests' subprocesses would each wait for it
 if [ "${1:-}" = spmd ]; then
   for tp in 1 2; do
-    CUDA_VISIBLE_DEVICES=0,1 timeout "${LIMIT:-200}" torchrun --standalone --nproc_per_node 2 tests/test_vllm_gpu.py \
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 20 "${LIMIT:-200}" torchrun --standalone --nproc_per_node 2 tests/test_vllm_gpu.py \
       --tp $tp > "$OUT/vllm_spmd_tp$tp.log" 2>&1
     echo "torchrun x2 tests/test_vllm_gpu.py --tp $tp: exit $?: $(tail -1 "$OUT/vllm_spmd_tp$tp.log")" \
       | tee -a "$OUT/summary.txt"
@@ -48,7 +48,7 @@ if [ "${1:-}" = shared ]; then
   t0=$(date +%s)
   for f in "${files[@]}"; do
     f=$(basename "$f")
-    ( s=$(date +%s); GPU_TESTS_SHARED=1 CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-540}" python -m pytest -m gpu -q -rs \
+    ( s=$(date +%s); GPU_TESTS_SHARED=1 CUDA_VISIBLE_DEVICES=0 timeout -k 20 "${LIMIT:-540}" python -m pytest -m gpu -q -rs \
         "tests/$f" > "$OUT/${f%.py}.log" 2>&1
       echo "$f: exit $? after $(( $(date +%s) - s )) s (side by side): $(grep -E '[0-9]+ (passed|failed|error)' "$OUT/${f%.py}.log" | tail -1)" \
         >> "$OUT/summary.txt" ) &
@@ -66,7 +66,7 @@ files=("$@")
 for f in "${files[@]}"; do
   f=$(basename "$f")
   s=$(date +%s)
-  CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-${LIMITS[$f]:-300}}" python -m pytest -m gpu -q -rs "tests/$f" \
+  CUDA_VISIBLE_DEVICES=0 timeout -k 20 "${LIMIT:-${LIMITS[$f]:-300}}" python -m pytest -m gpu -q -rs "tests/$f" \
     > "$OUT/${f%.py}.log" 2>&1
   echo "$f: exit $? after $(( $(date +%s) - s )) s: $(grep -E '[0-9]+ (passed|failed|error)' "$OUT/${f%.py}.log" | tail -1)" | tee -a "$OUT/summary.txt"
 done
