@@ -176,4 +176,4 @@ def test_the_qwen3_vl_30b_script_fits_the_computed_table(tmp_path, monkeypatch):
     assert "\n" not in msg and msg.startswith("--model-path Qwen/Qwen3-VL-30B-A3B-Instruct with --precision bf16 "
                                               "needs about "), msg
     assert "on 2 GPUs" in msg and "it takes 4 such GPUs (torchrun --nproc_per_node 4)" in msg, msg
-    assert msg.endswith("or less state per GPU: --lora-rank 64, --offload-params"), msg
+    assert msg.endswith("or less per GPU: --lora-rank 64, --offload-params"), msg

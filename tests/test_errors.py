@@ -253,7 +253,7 @@ def test_gpus_too_small_for_the_model_stop_before_anything_loads(tmp_path, monke
     err = capsys.readouterr().err
     assert err.startswith(f"error: --model-path {folder} with --precision bf16 ") and err.count("\n") == 1, err
     assert "GiB per GPU on 2 GPUs (the memory model, README \"Memory modes\"), more than a 80 GiB GPU holds: it " \
-           "takes 8 such GPUs (torchrun --nproc_per_node 8); or less state per GPU: --lora-rank 64, " \
+           "takes 8 such GPUs (torchrun --nproc_per_node 8); or less per GPU: --lora-rank 64, " \
            "--offload-params" in err, err
     monkeypatch.setattr(torch.cuda, "get_device_properties", card(1000))  # a card that holds it
     with pytest.raises(RuntimeError, match="past the check"):

@@ -94,6 +94,8 @@ def test_vllm_starts_with_load_format_dummy_only_without_weights(folders, monkey
     made = []
 
     class LLM:
+        llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(use_v2_model_runner=True))
+
         def __init__(self, **kw):
             made.append(kw)
 
