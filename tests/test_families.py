@@ -266,3 +266,23 @@ def test_gemma4_e2b_in_small_trains_and_leaves_its_audio_tower_alone(tmp_path, m
     for part in (".vision_tower.", ".embed_tokens_per_layer.", ".layers.14.mlp."):  # (14: shared, double-wide)
         assert all(n in got and params[n] in opt.state for n in params if part in n), part
     assert memory.known_dims(path)["idle"] == sum(params[n].numel() for n in audio)
+
+
+def test_the_gpu_engine_tests_weights_move_gemma4s_greedy_answers():
+    """tests/test_families_gpu.py asserts that a sync of perturbed weights (all, or the vision tower's) changes vLLM's
+    greedy answers. With its 10x LM head Gemma 4's soft-capped logits saturated: every prompt answered one token
+    whatever the weights, and the H200 run failed for the test's sake (session 22). The same check with the HF engine,
+    at the GPU test's own sharpening (sharpen_for), here on the CPU."""
+    from test_qwen3_gpu import vl_prompts
+    from test_vllm_gpu import greedy, perturb, sharpen_for
+    path = tiny_model.build_tiny_model(arch="gemma4")
+    recs = vl_prompts(path)
+    eng = rollout.make_rollout("hf", path, device="cpu", dtype=torch.float32)
+    sd = sharpen_for(rollout.load_hf_model(path, torch.float32))
+    eng.sync_weights(sd.items())
+    base = greedy(eng, recs)
+    assert len({tuple(b) for b in base}) > 1, base  # the prompts answer apart
+    for keep in (lambda k: True, lambda k: "vision_tower" in k):
+        eng.sync_weights(perturb(sd, keep).items())
+        assert greedy(eng, recs) != base
+        eng.sync_weights(sd.items())

@@ -11,7 +11,7 @@ import torch
 import rollout
 import tiny_model
 from test_grpo_gpu import engine_memory, run
-from test_vllm_gpu import greedy, perturb, ref_logprobs, sharpen
+from test_vllm_gpu import greedy, perturb, ref_logprobs, sharpen_for
 
 pytestmark = pytest.mark.gpu
 PX = dict(min_pixels=56 * 56, max_pixels=112 * 112)
@@ -59,8 +59,7 @@ def engine_checked(path, arch, recs, **kw):
     outs = eng.llm.generate([eng._vllm_prompt(r) for r in recs], SamplingParams(max_tokens=1), use_tqdm=False)
     assert [list(o.prompt_token_ids) for o in outs] == [r["prompt_ids"] for r in recs]  # vLLM's expansion is ours
     ref = rollout.load_hf_model(path, torch.bfloat16).float().cuda().eval()
-    capped = getattr(ref.config.get_text_config(), "final_logit_softcapping", None)
-    sd = {k: v.to(torch.bfloat16) for k, v in sharpen(ref.state_dict(), 2 if capped else 10).items()}
+    sd = {k: v.to(torch.bfloat16) for k, v in sharpen_for(ref).items()}
     eng.sync_weights(sd.items())
     ref.load_state_dict({k: v.float() for k, v in sd.items()})
     d = mean_logprob_diff(eng, ref, recs)

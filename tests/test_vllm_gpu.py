@@ -44,6 +44,12 @@ def sharpen(sd, factor=10):
     return {k: (big if v.data_ptr() == head.data_ptr() else v) for k, v in sd.items()}
 
 
+def sharpen_for(model):
+    """sharpen() at the factor the model's logits allow: 2x where they are soft-capped (Gemma 4), else 10x."""
+    return sharpen(model.state_dict(), 2 if getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+                   else 10)
+
+
 def perturb(sd, keep, scale=0.5):
     g = torch.Generator().manual_seed(123)
     return {k: (v.float() + scale * torch.randn(v.shape, generator=g).to(v.device)).to(v.dtype)
