@@ -95,28 +95,26 @@ def test_reinforce_plus_plus_matches_verl_in_float64(est):
 RPP = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
-def _whiten_on_two_ranks(rank, port, rewards, lengths, out):
+def _whiten_on_two_ranks(rank, rewards, lengths, out):
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # a file store, not rank 0's TCP store: rank 0 leaving first aborted rank 1's store client thread at teardown even
+    # after a barrier (CI: SIGABRT, "terminate called without an active exception"), as test_memory's two-rank test saw
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank, world_size=2)
     h = rewards.shape[0] // 2
     for est in RPP:
         adv = compute_advantages(rewards[rank * h:(rank + 1) * h], est, lengths[rank * h:(rank + 1) * h])
         torch.save(adv, os.path.join(out, f"{est}_{rank}.pt"))
-    dist.barrier()  # rank 0 hosts the store: leaving first once aborted rank 1's gloo thread (SIGABRT)
+    dist.barrier()
     dist.destroy_process_group()
 
 
 def test_reinforce_plus_plus_whitens_over_all_ranks(tmp_path):
     # two gloo ranks, each with half the prompts (the second half much longer and better rewarded): the statistics
     # are those of the whole batch, as if one process held it
-    import socket
     import torch.multiprocessing as mp
     rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.5], [1.0, 1.0]])
     lengths = torch.tensor([[2, 1], [1, 3], [8, 5], [7, 9]])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_whiten_on_two_ranks, args=(port, rewards, lengths, str(tmp_path)), nprocs=2)
+    mp.spawn(_whiten_on_two_ranks, args=(rewards, lengths, str(tmp_path)), nprocs=2)
     for est in RPP:
         split = torch.cat([torch.load(tmp_path / f"{est}_{r}.pt") for r in range(2)])
         whole = compute_advantages(rewards, est, lengths)
