@@ -233,7 +233,7 @@ class VLLMRollout:
 
     def __init__(self, model_path, tensor_parallel_size=1, gpu_memory_utilization=0.6, max_model_len=None,
                  max_num_batched_tokens=None, limit_mm_per_prompt=None, enable_sleep_mode=True, seed=0,
-                 dtype="bfloat16", enforce_eager=False, sleep_level=1, **engine_kwargs):
+                 dtype="bfloat16", enforce_eager=False, sleep_level=1, hybrid_max_seqs=1024, **engine_kwargs):
         _set_vllm_env()
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise RuntimeError("VLLMRollout needs the in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
@@ -270,9 +270,10 @@ class VLLMRollout:
             _init_world_for_external_dp()
             kw["distributed_executor_backend"] = "external_launcher"
         text_cfg = hf_config.get_text_config()
-        if "linear_attention" in (getattr(text_cfg, "layer_types", None) or []) and not importlib.util.find_spec("flashinfer"):
-            # Qwen3.5's GDN prefill: vLLM 0.26 picks FlashInfer's kernel on Hopper by default, and fails without it
-            kw["additional_config"] = {"gdn_prefill_backend": "triton"}
+        if "linear_attention" in (getattr(text_cfg, "layer_types", None) or []):  # Qwen3.5's Gated DeltaNet layers
+            kw["max_num_seqs"] = min(hybrid_max_seqs, 1024)  # a state block a sequence: 1024 outran 578 (35B-A3B)
+            if not importlib.util.find_spec("flashinfer"):  # vLLM 0.26's GDN prefill on Hopper: FlashInfer's kernel
+                kw["additional_config"] = {"gdn_prefill_backend": "triton"}
         kw.update(engine_kwargs)
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         dropped = [k for k in kw if k not in known]
@@ -572,11 +573,12 @@ def engine_options(cfg, limit_videos=0):
     when --limit-videos is 0 (setup passes the most any row has)."""
     # full fine-tuning re-sends every weight each step, so level 1's copy to pinned host memory and back is waste (3B:
     # 8 GiB, wake 0.27-0.32 s vs 0.10-0.12, BENCHMARKS.md session 15); LoRA's sync and --debug-skip-sync need it
-    auto_level = 1 if cfg.lora_rank > 0 or cfg.debug_skip_sync else 2
+    auto_level, ranks = 1 if cfg.lora_rank > 0 or cfg.debug_skip_sync else 2, int(os.environ.get("WORLD_SIZE", 1))
     return dict(tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
                 max_model_len=cfg.max_prompt_length + cfg.max_response_length,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, limit_images=cfg.limit_images,
                 limit_videos=cfg.limit_videos or limit_videos, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
                 sleep_level=auto_level if cfg.sleep_level == "auto" else cfg.sleep_level, min_pixels=cfg.min_pixels,
                 max_pixels=cfg.max_pixels, video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels,
-                kv_cache_memory_gb=cfg.kv_cache_memory_gb, per_prompt_seeds=cfg.per_prompt_seeds)
+                kv_cache_memory_gb=cfg.kv_cache_memory_gb, per_prompt_seeds=cfg.per_prompt_seeds,
+                hybrid_max_seqs=max(1, cfg.rollout_batch_size * cfg.n * cfg.tensor_parallel_size // ranks))

@@ -56,7 +56,7 @@ def generation_config(out, eos, pad, bos):
 def gemma4_tokenizer(make_tokenizer):
     """tiny_model's BPE (`make_tokenizer`) with Gemma 4's special tokens and turn format: (tokenizer, {token: id})."""
     tok = make_tokenizer(specials=GEMMA4_SPECIALS, eos="<eos>", pad="<pad>", template=GEMMA4_TEMPLATE,
-                         bos_token="<bos>", **GEMMA4_TOKENS)
+                         bos_token="<bos>", first=("<pad>", "<eos>", "<bos>"), **GEMMA4_TOKENS)  # the hub's ids (vLLM)
     return tok, {t: tok.convert_tokens_to_ids(t) for t in GEMMA4_SPECIALS}
 
 

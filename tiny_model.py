@@ -75,11 +75,11 @@ def _corpus(n_lines=3000, seed=0):
 
 
 def build_tokenizer(vocab_size=512, split_digits=False, specials=SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>",
-                    template=CHAT_TEMPLATE, **named):
+                    template=CHAT_TEMPLATE, first=(), **named):
     """Byte-level BPE (like Qwen's) trained on the synthetic corpus, plus Qwen special tokens. split_digits: one
     token per digit, as Qwen's own tokenizers do (the Qwen3 models use it: numbers then read digit by digit; the
     older tiny models keep the merged numbers their demo numbers were measured with). Other families
-    (tiny_families.py): their own special tokens, eos, pad, chat template and named tokens (image_token=...)."""
+    (tiny_families.py): their own specials, eos, pad, chat template, named tokens (image_token=...), first ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # slow to import (~2 s)
     from transformers import PreTrainedTokenizerFast  # slow to import (~2 s)
 
@@ -89,7 +89,7 @@ def build_tokenizer(vocab_size=512, split_digits=False, specials=SPECIAL_TOKENS,
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                      pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), min_frequency=2,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), min_frequency=2, special_tokens=list(first),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
@@ -219,15 +219,14 @@ def _vl_config(Cfg, Model, text, vision, ids, tie):
 
 # ----------------------------------------------------------------------------- saving
 def _save_processor(arch, tok, out, min_pixels, max_pixels):
-    """Write the processor as the classic per-component files (preprocessor_config.json,
-    video_preprocessor_config.json, tokenizer files, chat_template.jinja), i.e. the layout of the
-    hub Qwen-VL repos. We cannot use Processor.save_pretrained here: in transformers 5 the
-    processor refuses to exist without a video processor, and that needs torchvision, which the
-    CPU box lacks. Machines with torchvision load these files with plain AutoProcessor; without
-    it, use data.load_processor."""
+    """Write the processor as the classic per-component files (preprocessor_config.json, video_preprocessor_config.json,
+    tokenizer files, chat_template.jinja), i.e. the layout of the hub Qwen-VL repos. We cannot use
+    Processor.save_pretrained here: in transformers 5 the processor refuses to exist without a video processor, and
+    that needs torchvision, which the CPU box lacks. Machines with torchvision load these files with plain
+    AutoProcessor; without it, use data.load_processor."""
     import transformers  # slow to import (~2 s)
-    # The PIL backend (transformers 5: *Pil; 4.x: the slow class) works without torchvision and
-    # saves as the plain "Qwen2VLImageProcessor" type, so each machine picks its own backend.
+    # The PIL backend (transformers 5: *Pil; 4.x: the slow class) works without torchvision and saves as the plain
+    # "Qwen2VLImageProcessor" type, so each machine picks its own backend.
     ImgProc = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
     # the Qwen3-VL repos: 16-pixel patches, inputs scaled to [-1, 1]
     kw = dict(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3) if arch in QWEN3_VISION else {}
@@ -239,9 +238,8 @@ def _save_processor(arch, tok, out, min_pixels, max_pixels):
     # min/max_pixels + processor_class: what transformers 4.x and older vLLM versions read.
     cfg.update(processor_class=proc_class, min_pixels=min_pixels, max_pixels=max_pixels, size=size)
     _write_json(path, cfg)
-    video = {k: cfg[k] for k in ("image_mean", "image_std", "do_convert_rgb", "do_normalize",
-                                 "do_rescale", "do_resize", "rescale_factor", "resample",
-                                 "patch_size", "temporal_patch_size", "merge_size")}
+    video = {k: cfg[k] for k in ("image_mean", "image_std", "do_convert_rgb", "do_normalize", "do_rescale", "do_resize",
+                                 "rescale_factor", "resample", "patch_size", "temporal_patch_size", "merge_size")}
     video.update(video_processor_type="Qwen2VLVideoProcessor", processor_class=proc_class,
                  min_pixels=min_pixels, max_pixels=max_pixels, size=size)
     if arch in QWEN3_VISION:  # its own video processor, which knows only `size` (as in the Qwen3-VL repos)
@@ -298,7 +296,7 @@ def build_tiny_model(out_dir=None, arch="qwen2_5_vl", seed=0, rank=None, extra_t
         dist.barrier()
     if arch not in ARCHS + FAMILIES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + FAMILIES}")
-    version = 6 if arch == "gemma4" else 3  # 3: the MoE config names norm_topk_prob; 6: Gemma 4's k norms, own widths
+    version = 7 if arch == "gemma4" else 3  # 3: the MoE config names norm_topk_prob; 7: Gemma 4's <pad> at id 0
     out_dir = out_dir or os.path.join(CACHE_ROOT, f"tiny-{arch}-v{version}" + "-tools" * bool(extra_tokens))
 
     def build(tmp):

@@ -197,7 +197,7 @@ def report(paths):
            "(over steps) | free GPU GiB engine awake / asleep | torch reserved GiB min / max | s/step (after 1st) |",
            "|---|---|---|---|---|---|---|---|"]
     phases = []
-    for p in paths:
+    for p in [p for p in paths if os.path.exists(p)]:  # (a recipe's unmatched glob: a run that made no metrics)
         rows = [json.loads(x) for x in open(p)]
         tr = [r for r in rows if "timing/step" in r]
         val = [r["val/mean"] for r in rows if "val/mean" in r]

@@ -242,3 +242,32 @@ def test_the_9b_shape_that_ran_out_of_memory_is_refused_before_loading_and_fits_
     need = lambda t: memory.need_gib(memory.memory_model(dims, **memory.config_mode(  # noqa: E731
         {**c, "max_token_len_per_device": t}, 1)), dims, 1)
     assert tok == 16384 and need(tok) <= 138.8 < need(2 * tok)  # the largest halving under the card, no slack
+
+
+def test_hybrid_engine_asks_for_a_steps_sequences_only(tiny, monkeypatch):
+    """vLLM keeps one recurrent-state block per running sequence of a hybrid model, and its default of 1024 sequences
+    outran the 578 blocks of the 35B-A3B's 6 GiB cache (CUDA graphs refused, BENCHMARKS.md session 25): VLLMRollout
+    asks for one step's sequences on its replica (rollout_batch_size x n x TP / ranks); Qwen-VL keeps vLLM's default."""
+    import dataclasses
+    import sys
+    import types
+    import grpo
+    import rollout
+    got = []
+
+    class LLM:
+        def __init__(self, **kw):
+            got.append(kw)
+            self.llm_engine = types.SimpleNamespace(vllm_config=None)
+    names = ("model", "max_num_seqs", "seed", "dtype", "gpu_memory_utilization", "additional_config")
+    engine_args = dataclasses.make_dataclass("EngineArgs", names)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.26.0", LLM=LLM))
+    monkeypatch.setitem(sys.modules, "vllm.engine", types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", types.SimpleNamespace(EngineArgs=engine_args))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    opts = rollout.engine_options(grpo.Config(rollout_batch_size=6, n=5))
+    monkeypatch.delenv("WORLD_SIZE")  # (the engine itself would join a 2-rank world)
+    with pytest.warns(UserWarning, match="does not know"):  # (the keywords this stand-in's EngineArgs lacks)
+        rollout.make_rollout("vllm", tiny, **opts)
+        rollout.make_rollout("vllm", tiny_model.build_tiny_model(), **opts)
+    assert got[0]["max_num_seqs"] == 15 and "max_num_seqs" not in got[1]
