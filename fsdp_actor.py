@@ -54,10 +54,10 @@ def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
     if presets.random_init(path):  # a folder without weights (bench.py's big presets): built from its config, seeded
         model = presets.random_model(path, **kw)
     else:
-        try:  # (transformers' own config: see families.own_config)
-            model = AutoModelForImageTextToText.from_pretrained(path, config=own_config(path), **kw)
+        try:  # (transformers' own config: families.own_config; no Hub kernels, which 5.25 turns on where they import)
+            model = AutoModelForImageTextToText.from_pretrained(path, config=own_config(path), use_kernels=False, **kw)
         except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText": a text LLM
-            model = AutoModelForCausalLM.from_pretrained(path, config=own_config(path), **kw)
+            model = AutoModelForCausalLM.from_pretrained(path, config=own_config(path), use_kernels=False, **kw)
     if dtype == torch.float64 and routers(model):  # MoE: transformers' default experts kernel (grouped_mm) takes
         model.set_experts_implementation("eager")  # no float64, the tests' reference precision; the loop does
     if model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):  # positions after a video as vLLM has them

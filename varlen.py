@@ -21,11 +21,12 @@ import torch.nn.functional as F
 # cumulative lengths cu_seqlens [S + 1] (int32) and the longest length:
 #  - the vision tower: Qwen2-VL / Qwen2.5-VL run one SDPA call per window (per image for full-attention layers),
 #    unless the attention's name contains "flash": then they pass it cu_seqlens (Qwen2_5_VLVisionAttention.forward,
-#    transformers 5.17 and 5.24). So the vision config gets our function under a name with "flash" in it.
+#    transformers 5.17 to 5.25). So the vision config gets our function under a name with "flash" in it.
 #  - the language model on packed rows (padding-free): the text config gets our function under a plain name; the
 #    cu_seqlens travel as the `cu_seq_lens_q/k`, `max_length_q/k` keywords transformers passes to every attention
 #    function (TransformersKwargs); a name unknown to its mask interface: no [T, T] mask is built for the packed row.
-# Both are registered in transformers' AttentionInterface and selected per sub-config with set_attn_implementation.
+# Both are registered in transformers' AttentionInterface; the text name is selected with set_attn_implementation, the
+# vision one set on its config (from 5.25, set_attn_implementation loads a "flash" name as a flash-attn/Hub kernel).
 VARLEN_TEXT, VARLEN_VISION = "vlm_rl_varlen", "vlm_rl_flash_varlen"
 
 
@@ -178,14 +179,11 @@ def set_varlen_attention(hf, text=False, vision=False):
     AttentionInterface.register(VARLEN_VISION, _hf_varlen_attention)
     subs = getattr(hf.config, "sub_configs", None) or {}
     if "text_config" not in subs:  # a text LLM: one config
-        hf.set_attn_implementation(VARLEN_TEXT)
-        return
-    choice = {}
+        return hf.set_attn_implementation(VARLEN_TEXT)
     if text:
-        choice["text_config"] = VARLEN_TEXT
-    if vision:
-        choice["vision_config"] = VARLEN_VISION
-    hf.set_attn_implementation(choice)
+        hf.set_attn_implementation({"text_config": VARLEN_TEXT})
+    if vision:  # (last: from 5.25, set_attn_implementation re-checks every sub-model's name: it would fail on this)
+        hf.config.vision_config._attn_implementation = VARLEN_VISION  # the vision model shares this config object
 
 
 def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -297,10 +295,12 @@ def use_gdn_forward(hf, device):
     """Give every Gated DeltaNet layer of hf the boundary-aware forward. Returns "fla", "fla forward" (fla-core
     without its backward: training forwards take the plain path) or "torch"; None: no GDN layer."""
     layers = gdn_layers(hf)
-    for m in layers:
-        m.forward = types.MethodType(gdn_forward, m)
     if not layers:
         return None
+    if getattr(hf, "use_kernels", False):  # transformers >= 5.25 kernelizes from_pretrained's models (if `kernels`
+        hf.use_kernels = False  # imports), again at each train()/eval(): that resets these layers' forward to its own
+    for m in layers:
+        m.forward = types.MethodType(gdn_forward, m)
     if device.type == "cuda" and not fla_kernels():
         warnings.warn("fla-core does not import: the Gated DeltaNet layers run on the plain-torch path (correct, "
                       "slower; pip install fla-core)")
