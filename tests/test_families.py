@@ -94,7 +94,6 @@ def test_a_red_and_a_blue_picture_reach_the_llm_apart(tiny):
     assert apart > 0.5, apart  # (measured: Gemma 4 1.68, InternVL 1.58; 0.21 with the table of ones)
 
 
-
 def test_gemma4s_image_tokens_reach_the_per_layer_inputs_as_vllm_sends_them(tiny):
     """vLLM's Gemma 4 gives its per-layer inputs token 0 at every image token (gemma4_mm.py), transformers the
     config's <pad>: the tiny tokenizer puts <pad> at 0, as the hub's does, so the two forwards are one (with <pad> at
@@ -103,14 +102,15 @@ def test_gemma4s_image_tokens_reach_the_per_layer_inputs_as_vllm_sends_them(tiny
     if arch != "gemma4":
         pytest.skip("Gemma 4's per-layer inputs")
     hf, p = actor.load_hf_model(path), samples[0]["prompt"]
-    ids = torch.tensor([p["prompt_ids"]])
+    ids, mm = torch.tensor([p["prompt_ids"]]), p["mm_inputs"]
     assert (ids == hf.config.image_token_id).sum() > 0
     logits = []
     for pad in hf.config.text_config.pad_token_id, 0:  # transformers' own, then the token vLLM sends
         hf.config.text_config.pad_token_id = pad
         with torch.no_grad():
-            logits.append(hf(input_ids=ids, **p["mm_inputs"], **families.mm_token_types(hf, ids, p["mm_inputs"])).logits)
+            logits.append(hf(input_ids=ids, **mm, **families.mm_token_types(hf, ids, mm)).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
 
 def _reference(path, proc, samples):
     """Each sample alone through the plain HF model: the processor's own outputs for the prompt (token types too),
