@@ -267,6 +267,9 @@ def test_gemma4_e2b_in_small_trains_and_leaves_its_audio_tower_alone(tmp_path, m
     with safe_open(os.path.join(path, "model-kv-shared-norms.safetensors"), "pt") as f:
         assert [f.get_slice(f"model.language_model.layers.{i}.self_attn.k_norm.weight").get_shape() for i in
                 range(11, 15)] == [[16], [16], [16], [32]]
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:  # q/k norms at head_dim ** -0.25, not ones
+        q = f.get_tensor("model.language_model.layers.0.self_attn.q_norm.weight").float()
+    assert torch.allclose(q, torch.full_like(q, 16 ** -0.25), rtol=1e-2)
     actor.init_distributed()
     model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32)
     proc = data.load_processor(path, **PIXELS)
