@@ -54,7 +54,8 @@ def load_hf_model(path, dtype=torch.float32, attn_implementation=None):
     if presets.random_init(path):  # a folder without weights (bench.py's big presets): built from its config, seeded
         model = presets.random_model(path, **kw)
     else:
-        try:  # (transformers' own config: families.own_config; no Hub kernels, which 5.25 turns on where they import)
+        try:  # (transformers' own config: families.own_config; no Hub kernels: 5.25 turns them on where they import,
+            # again at each train()/eval(), which also drops varlen.use_gdn_forward's forward from Qwen3.5's GDN layers)
             model = AutoModelForImageTextToText.from_pretrained(path, config=own_config(path), use_kernels=False, **kw)
         except ValueError:  # "Unrecognized configuration class ... for AutoModelForImageTextToText": a text LLM
             model = AutoModelForCausalLM.from_pretrained(path, config=own_config(path), use_kernels=False, **kw)

@@ -297,8 +297,6 @@ def use_gdn_forward(hf, device):
     layers = gdn_layers(hf)
     if not layers:
         return None
-    if getattr(hf, "use_kernels", False):  # transformers >= 5.25 kernelizes from_pretrained's models (if `kernels`
-        hf.use_kernels = False  # imports), again at each train()/eval(): that resets these layers' forward to its own
     for m in layers:
         m.forward = types.MethodType(gdn_forward, m)
     if device.type == "cuda" and not fla_kernels():

@@ -99,9 +99,7 @@ def build_random_model(out_dir, preset, seed=0, device=None, weights=True) -> st
         cfg = presets.preset_config(preset, ids)
         if weights:
             model = presets.init_model(tiny_model._vl_classes(arch)[1], cfg, seed, device)
-            if arch == "gemma4":  # q/k norms at head_dim ** -0.25, as tiny_families.build's: at transformers' ones,
-                # under Gemma's attention scaling of 1.0, every head of the random E2B is near one-hot and any bf16
-                # difference moves its log-probs ~0.66 a token (session 25), which hides what engine and trainer do
+            if arch == "gemma4":  # q/k norms as tiny_families.build's: ones leave every random head near one-hot
                 for name, w in model.named_parameters():
                     if name.endswith(("q_norm.weight", "k_norm.weight")):
                         torch.nn.init.constant_(w, w.numel() ** -0.25)

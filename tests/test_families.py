@@ -96,8 +96,8 @@ def test_a_red_and_a_blue_picture_reach_the_llm_apart(tiny):
 
 def test_gemma4s_image_tokens_reach_the_per_layer_inputs_as_vllm_sends_them(tiny):
     """vLLM's Gemma 4 gives its per-layer inputs token 0 at every image token (gemma4_mm.py), transformers the
-    config's <pad>: the tiny tokenizer puts <pad> at 0, as the hub's does, so the two forwards are one (with <pad> at
-    502, the trainer against vLLM differed by 5e-3 a token: BENCHMARKS.md sessions 24-25)."""
+    config's <pad>: the tiny tokenizer puts <pad> at 0, as the hub's does, so the two forwards are one (session 24's
+    GPU row, with <pad> at 502, read 5.07e-3 a token engine against trainer: BENCHMARKS.md sessions 24-25)."""
     arch, path, proc, samples = tiny
     if arch != "gemma4":
         pytest.skip("Gemma 4's per-layer inputs")
