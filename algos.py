@@ -1,7 +1,6 @@
 """algos.py -- the formulas, pure functions of tensors: advantages, KL estimators (and EasyR1's adaptive KL
 coefficient), policy losses, TIS weights, loss aggregation, learning-rate schedules and dynamic sampling's filter.
-Each is checked against numbers worked out by hand and against EasyR1's / veRL's code (tests/test_*algo*.py).
-"""
+Each is checked against numbers worked out by hand and against EasyR1's / veRL's code (tests/test_*algo*.py)."""
 import math
 
 import torch

@@ -2,8 +2,7 @@
 comments the --help text. The defaults are EasyR1's (examples/config.yaml); the demos (no --model-path) have their
 own over them, where a flag does not say otherwise: tiny_model.DEMO, and TEXT_DEMO / VIDEO_DEMO on top for the text
 and the video demo. easyr1_config.py reads EasyR1's YAML into these options and checks their values; `python data.py
-check` takes their data options.
-"""
+check` takes their data options."""
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 

@@ -6,8 +6,7 @@
 
 DAPO = GRPO with clip-higher (eps_high 0.28), the token-level loss, no KL, and two changes in the collect step:
 dynamic sampling (filter_groups: generate until every group's `filter_key` varies; a group that scores alike has no
-advantage) and overlong shaping (a soft length penalty in the reward; optionally truncated samples out of the loss).
-"""
+advantage) and overlong shaping (a soft length penalty in the reward; optionally truncated samples out of the loss)."""
 from dataclasses import dataclass
 
 import grpo

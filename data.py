@@ -5,8 +5,7 @@ Rows follow EasyR1: a `problem` text (with optional `<image>` / `<video>` placeh
 prompt record: prompt_ids (pads expanded: the actor's), raw_prompt_ids (one pad per image or video: vLLM expands
 them), resized images, sampled and resized video frames with their frame rates, processor outputs (mm_inputs),
 answer, prompt_text. draw_prompts is the training stream (seeded epoch shuffles, a function of its cursor);
-take_prompts and prefetch_prompts take a step's share, drawn on a second thread while the previous step trains.
-"""
+take_prompts and prefetch_prompts take a step's share, drawn on a second thread while the previous step trains."""
 import collections
 import dataclasses
 import functools

@@ -3,8 +3,7 @@ unchanged (`grpo.py --config examples/config.yaml`, or EasyR1's own form `grpo.p
 worker.rollout.n=8 ...`: dotted keys merged over the file as OmegaConf merges them), then the flags; and the checks
 of the values (`check`). TABLE holds every EasyR1 key: the option it sets here, or none and why (docs/easyr1.md
 shows it; a test keeps the two equal). A key that cannot be honoured, or an unknown one, stops the run; a key with no
-effect here is listed at start. Keys absent from the file keep this project's defaults (EasyR1's example values).
-"""
+effect here is listed at start. Keys absent from the file keep this project's defaults (EasyR1's example values)."""
 import json
 import os
 import re

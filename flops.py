@@ -3,8 +3,7 @@
 layer's projections, the embedding *and* the LM head), causal attention 2 x s^2 x head_dim x heads per layer over each
 sample's own length s; training = 3 x forward (no recompute counted), a log-prob pass 1 x. Qwen2(.5)-VL's vision
 tower, which veRL leaves out, is counted as veRL counts Qwen3-VL's ViT (2% at 3B with one 512x512 image per prompt),
-each distinct image once per pass.
-"""
+each distinct image once per pass."""
 import families
 
 

@@ -5,8 +5,7 @@ Everything here works the same with one process (CPU or GPU), with `torchrun` on
 Sequences are laid out as one row per sample: prompt + response, right-padded:
     input_ids  [B, T]   p p p p r r r 0 0
     resp_mask  [B, T]   0 0 0 1 1 1 0 0 0   (position t predicts token t+1: marks the positions *before* response tokens)
-Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch.
-"""
+Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch."""
 import math
 import os
 import types

@@ -5,8 +5,7 @@
 
 One step:  sync -> sample -> score -> (old / ref log-probs) -> advantage -> clipped loss + KL -> optimizer step.
 The step below calls the algorithm's formulas (algos.py) in that order; the rest is plumbing. The options are
-config.py's. dapo.py imports this file, turns dynamic sampling on and adds overlong shaping.
-"""
+config.py's. dapo.py imports this file, turns dynamic sampling on and adds overlong shaping."""
 import math
 import os
 import random

@@ -13,8 +13,7 @@ weight of 0.02 (half-ulp 6e-5) rounded to nearest never moves: the model never t
       (Kahan summation). Deterministic; 2 more bytes per parameter. The default (README "Memory modes" says why).
   nearest: the trap itself, for the comparisons.
 The moments meet the same trap (v * 0.999 rounds back to v): rounded stochastically but in `nearest`. Under FSDP2
-the step works on each rank's own shard (`local`), element by element: no communication.
-"""
+the step works on each rank's own shard (`local`), element by element: no communication."""
 import contextlib
 import hashlib
 import math

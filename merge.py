@@ -8,8 +8,7 @@ folder) loads it). Only the model's tensors are read from the sharded checkpoint
 group and no GPU are needed, whatever the number of ranks that saved it.
 
 The default dtype is the policy's compute dtype (trainer_state.json: bfloat16 on GPUs, float32 on the CPU): the fp32
-master weights cast as for every forward, the model that generated the rollouts; --dtype float32 keeps the masters.
-"""
+master weights cast as for every forward, the model that generated the rollouts; --dtype float32 keeps the masters."""
 import json
 import os
 import shutil

@@ -3,8 +3,7 @@
 Every reward is `fn(items: list[dict]) -> list[dict]`; an item is
 {"response": str, "response_length": int, "ground_truth": str} and each output dict has at least
 "overall", "format", "accuracy" (floats). Built-ins: math, r1v, color, number, dapo; or "path/to/file.py:fn",
-an EasyR1 reward file of either REWARD_TYPE ("batch" as above, or "sequential": one item in, one dict out).
-"""
+an EasyR1 reward file of either REWARD_TYPE ("batch" as above, or "sequential": one item in, one dict out)."""
 
 import functools
 import importlib.util

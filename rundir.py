@@ -1,8 +1,7 @@
 """rundir.py -- the output folder of a run (docs/options.md lists what it holds): checkpoints (sharded, atomic),
 resume or refuse (a folder holds one run: every way of resuming refuses a changed config, so two runs never mix), logs
 cut back to the resumed step, the best checkpoint, a step's metrics, metrics.jsonl, samples.jsonl, val_samples.jsonl,
-experiment trackers, the console line, reward.png.
-"""
+experiment trackers, the console line, reward.png."""
 import importlib
 import json
 import os

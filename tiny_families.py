@@ -9,8 +9,7 @@ saved as a hub folder is laid out (AutoProcessor and vLLM load them; without tor
             positions and 2x2 pooling (3x3 in the hub's; 70 soft tokens an image, the fewest the processor allows).
   internvl  InternVL3's layout (transformers' InternVLForConditionalGeneration): an InternViT (layer-scaled,
             mean-pooled) of 56-pixel tiles (crop_to_patches: the tiles of an image, then its thumbnail), pixel
-            shuffle 0.5 and a 2-layer projector before a Qwen2 LLM; 4 <IMG_CONTEXT> tokens a tile.
-"""
+            shuffle 0.5 and a 2-layer projector before a Qwen2 LLM; 4 <IMG_CONTEXT> tokens a tile."""
 import json
 import os
 

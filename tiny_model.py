@@ -3,8 +3,7 @@ Qwen2.5-VL / Qwen2-VL / Qwen3-VL(-MoE) / Qwen3.5(-MoE) / Qwen2 / Qwen3 / Llama-3
 with a BPE tokenizer trained in code, saved with save_pretrained (model, tokenizer, processor, generation_config), so
 every consumer (AutoModel*, AutoProcessor, vLLM) loads it like a hub checkpoint. Builds are cached; a marker written
 last in a temp dir renamed into place means a crashed build never looks complete. Below: the demos' settings (DEMO,
-TEXT_DEMO, VIDEO_DEMO) and their synthetic tasks, written on first use (data.py reaches them through data_files).
-"""
+TEXT_DEMO, VIDEO_DEMO) and their synthetic tasks, written on first use (data.py reaches them through data_files)."""
 import io
 import json
 import os

@@ -5,8 +5,7 @@ the norms, MLPs, rotary and log-prob functions compiled into fused kernels (the 
 
 Every fast path has a plain fallback chosen automatically: a CUDA kernel (torch's varlen_attn, else flash-attn 2)
 only if it imports and matches the plain reference on this device (probed once), else the reference itself (one
-SDPA call with a block-diagonal mask). fsdp_actor.build_actor turns the paths on ("auto": where a fast kernel runs).
-"""
+SDPA call with a block-diagonal mask). fsdp_actor.build_actor turns the paths on ("auto": where a fast kernel runs)."""
 import functools
 import inspect
 import sys

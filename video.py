@@ -2,8 +2,7 @@
 -> the Qwen-VL processor's video outputs and the prompt's video tokens (Qwen3-VL: with "<t seconds>" timestamps); and
 the decoding of any image form (to_pil). transformers' Qwen-VL video processors need torchvision (not on the CPU box)
 and vLLM runs them itself from frames: so the trainer's side is done here, in their layout, on frames that those
-processors then leave unchanged (see the note below).
-"""
+processors then leave unchanged (see the note below)."""
 import io
 import math
 import os

@@ -46,10 +46,14 @@ case "${1:-}" in
       "$OUT/ablation9b.json" 2> /dev/null || tail -20 "$OUT/ablation9b.log"
     exit ;;
   35b)
+    # 3 GiB of KV cache, not the 30B-A3B's 6: session 26 ran out of memory allocating 6 GiB (the trainer held 67.1 GiB
+    # when the engine started, its weights 65.5, its profiling run's leftovers ~1.9 reserved and 0.6 in CUDA graphs:
+    # 139.8 less those leaves ~4.7). At 6 GiB vLLM counted room for 96 sequences of 1,536 tokens; 3 GiB is about half
+    # that for the step's 64 of ~960 (any that do not fit wait for a slot: slower, not wrong). Not yet run
     PREPARE_LIMIT=120 prepare qwen3_5_35b_a3b
     run_bench moe35b_qwen35_lora_bf16 0 "${LIMIT:-480}" --preset qwen3_5_35b_a3b --lora-rank 64 --precision bf16 \
       --sleep-level 2 --rollout-batch-size 8 --global-batch-size 8 --n 8 --max-response-length 512 \
-      --kv-cache-memory-gb 6 --gpu-memory-utilization 0.5 --torch-compile off --checkpoint-layers 1 \
+      --kv-cache-memory-gb 3 --gpu-memory-utilization 0.5 --torch-compile off --checkpoint-layers 1 \
       --max-steps "${STEPS:-3}" ;;
   *) echo "usage: bash benchmarks/gpu_qwen3_5.sh [tests | matrix | 9b | 9b_bare | 35b]"; exit 2 ;;
 esac

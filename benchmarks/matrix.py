@@ -17,6 +17,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -160,7 +161,11 @@ def run(names, out, timeout, runs_dir, with_parity=False):
             if p.returncode != 0:
                 s["failures"].append(f"exit code {p.returncode}" + (" (cut by --timeout)" if p.returncode < 0 else ""))
             results[name] = s
-            print(f"[matrix] {name}: {'PASS' if not s['failures'] else 'FAIL ' + '; '.join(s['failures'])}", flush=True)
+            for f in ("metrics.jsonl", "val_samples.jsonl"):  # kept now: a cut later in the call loses no row
+                if os.path.isfile(os.path.join(runs_dir, name, f)):  # (`collect` rebuilds matrix.json from them)
+                    shutil.copy(os.path.join(runs_dir, name, f), os.path.join(out, f"{name}_{f}"))
+            print(f"[matrix] {name}: {'PASS' if not s['failures'] else 'FAIL ' + '; '.join(s['failures'])} (target at "
+                  f"{s['steps_to_target']}, final val {s['final_val']}, agreement {s['diff_mean']})", flush=True)
             if with_parity and rundir.latest_checkpoint(os.path.join(runs_dir, name, "checkpoints")):
                 path = os.path.join(out, f"{name}_parity.json")
                 checks[name] = (launch_parity(os.path.join(runs_dir, name), path), path, time.time() - t0)

@@ -7,7 +7,7 @@ multi-turn tools; the bar: at most 1.3x, prefix caching making turn two's prompt
 The step's prompts (bench.py's geometry data, rollout batch x n samples), forced lengths as bench.py's forced
 workload has them (EOS ignored: every run generates the same tokens). one_turn: one engine call of first + second
 tokens per sample. two_turn: the engine call of `first` tokens, then per trajectory what tools.rollout does after a
-call: the tool's picture (image x image pixels) rendered by the model's chat template (tools.render_answer: the tool
+call: the tool's picture (image x image pixels) rendered by the model's chat template (tools.render_answers: the tool
 message and the next assistant header, the processor on the picture) and the trajectory continued (tools.continuation),
 then one engine call of `second` tokens for every trajectory. Both start cold (prefix, encoder and processor caches
 emptied); their order alternates by round. Results: <output_dir>/two_turn.json and a table.
@@ -55,15 +55,13 @@ def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg):
     """Returns (generated tokens, seconds of the render between the calls and the prompt tokens turn two added)."""
     outs = eng.generate(prompts, n, 1.0, 1.0, first, seeds, lengths=[[first] * n for _ in prompts])
     t, trajs = time.perf_counter(), []
-    for p, group in zip(prompts, outs):
-        for o in group:
-            ids = list(o["response_ids"])
-            raw, exp, imgs, mm = tools.render_answer(proc, [{"name": "zoom", "result": image}], "", cfg.min_pixels,
-                                                     cfg.max_pixels)
-            trajs.append(dict(prompt=p, ids=ids + exp, raw=ids + raw, images=imgs, mm=mm, first=len(ids),
-                              added=len(exp)))
+    done = [(p, list(o["response_ids"])) for p, group in zip(prompts, outs) for o in group]
+    answers = tools.render_answers(proc, [[{"name": "zoom", "result": image}]] * len(done), [""] * len(done),
+                                   cfg.min_pixels, cfg.max_pixels)
+    for (p, ids), (raw, exp, imgs, mm) in zip(done, answers):
+        trajs.append(dict(prompt=p, ids=ids + exp, raw=ids + raw, images=imgs, mm=mm, first=len(ids), added=len(exp)))
     render = time.perf_counter() - t
-    conts = [tools.continuation(x) for x in trajs]
+    conts = [tools.continuation(x, expand=not isinstance(eng, rollout.VLLMRollout)) for x in trajs]
     outs2 = eng.generate(conts, 1, 1.0, 1.0, second, [s * n + j for s in seeds for j in range(n)],
                          lengths=[[second]] * len(conts))
     tokens = sum(x["first"] for x in trajs) + sum(len(g[0]["response_ids"]) for g in outs2)
