@@ -563,7 +563,12 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
         # that the processor keeps, as long as those lie within these: checked above.)
         kw["mm_processor_kwargs"] = {"min_pixels": lo, "max_pixels": hi}
     kw.update(overrides)
-    eng = VLLMRollout(model_path, **kw)
+    try:
+        eng = VLLMRollout(model_path, **kw)
+    except torch.OutOfMemoryError as e:  # one line, not vLLM's traceback (the 35B-A3B's, BENCHMARKS.md session 26)
+        raise UserError(f"vLLM ran out of GPU memory while starting beside the trainer ({str(e)[:120]}...): give it "
+                        "less (--kv-cache-memory-gb, --gpu-memory-utilization), the trainer less beside it "
+                        "(--offload-params, --lora-rank), or take more GPUs") from None
     eng.per_prompt_seeds = per_prompt_seeds
     return eng
 

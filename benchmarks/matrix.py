@@ -17,6 +17,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -318,6 +319,19 @@ def _ran(doc):
     return f"{v.get('gpu')}, vLLM {v.get('vllm')}, torch {v.get('torch')}, transformers {v.get('transformers')}"
 
 
+def from_log(path):
+    """A row's figures from its console log alone (the step lines grpo prints every step, 3 significant digits):
+    what is left of a row whose metrics.jsonl a cut call lost (session 26's Gemma 4 row, before rows' metrics were
+    kept as they end)."""
+    steps = [m.group(0) for line in open(path, errors="replace").read().replace("\r", "\n").splitlines()
+             if (m := re.search(r"\bstep +\d+ \|.*", line))]
+    get = lambda k: [(int(x.split()[1]), float(m.group(1))) for x in steps  # noqa: E731
+                     if (m := re.search(rf" {k}=(\S+)", x))]
+    diffs, secs = [v for _, v in get("lpdiff")], [v for _, v in get("t_step")][1:]
+    return dict(steps=len(steps), val=get("val"), diff_mean=statistics.fmean(diffs) if diffs else None,
+                diff_max_of_means=max(diffs, default=None), sec_per_step=statistics.median(secs) if secs else None)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.matrix", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -333,11 +347,15 @@ def main(argv=None):
     c.add_argument("pairs", nargs="+", metavar="ROW=METRICS_JSONL")
     c.add_argument("--out", required=True)
     c.add_argument("--versions-from", required=True, help="a matrix.json from the same device image")
+    g = sub.add_parser("log", help="a row's figures from its console log, when its metrics were lost")
+    g.add_argument("file")
     q = sub.add_parser("parity", help="one trained run folder: the engine's answers and log-probs against HF's")
     q.add_argument("run_dir")
     q.add_argument("--engine", default="vllm", help="vllm, or hf (compares the HF engine with itself: a CPU check)")
     q.add_argument("--json", default=None, help="write the summary here")
     a = ap.parse_args(argv)
+    if a.cmd == "log":
+        return print(json.dumps(from_log(a.file)))
     if a.cmd == "parity":
         res = parity(a.run_dir, a.engine)
         print(json.dumps(res, indent=1))

@@ -74,6 +74,16 @@ def test_engine_options_reach_vllm(path, monkeypatch):
         assert rollout.engine_options(grpo.Config(**kw))["sleep_level"] == level, kw
 
 
+def test_an_engine_out_of_memory_at_start_is_one_line(path, monkeypatch):
+    """vLLM out of GPU memory while it starts (the 35B-A3B beside its trainer: BENCHMARKS.md session 26) is one line
+    naming the options that give it room, not vLLM's traceback."""
+    def oom(model_path, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 616.00 MiB.")
+    monkeypatch.setattr(rollout, "VLLMRollout", oom)
+    with pytest.raises(rollout.UserError, match="--kv-cache-memory-gb.*--offload-params"):
+        rollout.make_rollout("vllm", path)
+
+
 def test_sleep_level_is_checked_and_parsed(tmp_path):
     """--sleep-level takes 1, 2 or auto from the command line; anything else stops with one line naming it."""
     import easyr1_config
