@@ -11,6 +11,12 @@ call: the tool's picture (image x image pixels) rendered by the model's chat tem
 message and the next assistant header, the processor on the picture) and the trajectory continued (tools.continuation),
 then one engine call of `second` tokens for every trajectory. Both start cold (prefix, encoder and processor caches
 emptied); their order alternates by round. Results: <output_dir>/two_turn.json and a table.
+
+    python -m benchmarks.two_turn host MODEL_PATH [--samples 512] [--image 512]
+
+The host's part alone (no engine; CPU is enough): the work between the two calls for `samples` trajectories, the GPU
+idle meanwhile: the tools' answers rendered one by one and on render_answers' threads, the continuations with the
+trainer's pixel tensors (the HF engine's) and without (vLLM's).
 """
 import json
 import os
@@ -114,3 +120,38 @@ def table(result):
         out.append(f"| {name} | {r['seconds'][name]:.2f} ({rounds}) | {rs[-1]['tokens']} | "
                    f"{r['seconds'][name] / r['seconds']['one_turn']:.3f} |")
     return "\n".join(out)
+
+
+def host(model_path, samples=512, size=512):
+    """Seconds of the host's work between two turns for `samples` trajectories of one prompt with a size^2 picture."""
+    proc = data.load_processor(model_path)
+    img = picture(size)
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
+                                    tokenize=False, add_generation_prompt=True)
+    enc = proc(text=[text], images=[data.resize_image(img, 3136, 262144)], return_tensors="pt")
+    prompt = dict(prompt_ids=enc["input_ids"][0].tolist(), raw_prompt_ids=[1, 2, 3], images=[img],
+                  mm_inputs={k: v for k, v in enc.items() if k not in data.TOKEN_KEYS})
+    recs, ends, out = [[{"name": "zoom", "result": img}]] * samples, [""] * samples, {}
+    t = time.perf_counter()
+    answers = [tools.render_answer(proc, r, e, 3136, 262144) for r, e in zip(recs, ends)]
+    out["render_one_by_one"] = time.perf_counter() - t
+    t = time.perf_counter()
+    tools.render_answers(proc, recs, ends, 3136, 262144)
+    out["render_answers"] = time.perf_counter() - t
+    trajs = [dict(prompt=prompt, ids=exp, raw=raw, images=imgs, mm=mm) for raw, exp, imgs, mm in answers]
+    for expand in (True, False):
+        t = time.perf_counter()
+        [tools.continuation(x, expand) for x in trajs]
+        out[f"continuation_expand_{expand}"] = time.perf_counter() - t
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.two_turn")
+    ap.add_argument("mode", choices=["host"])
+    ap.add_argument("model_path")
+    ap.add_argument("--samples", type=int, default=512)
+    ap.add_argument("--image", type=int, default=512)
+    a = ap.parse_args()
+    print(json.dumps({k: round(v, 3) for k, v in host(a.model_path, a.samples, a.image).items()}))

@@ -102,6 +102,19 @@ def test_trajectory_is_the_sampled_ids_and_the_templates_answer(tiny):
     assert s["trajectory"]["tool_calls"][0]["status"] == "ok" and s["finished"]
 
 
+def test_answers_rendered_on_threads_equal_one_by_one(tiny):
+    """render_answers (the processor on a pool of threads) gives each trajectory its own answer, in order, as
+    render_answer one at a time: ids, images and pixels (pictures of different sizes and colours)."""
+    path, proc, _ = tiny
+    recs = [[{"name": "zoom", "result": Image.new("RGB", (28 + 14 * (i % 5), 56), (i, 200 - i, 7))}] + [
+        {"name": "zoom", "result": f"text {i}"}] * (i % 2) for i in range(48)]
+    ends = ["<|im_end|>" if i % 3 else "" for i in range(48)]
+    for got, want in zip(tools.render_answers(proc, recs, ends, 784, 12544),
+                         [tools.render_answer(proc, r, e, 784, 12544) for r, e in zip(recs, ends)]):
+        assert got[:2] == want[:2] and [im.tobytes() for im in got[2]] == [im.tobytes() for im in want[2]]
+        assert got[3].keys() == want[3].keys() and all(torch.equal(got[3][k], want[3][k]) for k in want[3])
+
+
 def test_vllm_continues_from_the_raw_ids_and_the_tools_picture(tiny, monkeypatch):
     # the vLLM engine (tests/vllm_standin.py: VLLMRollout as on a GPU, around a stand-in LLM) gets each next turn as
     # the raw ids (one pad per picture: vLLM expands them) and the pictures, the trainer the expanded ids.
