@@ -41,10 +41,11 @@ class Scripted:
     max_tokens); it records the prompt ids each call was given (token in)."""
 
     def __init__(self, turns, eos):
-        self.turns, self.eos_ids, self.seen = turns, [eos], []
+        self.turns, self.eos_ids, self.seen, self.mm = turns, [eos], [], []
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
         self.seen.append([list(p["prompt_ids"]) for p in prompts])
+        self.mm.append([p["mm_inputs"] for p in prompts])
         ids = self.turns[min(len(self.seen), len(self.turns)) - 1][:max_tokens]
         return [[{"response_ids": list(ids), "finished": ids[-1] in self.eos_ids, "logprobs": [-0.5] * len(ids)}
                  for _ in range(n)] for _ in prompts]
@@ -93,6 +94,8 @@ def test_trajectory_is_the_sampled_ids_and_the_templates_answer(tiny):
     mid = proc(text=[after[len(before) - 1:]], images=[crop], return_tensors="pt")["input_ids"][0].tolist()
     assert s["response_ids"] == s1 + mid + s2
     assert eng.seen[1][0] == recs[0]["prompt_ids"] + s1 + mid  # turn 2 continued exactly those ids
+    # and with both pictures' pixels (an engine without vLLM's .llm reads them: watched failing with expand off)
+    assert eng.mm[1][0]["image_grid_thw"].tolist() == [[1, 8, 8], [1, 4, 4]]
     # the prefix is a real prefix on the tiny tokenizer: rendering the whole chat and tokenizing it gives the same
     # tokens as the prompt part, the turn's canonical tokens and the answer's
     tok = proc.tokenizer
