@@ -405,7 +405,8 @@ def draw_prompts(dataset, cursor, count, rank, world, seed):
     out = []
     for pos in range(cursor + rank * per, cursor + (rank + 1) * per):
         epoch, k = divmod(pos, N)
-        out.append((pos, dataset[int(_epoch_perm(N, seed + epoch)[k])]))
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(seed + epoch))  # the epoch's shuffle
+        out.append((pos, dataset[int(perm[k])]))
     return out
 
 
@@ -452,10 +453,6 @@ def prefetch_prompts(ctx, submit=None):
 
 
 @functools.lru_cache(maxsize=2)  # the current epoch (and the next, while a batch straddles them)
-def _epoch_perm(N, seed):
-    return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
-
-
 def is_text_demo(demo_model):
     """--demo-model names a text-only model (its own task and reward: the largest digit)."""
     return demo_model in tiny_model.TEXT_ARCHS

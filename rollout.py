@@ -246,8 +246,7 @@ class VLLMRollout:
         if world % self.tp:
             raise ValueError(f"WORLD_SIZE={world} is not a multiple of tensor_parallel_size={self.tp}")
         self.eos_ids, self.forbidden_ids = special_token_ids(model_path)
-        if isinstance(dtype, torch.dtype):
-            dtype = str(dtype).removeprefix("torch.")
+        dtype = str(dtype).removeprefix("torch.")  # (torch.bfloat16 or "bfloat16")
         kw = dict(model=model_path, tensor_parallel_size=self.tp, dtype=dtype,
                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                   max_num_batched_tokens=max_num_batched_tokens, enable_sleep_mode=enable_sleep_mode, seed=seed,
@@ -566,9 +565,9 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
     try:
         eng = VLLMRollout(model_path, **kw)
     except torch.OutOfMemoryError as e:  # one line, not vLLM's traceback (the 35B-A3B's, BENCHMARKS.md session 26)
-        raise UserError(f"vLLM ran out of GPU memory while starting beside the trainer ({str(e)[:120]}...): give it "
-                        "less (--kv-cache-memory-gb, --gpu-memory-utilization), the trainer less beside it "
-                        "(--offload-params, --lora-rank), or take more GPUs") from None
+        raise UserError(f"vLLM ran out of GPU memory starting beside the trainer ({str(e)[:100]}...): give it less "
+                        "(--kv-cache-memory-gb, --gpu-memory-utilization), the trainer less (--offload-params, "
+                        "--lora-rank), or take more GPUs") from None
     eng.per_prompt_seeds = per_prompt_seeds
     return eng
 

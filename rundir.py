@@ -386,10 +386,6 @@ CONSOLE = [("reward/mean", "reward"), ("reward/accuracy", "acc"), ("val/mean", "
            ("timing/step", "t_step"), ("throughput/tokens_per_s", "tok/s/dev")]
 
 
-def format_line(m, keys=CONSOLE):
-    return f"step {m['step']:4d} | " + " ".join(f"{n}={m[k]:.3g}" for k, n in keys if k in m)
-
-
 class MetricSums:
     """Metric -> [sum, count] over micro-batches (means), or a running max, all-reduced over ranks once at the end.
     Values stay tensors on the device until then: a float() per micro-batch would make the host wait each time."""
@@ -475,7 +471,8 @@ class RunLog:
             plot_rewards(cfg)  # ~0.3 s: reward.png follows the run
         self.bar.update(1)
         if "console" in cfg.logger:
-            self.bar.write(format_line(metrics))
+            self.bar.write(f"step {metrics['step']:4d} | " + " ".join(f"{n}={metrics[k]:.3g}" for k, n in CONSOLE
+                                                                      if k in metrics))
 
     def close(self):
         if self.on:

@@ -163,41 +163,51 @@ def _call(fn, kw, box):
 
 
 # ------------------------------------------------------------------------------------------------ the tools' answer
-def render_answer(proc, recs, ended, min_pixels, max_pixels):
-    """The tokens that follow a turn with calls: the template's rendering of the tool messages and the next
-    assistant header, after the turn's content. `ended`: the text of the end-of-turn token the model sampled
-    (it is in the trajectory already), or "" when the turn was cut without one (the template's is then added).
-    Returns (raw ids (one pad per image: vLLM's), ids (the processor's, pads expanded), images, mm_inputs)."""
-    tok = getattr(proc, "tokenizer", proc)
+def _answer_text(proc, recs, ended, min_pixels, max_pixels):
+    """(text, pictures) of the tokens that follow a turn with calls: the template's rendering of the tool messages
+    and the next assistant header, after the turn's content, less the end of turn the model sampled (`ended`)."""
     msgs, images = [], []
     for r in recs:
-        content = []
-        for x in r["result"] if isinstance(r["result"], list) else [r["result"]]:
-            if isinstance(x, Image.Image):
-                images.append(data.resize_image(x.convert("RGB"), min_pixels, max_pixels))
-                content.append({"type": "image"})
-            else:
-                content.append({"type": "text", "text": str(x)})
-        text_only = all(c["type"] == "text" for c in content)
+        parts = r["result"] if isinstance(r["result"], list) else [r["result"]]
+        pics = [data.resize_image(x.convert("RGB"), min_pixels, max_pixels) for x in parts if isinstance(x, Image.Image)]
+        images += pics
+        content = [{"type": "image"} if isinstance(x, Image.Image) else {"type": "text", "text": str(x)} for x in parts]
         msgs.append({"role": "tool", "name": r["name"] or "",
-                     "content": "".join(c["text"] for c in content) if text_only else content})
+                     "content": content if pics else "".join(c["text"] for c in content)})
     chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": SENTINEL}] + msgs
     tail = proc.apply_chat_template(chat, tokenize=False, add_generation_prompt=True).split(SENTINEL, 1)[1]
-    if ended and tail.startswith(ended):  # the model sampled the template's end of turn: keep its token, not twice
-        tail = tail[len(ended):]
-    raw = tok.encode(tail, add_special_tokens=False)
-    if not images:
-        return raw, raw, [], {}
-    enc = proc(text=[tail], images=images, return_tensors="pt", add_special_tokens=False)
-    mm = {k: v for k, v in enc.items() if k not in data.TOKEN_KEYS and isinstance(v, torch.Tensor)}
-    return raw, enc["input_ids"][0].tolist(), images, mm
+    return (tail[len(ended):] if ended and tail.startswith(ended) else tail), images  # its token kept, not twice
 
 
 def render_answers(proc, recs, ended, min_pixels, max_pixels):
-    """render_answer of each trajectory's calls (recs[i], ended[i]) on a pool of threads: the processor on the
-    tools' pictures is the host's work between two turns, the GPU idle (512 of the 3B's took 2.9 s one by one)."""
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as ex:
-        return list(ex.map(lambda r, e: render_answer(proc, r, e, min_pixels, max_pixels), recs, ended))
+    """Per trajectory, what follows its turn with calls (recs[i]; ended[i]: the end-of-turn token it sampled, as text,
+    or "": the template's is added): (raw ids (one pad per image: vLLM's), ids (the processor's, pads expanded),
+    images, mm_inputs). The GPU idles meanwhile, so answers alike (one text, pictures of the same sizes) go through
+    the processor together (its Python per call), split evenly, on a pool of threads (its resizing)."""
+    tok, texts, groups = getattr(proc, "tokenizer", proc), [], {}
+    for i, (r, e) in enumerate(zip(recs, ended)):
+        texts.append(_answer_text(proc, r, e, min_pixels, max_pixels))
+        groups.setdefault((texts[-1][0], tuple(im.size for im in texts[-1][1])), []).append(i)
+
+    def render(key, idx):
+        raw = tok.encode(key[0], add_special_tokens=False)
+        if not key[1]:
+            return [(raw, raw, [], {})] * len(idx)
+        enc = proc(text=[key[0]] * len(idx), images=[texts[i][1] for i in idx], return_tensors="pt",
+                   add_special_tokens=False)
+        mm = {k: v for k, v in enc.items() if k not in data.TOKEN_KEYS and isinstance(v, torch.Tensor)}
+        if any(v.shape[0] % len(idx) for v in mm.values()):  # not one share per answer: one by one
+            return [x for i in idx for x in render(key, [i])]
+        mm = {k: v.split(v.shape[0] // len(idx)) for k, v in mm.items()}  # (clones: no answer keeps the group's)
+        return [(raw, enc["input_ids"][j].tolist(), texts[i][1], {k: v[j].clone() for k, v in mm.items()})
+                for j, i in enumerate(idx)]
+    workers = min(8, os.cpu_count() or 1)  # a group in up to `workers` parts: every thread busy
+    jobs = [(key, idx[k:k + c]) for key, idx in groups.items() for c in [-(-len(idx) // workers)]
+            for k in range(0, len(idx), c)]
+    with ThreadPoolExecutor(workers) as ex:
+        done = ex.map(render, *zip(*jobs)) if len(jobs) > 1 else [render(*j) for j in jobs]
+        out = {i: r for (_, idx), res in zip(jobs, done) for i, r in zip(idx, res)}
+    return [out[i] for i in range(len(recs))]
 
 
 def merge_mm(a, b):
@@ -206,9 +216,8 @@ def merge_mm(a, b):
 
 
 def continuation(t, expand=True):
-    """A trajectory as a prompt record for the engine's next turn: the prompt's ids + every token so far (the
-    trainer's expanded ids and pixels for the HF engine (expand); vLLM takes the raw ids and images and expands them
-    itself: no copy of every pixel tensor on the host between turns)."""
+    """A trajectory as a prompt record for the engine's next turn: the prompt's ids + every token so far (the HF
+    engine's expanded ids and pixels with `expand`; vLLM's raw ids and images: it expands them, no pixels copied)."""
     p = t["prompt"]
     return dict(p, prompt_ids=p["prompt_ids"] + t["ids"], raw_prompt_ids=p["raw_prompt_ids"] + t["raw"],
                 images=list(p.get("images") or []) + t["images"],

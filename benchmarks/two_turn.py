@@ -133,7 +133,7 @@ def host(model_path, samples=512, size=512):
                   mm_inputs={k: v for k, v in enc.items() if k not in data.TOKEN_KEYS})
     recs, ends, out = [[{"name": "zoom", "result": img}]] * samples, [""] * samples, {}
     t = time.perf_counter()
-    answers = [tools.render_answer(proc, r, e, 3136, 262144) for r, e in zip(recs, ends)]
+    answers = [tools.render_answers(proc, [r], [e], 3136, 262144)[0] for r, e in zip(recs, ends)]
     out["render_one_by_one"] = time.perf_counter() - t
     t = time.perf_counter()
     tools.render_answers(proc, recs, ends, 3136, 262144)

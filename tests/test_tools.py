@@ -79,7 +79,7 @@ def scripted_two_turns(tiny):
 
 def test_trajectory_is_the_sampled_ids_and_the_templates_answer(tiny):
     # watched failing: with `ids = tok.encode(tok.decode(ids))` in tools.rollout (re-tokenizing the turn), and with
-    # the end-of-turn token kept in the answer (render_answer without its `ended` check: <|im_end|> twice)
+    # the end-of-turn token kept in the answer (render_answers without its `ended` check: <|im_end|> twice)
     path, proc, recs = tiny
     eng, samples, s1, s2 = scripted_two_turns(tiny)
     s = samples[0]
@@ -105,15 +105,17 @@ def test_trajectory_is_the_sampled_ids_and_the_templates_answer(tiny):
     assert s["trajectory"]["tool_calls"][0]["status"] == "ok" and s["finished"]
 
 
-def test_answers_rendered_on_threads_equal_one_by_one(tiny):
-    """render_answers (the processor on a pool of threads) gives each trajectory its own answer, in order, as
-    render_answer one at a time: ids, images and pixels (pictures of different sizes and colours)."""
-    path, proc, _ = tiny
-    recs = [[{"name": "zoom", "result": Image.new("RGB", (28 + 14 * (i % 5), 56), (i, 200 - i, 7))}] + [
-        {"name": "zoom", "result": f"text {i}"}] * (i % 2) for i in range(48)]
-    ends = ["<|im_end|>" if i % 3 else "" for i in range(48)]
-    for got, want in zip(tools.render_answers(proc, recs, ends, 784, 12544),
-                         [tools.render_answer(proc, r, e, 784, 12544) for r, e in zip(recs, ends)]):
+@pytest.mark.parametrize("arch", ["zoom", "gemma4", "internvl"])
+def test_answers_rendered_together_equal_one_by_one(tiny, arch):
+    """render_answers (alike answers through the processor together, split evenly; groups on threads) gives each
+    trajectory its own answer, in order, as rendering it alone: ids, images and pixels (pictures of a few sizes and
+    colours, some with text). Watched failing with the groups' order broken and with the split off by one answer."""
+    proc = tiny[1] if arch == "zoom" else data.load_processor(tiny_model.build_tiny_model(arch=arch), **PIX)
+    recs = [[{"name": "zoom", "result": Image.new("RGB", (28 + 14 * (i % 3), 56), (i, 200 - i, 7))}] + [
+        {"name": "zoom", "result": f"text {i % 2}"}] * (i % 2) for i in range(40)]
+    ends = ["<|im_end|>" if i % 3 else "" for i in range(40)]
+    for r, e, got in zip(recs, ends, tools.render_answers(proc, recs, ends, 784, 12544)):
+        want = tools.render_answers(proc, [r], [e], 784, 12544)[0]
         assert got[:2] == want[:2] and [im.tobytes() for im in got[2]] == [im.tobytes() for im in want[2]]
         assert got[3].keys() == want[3].keys() and all(torch.equal(got[3][k], want[3][k]) for k in want[3])
 
