@@ -405,8 +405,7 @@ def draw_prompts(dataset, cursor, count, rank, world, seed):
     out = []
     for pos in range(cursor + rank * per, cursor + (rank + 1) * per):
         epoch, k = divmod(pos, N)
-        perm = torch.randperm(N, generator=torch.Generator().manual_seed(seed + epoch))  # the epoch's shuffle
-        out.append((pos, dataset[int(perm[k])]))
+        out.append((pos, dataset[int(_epoch_perm(N, seed + epoch)[k])]))
     return out
 
 
@@ -453,6 +452,10 @@ def prefetch_prompts(ctx, submit=None):
 
 
 @functools.lru_cache(maxsize=2)  # the current epoch (and the next, while a batch straddles them)
+def _epoch_perm(N, seed):
+    return torch.randperm(N, generator=torch.Generator().manual_seed(seed))
+
+
 def is_text_demo(demo_model):
     """--demo-model names a text-only model (its own task and reward: the largest digit)."""
     return demo_model in tiny_model.TEXT_ARCHS

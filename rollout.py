@@ -68,11 +68,6 @@ def unsent(named_params, loaded, unused=()):
                   and not n.endswith(unused))
 
 
-def _sampled_logprobs(c, ids):
-    """The sampled tokens' log-probs of one vLLM completion (logprobs=0: one dict per position)."""
-    return [c.logprobs[i][t].logprob for i, t in enumerate(ids)]
-
-
 # ------------------------------------------------------------------------------------------------ HF engine
 class _SampledLogprobs:
     """Last logits processor: sees the scores HF samples from (after suppression, temperature, top-p). Step t's
@@ -423,7 +418,8 @@ class VLLMRollout:
             for o in outs[at:at + k]:
                 for c in o.outputs:
                     ids = list(c.token_ids)
-                    lp = _sampled_logprobs(c, ids) if want_lp and c.logprobs else None
+                    lp = ([c.logprobs[i][t].logprob for i, t in enumerate(ids)]  # the sampled ones' (a dict a token)
+                          if want_lp and c.logprobs else None)
                     group.append(_to_result(ids, lp, self.eos_ids) if L is None else _forced(ids, lp, max_tokens))
             at += k
             results.append([dict(group[0]) for _ in range(n)] if greedy and L is None else group)

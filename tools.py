@@ -163,13 +163,14 @@ def _call(fn, kw, box):
 
 
 # ------------------------------------------------------------------------------------------------ the tools' answer
-def _answer_text(proc, recs, ended, min_pixels, max_pixels):
+def _answer_text(proc, recs, ended, lo, hi):
     """(text, pictures) of the tokens that follow a turn with calls: the template's rendering of the tool messages
-    and the next assistant header, after the turn's content, less the end of turn the model sampled (`ended`)."""
+    and the next assistant header, after the turn's content, less the end of turn the model sampled (`ended`); lo,
+    hi: the pictures' pixel bounds."""
     msgs, images = [], []
     for r in recs:
         parts = r["result"] if isinstance(r["result"], list) else [r["result"]]
-        pics = [data.resize_image(x.convert("RGB"), min_pixels, max_pixels) for x in parts if isinstance(x, Image.Image)]
+        pics = [data.resize_image(x.convert("RGB"), lo, hi) for x in parts if isinstance(x, Image.Image)]
         images += pics
         content = [{"type": "image"} if isinstance(x, Image.Image) else {"type": "text", "text": str(x)} for x in parts]
         msgs.append({"role": "tool", "name": r["name"] or "",
@@ -241,7 +242,7 @@ def rollout(ctx, call):
                   mm={}, messages=[], calls=[], turn_tokens=[], last=[], finished=False)
              for p, s, w in zip(call["prompts"], call["seeds"], call["logprobs"]) for j in range(call["n"])]
     tp = getattr(eng, "tp", 1) if getattr(eng, "tp_group", None) is not None else 1
-    expand = not hasattr(eng, "llm")  # the HF engine reads expanded ids and pixels; vLLM (.llm) raw ids and images
+    hf = not hasattr(eng, "llm")  # the HF engine reads expanded ids and pixels; vLLM (.llm) raw ids and images
     active, outs = list(range(len(trajs))), [o for g in eng.generate(**call) for o in g]  # (what vLLM may queue)
     for turn in range(cfg.max_turns):
         if turn:  # every rank: the active counts of all ranks (a one-hot sum), then this rank's group's share
@@ -252,7 +253,7 @@ def rollout(ctx, call):
                 break
             mine = [trajs[i] for i in active]
             outs = [g[0] for g in eng.generate(
-                prompts=[continuation(t, expand) for t in mine], n=1, temperature=call["temperature"], top_p=call["top_p"],
+                prompts=[continuation(t, hf) for t in mine], n=1, temperature=call["temperature"], top_p=call["top_p"],
                 max_tokens=min(per_turn, max(budget - len(t["ids"]) for t in mine)),
                 seeds=[(t["seed"] * 7919 + t["j"] * 101 + turn) % 2**31 for t in mine],
                 logprobs=[int(t["want"]) for t in mine])] if counts[ctx.rank // tp * tp:][:tp].sum() > 0 else []

@@ -176,9 +176,9 @@ def test_a_rows_parity_check_starts_when_the_row_ends(tmp_path, monkeypatch):
 def test_a_rows_figures_from_its_log_alone(tmp_path):
     """`matrix.py log`: the step lines among tqdm's carriage returns and vLLM's lines (a cut call's only record)."""
     log = tmp_path / "row.log"
-    log.write_text("INFO vllm started\ngrpo:  1%|          | 1/150\r                step    1 | reward=0.1 lpdiff=0.002 "
-                   "t_step=9\nstep    2 | reward=0.2 lpdiff=0.004 t_step=1\rgrpo: 2/150\rstep   10 | reward=0.5 val=0.77 "
-                   "lpdiff=0.003 t_step=3\n[best] step_10\n")
+    log.write_text("INFO vllm started\ngrpo:  1%|          | 1/150\r                step    1 | reward=0.1 "
+                   "lpdiff=0.002 t_step=9\nstep    2 | reward=0.2 lpdiff=0.004 t_step=1\rgrpo: 2/150\rstep   10 | "
+                   "reward=0.5 val=0.77 lpdiff=0.003 t_step=3\n[best] step_10\n")
     got = matrix.from_log(str(log))
     assert got["steps"] == 3 and got["val"] == [(10, 0.77)] and got["sec_per_step"] == 2
     assert abs(got["diff_mean"] - 0.003) < 1e-12 and got["diff_max_of_means"] == 0.004
