@@ -8,7 +8,8 @@
 #   9b_bare  its generation beside bare vLLM on the same model, one call (engine-ablation rows bare, all_ours; ROWS=
 #            bare,banned,all_ours_no_lp,all_ours tells the pad tokens' ban from the log-probs: 1.163x in session 21)
 #   35b      the Qwen3.5-35B-A3B shape (35.1B, 256 experts), LoRA r64 on a bf16 base, --sleep-level 2, nothing on disk,
-#            8 prompts x 8 x 512 tokens, as the Qwen3-VL-30B-A3B row (benchmarks/gpu_moe30b.sh) (~8 min)
+#            8 prompts x 8 x 512 tokens, as the Qwen3-VL-30B-A3B row (benchmarks/gpu_moe30b.sh) but 3 GiB of KV cache (~8 min)
+#   35b_offload  the same with --offload-params (not run: the fallback if 35b does not fit)
 # Seen on the H200 (BENCHMARKS.md session 18): vLLM 0.26 needs compressed-tensors 0.17.0 and loguru for Qwen3.5
 # (in .gpu/wheels beside fetch_wheels.sh's: pip download --no-deps compressed-tensors==0.17.0 loguru).
 # Results in $OUT: each run's log, metrics, summary, and report.md / memory_table.md for the benches.
@@ -55,7 +56,15 @@ case "${1:-}" in
       --sleep-level 2 --rollout-batch-size 8 --global-batch-size 8 --n 8 --max-response-length 512 \
       --kv-cache-memory-gb 3 --gpu-memory-utilization 0.5 --torch-compile off --checkpoint-layers 1 \
       --max-steps "${STEPS:-3}" ;;
-  *) echo "usage: bash benchmarks/gpu_qwen3_5.sh [tests | matrix | 9b | 9b_bare | 35b]"; exit 2 ;;
+  35b_offload)  # the fallback if 35b's 3 GiB does not fit either: the trainer's weights on the host while vLLM
+    # generates (the memory model: 0 GiB of trainer state beside the engine, 18.8 in the update; each micro-batch
+    # copies the 65 GiB base in, so slower)
+    PREPARE_LIMIT=120 prepare qwen3_5_35b_a3b
+    run_bench moe35b_qwen35_lora_bf16_offload 0 "${LIMIT:-480}" --preset qwen3_5_35b_a3b --lora-rank 64 \
+      --precision bf16 --offload-params --sleep-level 2 --rollout-batch-size 8 --global-batch-size 8 --n 8 \
+      --max-response-length 512 --kv-cache-memory-gb 6 --gpu-memory-utilization 0.5 --torch-compile off \
+      --checkpoint-layers 1 --max-steps "${STEPS:-3}" ;;
+  *) echo "usage: bash benchmarks/gpu_qwen3_5.sh [tests | matrix | 9b | 9b_bare | 35b | 35b_offload]"; exit 2 ;;
 esac
 python -m benchmarks.bench report "$OUT"/*_metrics.jsonl > "$OUT/report.md" 2>&1; cat "$OUT/report.md"
 python -m benchmarks.bench table "$OUT"/*_summary.json > "$OUT/memory_table.md" 2>&1; grep -E '^\| (bench9b|moe35b)' "$OUT/memory_table.md"
