@@ -10,7 +10,8 @@ tokens per sample. two_turn: the engine call of `first` tokens, then per traject
 call: the tool's picture (image x image pixels) rendered by the model's chat template (tools.render_answers: the tool
 message and the next assistant header, the processor on the picture) and the trajectory continued (tools.continuation),
 then one engine call of `second` tokens for every trajectory. Both start cold (prefix, encoder and processor caches
-emptied); their order alternates by round. Results: <output_dir>/two_turn.json and a table.
+emptied); their order alternates by round. Results: <output_dir>/two_turn.json and a table, with two turns' parts
+(turn one, the render, the continuations, vLLM's intake of turn two, turn two).
 
     python -m benchmarks.two_turn host MODEL_PATH [--samples 512] [--image 512]
 
@@ -58,7 +59,10 @@ def one_turn(eng, prompts, seeds, n, tokens):
 
 
 def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg):
-    """Returns (generated tokens, seconds of the render between the calls and the prompt tokens turn two added)."""
+    """Returns (generated tokens, the seconds of each part: turn one, the render between the calls, the
+    continuations, vLLM's intake of turn two's requests (its submit: their input processing, the GPU idle; None for
+    the HF engine) and turn two, and the prompt tokens turn two added)."""
+    t0 = time.perf_counter()
     outs = eng.generate(prompts, n, 1.0, 1.0, first, seeds, lengths=[[first] * n for _ in prompts])
     t, trajs = time.perf_counter(), []
     done = [(p, list(o["response_ids"])) for p, group in zip(prompts, outs) for o in group]
@@ -66,12 +70,17 @@ def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg):
                                    cfg.min_pixels, cfg.max_pixels)
     for (p, ids), (raw, exp, imgs, mm) in zip(done, answers):
         trajs.append(dict(prompt=p, ids=ids + exp, raw=ids + raw, images=imgs, mm=mm, first=len(ids), added=len(exp)))
-    render = time.perf_counter() - t
+    t1 = time.perf_counter()
     conts = [tools.continuation(x, expand=not isinstance(eng, rollout.VLLMRollout)) for x in trajs]
-    outs2 = eng.generate(conts, 1, 1.0, 1.0, second, [s * n + j for s in seeds for j in range(n)],
-                         lengths=[[second]] * len(conts))
+    call = (conts, 1, 1.0, 1.0, second, [s * n + j for s in seeds for j in range(n)])
+    t2 = time.perf_counter()
+    queued = isinstance(eng, rollout.VLLMRollout) and eng.submit(*call, lengths=[[second]] * len(conts))
+    t3 = time.perf_counter()
+    outs2 = eng.generate(*call, lengths=[[second]] * len(conts))  # (runs what submit queued)
     tokens = sum(x["first"] for x in trajs) + sum(len(g[0]["response_ids"]) for g in outs2)
-    return tokens, dict(render_seconds=render, tool_tokens=trajs[0]["added"] if trajs else 0)
+    return tokens, dict(first_seconds=t - t0, render_seconds=t1 - t, continue_seconds=t2 - t1,
+                        intake_seconds=t3 - t2 if queued else None, second_seconds=time.perf_counter() - t3,
+                        tool_tokens=trajs[0]["added"] if trajs else 0)
 
 
 def cold(eng):
@@ -119,7 +128,12 @@ def table(result):
         rounds = ", ".join(f"{x['seconds']:.2f}" for x in rs)
         out.append(f"| {name} | {r['seconds'][name]:.2f} ({rounds}) | {rs[-1]['tokens']} | "
                    f"{r['seconds'][name] / r['seconds']['one_turn']:.3f} |")
-    return "\n".join(out)
+    parts = [(k[:-8], [x[k] for x in r["runs"]["two_turn"] if x.get(k) is not None]) for k in PARTS]
+    return "\n".join(out + ["", "two turns, by part (mean s): " + ", ".join(
+        f"{k} {sum(v) / len(v):.2f}" for k, v in parts if v)])
+
+
+PARTS = ("first_seconds", "render_seconds", "continue_seconds", "intake_seconds", "second_seconds")
 
 
 def host(model_path, samples=512, size=512):

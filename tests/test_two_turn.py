@@ -27,3 +27,21 @@ def test_two_turns_generate_as_many_tokens_as_one_and_continue_with_the_picture(
     assert all(c["prompt_ids"][:len(p["prompt_ids"])] == p["prompt_ids"] for c, p in zip(second[::2], first))
     assert all(c["mm_inputs"]["image_grid_thw"].shape[0] == 2 for c in second)
     assert json.load(open(tmp_path / "out" / "two_turn.json"))["ratio"] > 0
+
+
+def test_turn_twos_intake_is_timed_apart_and_its_queue_is_what_runs(tmp_path, monkeypatch):
+    """With vLLM (the stand-in: tests/vllm_standin.py) the bench times turn two's intake (submit) apart from its run,
+    and generate runs the queued requests themselves: one enqueue, no abort, no second intake."""
+    from vllm_standin import standin_vllm
+    import data
+    standin_vllm(monkeypatch)
+    path = tiny_model.build_tiny_model()
+    eng = rollout.make_rollout("vllm", path)
+    proc = data.load_processor(path, min_pixels=56 * 56, max_pixels=112 * 112)
+    cfg = grpo.Config(model_path=path, train_files=tiny_model.demo_data()[0], val_files="", min_pixels=56 * 56,
+                      max_pixels=112 * 112, max_prompt_length=256, rollout_batch_size=2)
+    train = data.load_datasets(cfg, path)[1]
+    prompts = [p for _, p in data.draw_prompts(train, 0, 2, 0, 1, 0)]
+    tokens, parts = two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, two_turn.picture(56), cfg)
+    assert tokens == 2 * 2 * 5 and parts["intake_seconds"] is not None and parts["second_seconds"] > 0
+    assert eng.llm.events[-3:] == ["generate", "enqueue", "wait"]  # turn one, turn two's intake, then its run
