@@ -16,8 +16,8 @@ emptied); their order alternates by round. Results: <output_dir>/two_turn.json a
     python -m benchmarks.two_turn host MODEL_PATH [--samples 512] [--image 512]
 
 The host's part alone (no engine; CPU is enough): the work between the two calls for `samples` trajectories, the GPU
-idle meanwhile: the tools' answers rendered one by one and on render_answers' threads, the continuations with the
-trainer's pixel tensors (the HF engine's) and without (vLLM's).
+idle meanwhile: the tools' answers rendered one at a time and all at once (render_answers: alike ones together, on
+threads), the continuations with the trainer's pixel tensors (the HF engine's) and without (vLLM's).
 """
 import json
 import os
