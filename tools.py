@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 
 import data
+import rollout as engines
 from common import UserError, all_reduce_cpu
 
 HIDDEN = ("images",)  # parameters the loop fills in (the images of the trajectory so far), not the model
@@ -242,7 +243,7 @@ def rollout(ctx, call):
                   mm={}, messages=[], calls=[], turn_tokens=[], last=[], finished=False)
              for p, s, w in zip(call["prompts"], call["seeds"], call["logprobs"]) for j in range(call["n"])]
     tp = getattr(eng, "tp", 1) if getattr(eng, "tp_group", None) is not None else 1
-    hf = not hasattr(eng, "llm")  # the HF engine reads expanded ids and pixels; vLLM (.llm) raw ids and images
+    hf = not isinstance(eng, engines.VLLMRollout)  # the HF engine reads expanded ids and pixels; vLLM raw ids, images
     active, outs = list(range(len(trajs))), [o for g in eng.generate(**call) for o in g]  # (what vLLM may queue)
     for turn in range(cfg.max_turns):
         if turn:  # every rank: the active counts of all ranks (a one-hot sum), then this rank's group's share
