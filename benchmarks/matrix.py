@@ -124,7 +124,15 @@ def failures(s):
     return out
 
 
-def run(names, out, timeout, runs_dir, with_parity=False):
+def reached_target(metrics_path, target):
+    """Whether a running row's metrics.jsonl already holds a validation at its target (--stop-at-target)."""
+    if not os.path.isfile(metrics_path):
+        return False
+    rows = [json.loads(line) for line in open(metrics_path) if line.endswith("\n")]  # a half-written line waits
+    return any(r.get("val/accuracy", r.get("val/mean", -1)) >= target for r in rows if "val/mean" in r)
+
+
+def run(names, out, timeout, runs_dir, with_parity=False, stop_at_target=False):
     os.makedirs(out, exist_ok=True)
     subprocess.run([sys.executable, "-c", "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in "
                     "tiny_model.ARCHS + tiny_model.FAMILIES]; tiny_model.demo_data(); tiny_model.demo_max_data(); "
@@ -143,7 +151,9 @@ def run(names, out, timeout, runs_dir, with_parity=False):
     results, checks, pending = {}, {}, dict(procs)
     while pending:
         left = timeout - (time.time() - t0)
-        done = [n for n, (p, _, _) in pending.items() if p.poll() is not None or left <= 0]
+        stopped = {n for n in pending if stop_at_target and pending[n][0].poll() is None
+                   and reached_target(os.path.join(runs_dir, n, "metrics.jsonl"), ROWS[n][2])}
+        done = [n for n, (p, _, _) in pending.items() if p.poll() is not None or left <= 0 or n in stopped]
         if not done:
             try:
                 next(iter(pending.values()))[0].wait(timeout=min(1.0, left))
@@ -159,7 +169,8 @@ def run(names, out, timeout, runs_dir, with_parity=False):
             s = summarize(name, os.path.join(runs_dir, name, "metrics.jsonl"), ROWS[name][2])
             s.update(command=" ".join(cmd[1:]), returncode=p.returncode, seconds=round(time.time() - t0),
                      log_tail=open(os.path.join(out, f"{name}.log"), errors="replace").read()[-1500:])
-            if p.returncode != 0:
+            s["stopped_at_target"] = name in stopped
+            if p.returncode != 0 and name not in stopped:
                 s["failures"].append(f"exit code {p.returncode}" + (" (cut by --timeout)" if p.returncode < 0 else ""))
             results[name] = s
             for f in ("metrics.jsonl", "val_samples.jsonl"):  # kept now: a cut later in the call loses no row
@@ -288,7 +299,8 @@ def table(docs):
             f"{_fmt(s['final_val'], '.3f')}{_worst_note(s)} | "
             f"{_fmt(s['diff_mean'], '.1e')} / {_fmt(s['diff_max'], '.2f')} | "
             f"{_fmt(s['sec_per_step'], '.2f')} | {_fmt(s['peak_gb'], '.1f')} | "
-            f"{'pass' if not s['failures'] else 'FAIL: ' + '; '.join(s['failures'])}{_parity_note(s)} | "
+            f"{'pass' if not s['failures'] else 'FAIL: ' + '; '.join(s['failures'])}{_parity_note(s)}"
+            f"{' (stopped at its target)' if s.get('stopped_at_target') else ''} | "
             f"{s['doc']['date']} |")
     lines += [f"| {name} | {ROWS[name][3]} | - | - | - | - | - | not yet run | - |"
               for name in ROWS if name not in latest]
@@ -341,6 +353,8 @@ def main(argv=None):
     r.add_argument("--timeout", type=float, default=540, help="seconds for all rows together")
     r.add_argument("--runs-dir", default="/tmp/matrix_runs", help="the rows' output folders (checkpoints, logs)")
     r.add_argument("--parity", action="store_true", help="then each row's final checkpoint: engine = HF engine")
+    r.add_argument("--stop-at-target", action="store_true",
+                   help="end a row once its validation reaches the target (a short lease; no final val, no parity)")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     c = sub.add_parser("collect", help="rows from kept metrics files, when a call was cut before matrix.json")
@@ -372,7 +386,7 @@ def main(argv=None):
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
-    return 0 if run(names, a.out, a.timeout, a.runs_dir, a.parity) else 1
+    return 0 if run(names, a.out, a.timeout, a.runs_dir, a.parity, a.stop_at_target) else 1
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 
 from benchmarks import matrix
@@ -171,6 +172,33 @@ def test_a_rows_parity_check_starts_when_the_row_ends(tmp_path, monkeypatch):
     rows = {r["row"]: r for r in json.load(open(out / "matrix.json"))["rows"]}
     assert rows["fast"]["parity_started"] < rows["slow"]["seconds"] - 1, rows
     assert all(r["parity"]["greedy_equal"] == 1.0 and not r["failures"] for r in rows.values())
+
+
+def test_stop_at_target_ends_a_row_as_a_pass(tmp_path, monkeypatch):
+    """--stop-at-target (a short lease): a row whose validation reached its target is ended and passes; the same
+    row without it runs on until --timeout cuts it and fails; a row below target is never stopped."""
+    script = tmp_path / "fake_demo.py"
+    script.write_text("import json, os, sys, time\n"
+                      "out = sys.argv[sys.argv.index('--output-dir') + 1]\n"
+                      "val = float(sys.argv[sys.argv.index('--val') + 1])\n"
+                      "os.makedirs(out)\n"
+                      "with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:\n"
+                      "    f.write(json.dumps({'step': 1, 'timing/step': 1.0, 'rollout/logprob_diff_mean': 1e-3,\n"
+                      "                        'val/mean': val}) + '\\n')\n"
+                      "time.sleep(60)\n")
+    monkeypatch.setattr(matrix, "ENGINE", [])
+    monkeypatch.setattr(matrix.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=""))
+    monkeypatch.setattr(matrix.time, "sleep", lambda s: None)
+    monkeypatch.setattr(matrix, "ROWS", {"good": (str(script), ["--val", "1.0"], 0.95, "reaches"),
+                                         "low": (str(script), ["--val", "0.5"], 0.95, "stalls")})
+    t0 = time.time()
+    assert matrix.run(["good"], str(tmp_path / "a"), 20, str(tmp_path / "r1"), stop_at_target=True)
+    assert time.time() - t0 < 15
+    row = json.load(open(tmp_path / "a" / "matrix.json"))["rows"][0]
+    assert row["stopped_at_target"] and row["steps_to_target"] == 1
+    assert "(stopped at its target)" in matrix.table([json.load(open(tmp_path / "a" / "matrix.json"))])
+    assert not matrix.run(["good"], str(tmp_path / "b"), 3, str(tmp_path / "r2"))  # cut: an exit code
+    assert not matrix.run(["low"], str(tmp_path / "c"), 3, str(tmp_path / "r3"), stop_at_target=True)
 
 
 def test_a_rows_figures_from_its_log_alone(tmp_path):
