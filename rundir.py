@@ -380,8 +380,8 @@ def sample_metrics(ctx, samples, prefix):
 
 
 # the console line's metrics and their short names (dapo.py adds its own)
-CONSOLE = [("reward/mean", "reward"), ("reward/accuracy", "acc"), ("val/mean", "val"), ("response_length/mean", "len"),
-           ("actor/kl", "kl"), ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"),
+CONSOLE = [("reward/mean", "reward"), ("reward/accuracy", "acc"), ("val/mean", "val"), ("val/accuracy", "vacc"),
+           ("response_length/mean", "len"), ("actor/kl", "kl"), ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"),
            ("rollout/logprob_diff_mean", "lpdiff"), ("timing/gen", "t_gen"), ("timing/update", "t_upd"),
            ("timing/step", "t_step"), ("throughput/tokens_per_s", "tok/s/dev")]
 

@@ -50,11 +50,15 @@ case "${1:-}" in
     # 3 GiB of KV cache, not the 30B-A3B's 6: session 26 ran out of memory allocating 6 GiB (the trainer held 67.1 GiB
     # when the engine started, its weights 65.5, its profiling run's leftovers ~1.9 reserved and 0.6 in CUDA graphs:
     # 139.8 less those leaves ~4.7). At 6 GiB vLLM counted room for 96 sequences of 1,536 tokens; 3 GiB is about half
-    # that for the step's 64 of ~960 (any that do not fit wait for a slot: slower, not wrong). Not yet run
+    # that for the step's 64 of ~960 (any that do not fit wait for a slot: slower, not wrong). Session 27: at 3 GiB
+    # the engine started, then ran out of memory in its first prefill (16,384 tokens a step, its activations never
+    # profiled with a fixed KV cache: engine 69.7 GiB, trainer 66.4, 0.9 free); at 4,096 a step, eager (no compile, no
+    # graphs: 107 s to start, not 193), generation finished (awake: engine 69.5 GiB, trainer 67.3) and the call's limit
+    # cut the trainer's first pass
     PREPARE_LIMIT=120 prepare qwen3_5_35b_a3b
     run_bench moe35b_qwen35_lora_bf16 0 "${LIMIT:-480}" --preset qwen3_5_35b_a3b --lora-rank 64 --precision bf16 \
       --sleep-level 2 --rollout-batch-size 8 --global-batch-size 8 --n 8 --max-response-length 512 \
-      --kv-cache-memory-gb 3 --gpu-memory-utilization 0.5 --torch-compile off --checkpoint-layers 1 \
+      --kv-cache-memory-gb 3 --max-num-batched-tokens 4096 --enforce-eager --gpu-memory-utilization 0.5 --torch-compile off --checkpoint-layers 1 \
       --max-steps "${STEPS:-3}" ;;
   35b_offload)  # the fallback if 35b's 3 GiB does not fit either: the trainer's weights on the host while vLLM
     # generates (the memory model: 0 GiB of trainer state beside the engine, 18.8 in the update; each micro-batch

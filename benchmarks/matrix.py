@@ -334,13 +334,13 @@ def _ran(doc):
 def from_log(path):
     """A row's figures from its console log alone (the step lines grpo prints every step, 3 significant digits):
     what is left of a row whose metrics.jsonl a cut call lost (session 26's Gemma 4 row, before rows' metrics were
-    kept as they end)."""
+    kept as they end). Validation: val/accuracy ("vacc") where the log has it, what `run` asserts; else val/mean."""
     steps = [m.group(0) for line in open(path, errors="replace").read().replace("\r", "\n").splitlines()
              if (m := re.search(r"\bstep +\d+ \|.*", line))]
     get = lambda k: [(int(x.split()[1]), float(m.group(1))) for x in steps  # noqa: E731
                      if (m := re.search(rf" {k}=(\S+)", x))]
     diffs, secs = [v for _, v in get("lpdiff")], [v for _, v in get("t_step")][1:]
-    return dict(steps=len(steps), val=get("val"), diff_mean=statistics.fmean(diffs) if diffs else None,
+    return dict(steps=len(steps), val=get("vacc") or get("val"), diff_mean=statistics.fmean(diffs) if diffs else None,
                 diff_max_of_means=max(diffs, default=None), sec_per_step=statistics.median(secs) if secs else None)
 
 

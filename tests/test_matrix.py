@@ -210,3 +210,6 @@ def test_a_rows_figures_from_its_log_alone(tmp_path):
     got = matrix.from_log(str(log))
     assert got["steps"] == 3 and got["val"] == [(10, 0.77)] and got["sec_per_step"] == 2
     assert abs(got["diff_mean"] - 0.003) < 1e-12 and got["diff_max_of_means"] == 0.004
+    # a demo whose reward is not its accuracy (the zoom row: val=0.2 for the call alone): run asserts val/accuracy
+    log.write_text("step   10 | reward=0.5 val=0.788 vacc=0.735 lpdiff=0.003 t_step=3\n")
+    assert matrix.from_log(str(log))["val"] == [(10, 0.735)]
