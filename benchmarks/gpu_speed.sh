@@ -45,7 +45,7 @@
 #              reads them
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
-#   two_turn   (not yet run; estimated ~5 min with the model build) bench.py two-turn on the 3B shape: the bar's 64
+#   two_turn   (~5 min at REPEATS=3 with the model build; sessions 26-27) bench.py two-turn on the 3B shape: the bar's 64
 #              prompts x 8, 512 forced tokens, a tool's 512x512 picture, 512 more, against one turn of 1024 forced
 #              tokens, REPEATS=2 rounds each (benchmarks/two_turn.py; the bar: at most 1.3x)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
@@ -110,9 +110,10 @@ case "$MODE" in
   ablation) ablation 0; exit ;;  # (no metrics.jsonl: no report.md)
   two_turn)
     prepare qwen2_5_vl_3b
+    smi_start two_turn3b  # (session 27: one turn took 20.1 s in round 1 and 28.8-29.3 in rounds 2-3: clocks?)
     timeout -k 20 "${LIMIT:-500}" python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b \
       --repeats "${REPEATS:-2}" --output-dir /tmp/two_turn ${ARGS:-} > "$OUT/two_turn3b.log" 2>&1
-    echo "two_turn3b: exit $?"; cp /tmp/two_turn/two_turn.json "$OUT/two_turn3b.json" 2> /dev/null
+    rc=$?; smi_stop; echo "two_turn3b: exit $rc"; cp /tmp/two_turn/two_turn.json "$OUT/two_turn3b.json" 2> /dev/null
     tail -6 "$OUT/two_turn3b.log"; exit ;;
   realistic) realistic 0 ;;
   knobs) knobs 0 ;;

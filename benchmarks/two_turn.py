@@ -107,7 +107,9 @@ def run(cfg, repeats=2, first=512, second=512, size=512):
             t = time.perf_counter()
             tokens, extra = calls[name]()
             runs[name].append(dict(seconds=time.perf_counter() - t, tokens=tokens, **extra))
-            print(f"[two-turn] round {k + 1}: {name} {runs[name][-1]['seconds']:.2f} s, {tokens} tokens", flush=True)
+            runs[name][-1]["ended"] = time.strftime("%H:%M:%S")  # (beside the GPU's clocks: gpu_speed.sh's csv)
+            print(f"[two-turn] round {k + 1}: {name} {runs[name][-1]['seconds']:.2f} s, {tokens} tokens, ended "
+                  f"{runs[name][-1]['ended']}", flush=True)
     mean = {k: sum(r["seconds"] for r in v) / len(v) for k, v in runs.items()}
     result = dict(runs=runs, seconds=mean, ratio=mean["two_turn"] / mean["one_turn"], prompts=len(prompts), n=n,
                   first=first, second=second, image=size, engine=type(eng).__name__,
