@@ -58,7 +58,8 @@ case "${1:-}" in
     PREPARE_LIMIT=120 prepare qwen3_5_35b_a3b
     run_bench moe35b_qwen35_lora_bf16 0 "${LIMIT:-480}" --preset qwen3_5_35b_a3b --lora-rank 64 --precision bf16 \
       --sleep-level 2 --rollout-batch-size 8 --global-batch-size 8 --n 8 --max-response-length 512 \
-      --kv-cache-memory-gb 3 --max-num-batched-tokens 4096 --enforce-eager --gpu-memory-utilization 0.5 --torch-compile off --checkpoint-layers 1 \
+      --kv-cache-memory-gb 3 --max-num-batched-tokens 4096 --enforce-eager --gpu-memory-utilization 0.5 \
+      --torch-compile off --checkpoint-layers 1 \
       --max-steps "${STEPS:-3}" ;;
   35b_offload)  # the fallback if 35b's 3 GiB does not fit either: the trainer's weights on the host while vLLM
     # generates (the memory model: 0 GiB of trainer state beside the engine, 18.8 in the update; each micro-batch
