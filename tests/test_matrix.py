@@ -80,17 +80,23 @@ def test_collect_rebuilds_a_cut_call_from_kept_metrics(tmp_path):
     assert "--demo-model qwen2_vl" in rows["qwen2vl_colour"]["command"]
 
 
+# a stand-in row: writes a metrics file like a demo's (--steps steps at --val), after --delay s, then lives --after s
+FAKE_ROW = ("import json, os, sys, time\n"
+            "arg = lambda k, d: float(sys.argv[sys.argv.index(k) + 1]) if k in sys.argv else d\n"
+            "out = sys.argv[sys.argv.index('--output-dir') + 1]\n"
+            "time.sleep(arg('--delay', 0))\n"
+            "os.makedirs(os.path.join(out, 'checkpoints'))\n"
+            "with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:\n"
+            "    for s in range(1, int(arg('--steps', 2)) + 1):\n"
+            "        f.write(json.dumps({'step': s, 'timing/step': 1.0, 'rollout/logprob_diff_mean': 1e-3,\n"
+            "                            'val/mean': arg('--val', 1.0)}) + '\\n')\n"
+            "time.sleep(arg('--after', 0))\n")
+
+
 def test_run_fails_when_a_row_fails(tmp_path, monkeypatch):
     """Two stand-in rows (a script that writes a metrics file like a demo's): the run passes only if both do."""
     script = tmp_path / "fake_demo.py"
-    script.write_text("import json, os, sys\n"
-                      "out = sys.argv[sys.argv.index('--output-dir') + 1]\n"
-                      "val = float(sys.argv[sys.argv.index('--val') + 1])\n"
-                      "os.makedirs(out)\n"
-                      "with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:\n"
-                      "    for s in (1, 2):\n"
-                      "        f.write(json.dumps({'step': s, 'timing/step': 1.0, 'rollout/logprob_diff_mean': 1e-3,\n"
-                      "                            'val/mean': val}) + '\\n')\n")
+    script.write_text(FAKE_ROW)
     monkeypatch.setattr(matrix, "ENGINE", [])
     # no tiny models to build, no nvidia-smi to ask
     monkeypatch.setattr(matrix.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=""))
@@ -147,14 +153,7 @@ def test_a_rows_parity_check_starts_when_the_row_ends(tmp_path, monkeypatch):
     slowest row ended at the call's limit); each row gets its check's summary, and matrix.json exists before the
     checks end."""
     script = tmp_path / "fake_demo.py"
-    script.write_text("import json, os, sys, time\n"
-                      "out = sys.argv[sys.argv.index('--output-dir') + 1]\n"
-                      "time.sleep(float(sys.argv[sys.argv.index('--delay') + 1]))\n"
-                      "os.makedirs(os.path.join(out, 'checkpoints'))\n"
-                      "with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:\n"
-                      "    for s in (1, 2):\n"
-                      "        f.write(json.dumps({'step': s, 'timing/step': 1.0, 'rollout/logprob_diff_mean': 1e-3,\n"
-                      "                            'val/mean': 1.0}) + '\\n')\n")
+    script.write_text(FAKE_ROW)
     check = tmp_path / "fake_parity.py"
     check.write_text("import json, sys\n"
                      "json.dump({'failures': [], 'greedy_equal': 1.0, 'mean': 1e-4, 'worst_class': 'red',\n"
@@ -178,19 +177,14 @@ def test_stop_at_target_ends_a_row_as_a_pass(tmp_path, monkeypatch):
     """--stop-at-target (a short lease): a row whose validation reached its target is ended and passes; the same
     row without it runs on until --timeout cuts it and fails; a row below target is never stopped."""
     script = tmp_path / "fake_demo.py"
-    script.write_text("import json, os, sys, time\n"
-                      "out = sys.argv[sys.argv.index('--output-dir') + 1]\n"
-                      "val = float(sys.argv[sys.argv.index('--val') + 1])\n"
-                      "os.makedirs(out)\n"
-                      "with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:\n"
-                      "    f.write(json.dumps({'step': 1, 'timing/step': 1.0, 'rollout/logprob_diff_mean': 1e-3,\n"
-                      "                        'val/mean': val}) + '\\n')\n"
-                      "time.sleep(60)\n")
+    script.write_text(FAKE_ROW)
     monkeypatch.setattr(matrix, "ENGINE", [])
     monkeypatch.setattr(matrix.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=""))
     monkeypatch.setattr(matrix.time, "sleep", lambda s: None)
-    monkeypatch.setattr(matrix, "ROWS", {"good": (str(script), ["--val", "1.0"], 0.95, "reaches"),
-                                         "low": (str(script), ["--val", "0.5"], 0.95, "stalls")})
+    monkeypatch.setattr(matrix, "ROWS", {"good": (str(script), ["--val", "1.0", "--steps", "1", "--after", "60"], 0.95,
+                                                  "reaches"),
+                                         "low": (str(script), ["--val", "0.5", "--steps", "1", "--after", "60"], 0.95,
+                                                 "stalls")})
     t0 = time.time()
     assert matrix.run(["good"], str(tmp_path / "a"), 20, str(tmp_path / "r1"), stop_at_target=True)
     assert time.time() - t0 < 15
