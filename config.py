@@ -118,6 +118,7 @@ class Config:
     # other than the reward (the checkpoint's 0.001 was for pretraining)
     router_aux_loss_coef: float = 0.0
     kl_coef: float = 1e-2  # weight of the KL-to-reference loss term; 0 drops the reference model entirely
+    entropy_coeff: float = 0.0  # veRL's: the loss minus this x the policy's tokens' mean entropy (a bonus)
     kl_penalty: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"  # KL estimator (k3 = low_var_kl)
     kl_in_reward: bool = False  # the KL penalty goes into the reward (EasyR1's use_kl_loss: false), not into the loss
     kl_type: Literal["fixed", "adaptive"] = "fixed"  # kl_in_reward: adaptive moves kl_coef towards kl_target

@@ -329,7 +329,8 @@ def update_policy(ctx, samples, step):
                 log.add("perf/pad_fraction", pads, batch["input_ids"].numel())
                 lp, ent = ctx.model(**batch, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)  # [N]
                 logp, mask = actor.pad_responses(lp, resp_len)  # [b, R]
-                loss, mask = micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass=epoch == 0 and m == 0)
+                ent_p, _ = actor.pad_responses(ent, resp_len)  # [b, R]
+                loss, mask = micro_batch_loss(cfg, logp, ent_p, mask, mb, norm, log, first_pass=epoch + m == 0)
                 if ctx.model.aux_loss is not None:  # MoE balancing, this micro-batch's share by its samples
                     aux = ctx.model.aux_loss * len(mb) / num_seqs
                     loss = loss + cfg.router_aux_loss_coef * aux
@@ -337,8 +338,7 @@ def update_policy(ctx, samples, step):
                     log.add("actor/loss", cfg.router_aux_loss_coef * aux.detach(), 0.0)
                 # FSDP averages gradients over ranks; the normalisers are already global, so undo the average
                 (loss * ctx.world).backward()
-                ent_p, _ = actor.pad_responses(ent, resp_len)
-                log.add("actor/entropy", (ent_p * mask).sum(), mask.sum())
+                log.add("actor/entropy", (ent_p.detach() * mask).sum(), mask.sum())
             grad_norm = actor.optimizer_step(ctx.model, ctx.opt, ctx.sched, cfg.max_grad_norm,  # the same on every rank
                                              offload_state=cfg.offload_optimizer and not cfg.offload_params)
             log.add("actor/grad_norm", grad_norm)
@@ -358,11 +358,11 @@ def update_policy(ctx, samples, step):
 
 
 # ------------------------------------------------------------------------------------------ the loss (algorithm)
-def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
-    """The loss of one micro-batch: logp [b, R] the policy's log-probs of the sampled tokens now (with gradient),
-    mask [b, R] its response tokens, mb its samples (advantage; old, reference and engine log-probs where taken),
-    norm the mini-batch's global normalisers. Returns the loss (a share of the mini-batch's) and the mask of the
-    tokens that took part."""
+def micro_batch_loss(cfg, logp, ent, mask, mb, norm, log, first_pass):
+    """The loss of one micro-batch: logp [b, R] the policy's log-probs of the sampled tokens now and ent [b, R] the
+    entropies there (with gradient), mask [b, R] its response tokens, mb its samples (advantage; old, reference and
+    engine log-probs where taken), norm the mini-batch's global normalisers. Returns the loss (a share of the
+    mini-batch's) and the mask of the tokens that took part."""
     dev, R = logp.device, logp.shape[1]
     mask = mask & actor.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]  # [b, R]
     if "policy_mask" in mb[0]:  # multi-turn: the tokens the policy sampled only, not the tools' answers
@@ -394,6 +394,8 @@ def micro_batch_loss(cfg, logp, mask, mb, norm, log, first_pass):
         kl = kl_penalty(logp, ref, cfg.kl_penalty)  # [b, R]
         loss = loss + cfg.kl_coef * agg_loss(kl, mask, cfg.loss_avg_mode, **norm)
         log.add("actor/kl", (kl.detach() * mask).sum(), mask.sum())
+    if cfg.entropy_coeff:  # veRL's entropy bonus (its gradient: varlen.logits_grad)
+        loss = loss - cfg.entropy_coeff * agg_loss(ent, mask, cfg.loss_avg_mode, **norm)
     log.add("actor/pg_loss", pg_loss, 0.0)  # already a share of the global loss: just sum
     log.add("actor/loss", loss, 0.0)
     log.add("actor/clipfrac", (clip["clipfrac"] * mask).sum(), mask.sum())

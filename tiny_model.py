@@ -423,16 +423,20 @@ def make_color_dataset(out_path: str, n_rows: int, seed: int, draw=draw_color_im
     return write_parquet(rows, out_path, features)
 
 
+def demo_files(data_dir, name, n_train, n_val, write):
+    """(train_path, val_path) of a demo task in data_dir (~/.cache/vlm_rl/<name> if None), each written once by
+    write(path, rows, seed): seed 0 trains, seed 1 validates (rows the policy never trained on)."""
+    data_dir = os.path.expanduser(data_dir or f"~/.cache/vlm_rl/{name}")
+    paths = tuple(os.path.join(data_dir, f"{s}-{k}.parquet") for s, k in (("train", n_train), ("val", n_val)))
+    for path, k, seed in zip(paths, (n_train, n_val), (0, 1)):
+        if not os.path.isfile(path):
+            write(path, k, seed)
+    return paths
+
+
 def demo_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the colour task; created once. Different seeds -> unseen val."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/color-v3")
-    train = os.path.join(data_dir, f"train-{n_train}.parquet")
-    val = os.path.join(data_dir, f"val-{n_val}.parquet")
-    if not os.path.isfile(train):
-        make_color_dataset(train, n_train, seed=0)
-    if not os.path.isfile(val):
-        make_color_dataset(val, n_val, seed=1)
-    return train, val
+    """(train_path, val_path) of the colour task."""
+    return demo_files(data_dir, "color-v3", n_train, n_val, make_color_dataset)
 
 
 # --demo-task zoom (tools.py): a grey, noisy picture with a 2 x 2-pixel coloured dot at its centre, too small for the
@@ -450,13 +454,9 @@ def draw_zoom_image(rng: random.Random):
 
 
 def demo_zoom_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the zoom task; written once."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/zoom-v1")
-    paths = [os.path.join(data_dir, f"{s}-{k}.parquet") for s, k in (("train", n_train), ("val", n_val))]
-    for path, k, seed in zip(paths, (n_train, n_val), (0, 1)):
-        if not os.path.isfile(path):
-            make_color_dataset(path, k, seed, draw_zoom_image, ZOOM_QUESTION)
-    return tuple(paths)
+    """(train_path, val_path) of the zoom task."""
+    return demo_files(data_dir, "zoom-v1", n_train, n_val,
+                      lambda path, k, seed: make_color_dataset(path, k, seed, draw_zoom_image, ZOOM_QUESTION))
 
 
 def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:
@@ -497,16 +497,12 @@ def demo_max_data(data_dir=None, n_train=4000, n_val=200):
     lists); created once. Validation and training come from disjoint tenths and nine tenths of the question space
     (is_val_question), and every call checks it: validation measures the learned maximum on lists the policy never
     trained on."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/max-v2")
-    train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
-    if not os.path.isfile(val):
-        make_max_dataset(val, n_val, seed=1, split="val")
-    if not os.path.isfile(train):
-        make_max_dataset(train, n_train, seed=0, split="train")
+    train, val = demo_files(data_dir, "max-v2", n_train, n_val,
+                            lambda path, k, seed: make_max_dataset(path, k, seed, split=("train", "val")[seed]))
     seen = set(_questions(val)) & set(_questions(train))  # the cached files too, every time
     if seen:
         raise UserError(f"{len(seen)} validation questions occur in {train} (e.g. {min(seen)!r}): validation would "
-                        f"not be unseen; delete {data_dir} to have it made again")
+                        f"not be unseen; delete {os.path.dirname(train)} to have it made again")
     return train, val
 
 
@@ -552,11 +548,5 @@ def make_video_dataset(out_path: str, n_rows: int, seed: int) -> str:
 
 
 def demo_video_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the video demo (--demo-task video); created once. Different seeds -> unseen clips."""
-    data_dir = os.path.expanduser(data_dir or "~/.cache/vlm_rl/video-v1")
-    train, val = os.path.join(data_dir, f"train-{n_train}.parquet"), os.path.join(data_dir, f"val-{n_val}.parquet")
-    if not os.path.isfile(train):
-        make_video_dataset(train, n_train, seed=0)
-    if not os.path.isfile(val):
-        make_video_dataset(val, n_val, seed=1)
-    return train, val
+    """(train_path, val_path) of the video demo (--demo-task video)."""
+    return demo_files(data_dir, "video-v1", n_train, n_val, make_video_dataset)

@@ -418,10 +418,16 @@ def logprob_stats(mm, targets, temperature, forbidden, entropy):
     return logp, logz, logz - (p * logits.masked_fill(p == 0, 0)).sum(-1)  # 0 * -inf would be NaN
 
 
-def logits_grad(mm, logz, targets, g, temperature, forbidden):
-    """The gradient of sum(g * logp) wrt mm [n, V], in mm's dtype: (g * onehot(target) - g * softmax) / temperature,
-    0 at the forbidden ids (their probability is 0). Autograd's order: the fp32 terms summed, cast, then divided."""
-    grad = _logits(mm, temperature, forbidden).sub_(logz[:, None]).exp_().mul_(-g[:, None])  # [n, V] -g p
+def logits_grad(mm, logz, targets, g, temperature, forbidden, ent=None, g_ent=None):
+    """The gradient of sum(g * logp + g_ent * entropy) wrt mm [n, V], in mm's dtype: (g * onehot(target) - g * p
+    - g_ent * p * (log p + entropy)) / temperature, 0 at the forbidden ids (their probability is 0). Autograd's
+    order: the fp32 terms summed, cast, then divided."""
+    logp = _logits(mm, temperature, forbidden).sub_(logz[:, None])  # [n, V]
+    if g_ent is None:
+        grad = logp.exp_().mul_(-g[:, None])  # [n, V] -g p
+    else:  # the entropy bonus (--entropy-coeff): d entropy / d logit_j = -p_j (log p_j + entropy)
+        grad = logp.exp().mul_(logp.nan_to_num_(neginf=0.0).add_(ent[:, None]).mul_(g_ent[:, None]).add_(g[:, None]))
+        grad = grad.neg_()  # [n, V] -g p - g_ent p (log p + entropy)
     grad = _add_at_targets(grad, targets, g)
     if forbidden:  # (-g x 0 is -0.0; and a forbidden target gets none, as autograd's index_put has it)
         grad = _set_columns(grad, forbidden, 0.0)
@@ -440,18 +446,17 @@ class ChunkLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, targets, weight, temperature, forbidden, entropy, kernels):
         logp, logz, ent = kernels[0](F.linear(h, weight), targets, temperature, forbidden, entropy)  # [n] each
-        ctx.save_for_backward(h, weight, targets, logz)  # not the [n, V] logits: backward recomputes them
+        ctx.save_for_backward(h, weight, targets, logz, ent)  # not the [n, V] logits: backward recomputes them
         ctx.args = temperature, forbidden, kernels
-        if ent is not None:
-            ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)  # an entropy that no loss uses has no gradient: no [n, V] pass for it
         return logp, ent
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g, _):
-        h, weight, targets, logz = ctx.saved_tensors
+    def backward(ctx, g, g_ent):
+        h, weight, targets, logz, ent = ctx.saved_tensors
         temperature, forbidden, kernels = ctx.args
-        grad = kernels[1](F.linear(h, weight), logz, targets, g, temperature, forbidden)  # [n, V] in h's dtype
+        grad = kernels[1](F.linear(h, weight), logz, targets, g, temperature, forbidden, ent, g_ent)  # [n, V]
         gh = grad.mm(weight) if ctx.needs_input_grad[0] else None  # [n, H]  (autograd's mm backward: the same
         gw = grad.t().mm(h) if ctx.needs_input_grad[2] else None  # [V, H]   operand order, the same bits)
         return gh, None, gw, None, None, None, None

@@ -423,12 +423,12 @@ def test_engine_logprobs_for_one_prompt_in_k(path, monkeypatch):
     mb = [dict(adv=1.0, rollout_logp=[-1.5, -2.0]), dict(adv=0.0, rollout_logp=None),
           dict(adv=-1.0, rollout_logp=[-3.0, -2.0])]
     log = rundir.MetricSums()
-    grpo.micro_batch_loss(ctx.cfg, logp, mask, mb, {}, log, first_pass=True)
+    grpo.micro_batch_loss(ctx.cfg, logp, 0 * logp, mask, mb, {}, log, first_pass=True)
     out = log.reduce(torch.device("cpu"), 1)
     assert out["rollout/logprob_diff_mean"] == pytest.approx((0.5 + 0 + 0 + 1.0) / 4)
     assert out["rollout/logprob_diff_max"] == 1.0 and out["rollout/logprob_tokens"] == 4
     log = rundir.MetricSums()  # none of them: 0 of 0 tokens, logged so that every rank reduces the same keys
-    grpo.micro_batch_loss(ctx.cfg, logp, mask, [dict(s, rollout_logp=None) for s in mb], {}, log, first_pass=True)
+    grpo.micro_batch_loss(ctx.cfg, logp, 0 * logp, mask, [dict(s, rollout_logp=None) for s in mb], {}, log, True)
     assert log.reduce(torch.device("cpu"), 1)["rollout/logprob_tokens"] == 0
 
 

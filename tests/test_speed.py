@@ -155,6 +155,17 @@ def test_tis_in_the_update_matches_the_hand_formula(update_setup):
     assert 0 < none["perf/pad_fraction"] < 1  # padded rows on the CPU
 
 
+def test_entropy_coeff_adds_the_bonus_to_the_loss_and_its_gradient(update_setup):
+    """--entropy-coeff c: with every advantage 0 the loss is -c x the mean entropy of the policy's tokens, and it has
+    a gradient (none without the bonus: the advantages are all 0)."""
+    path, samples, pad = update_setup
+    samples = [dict(s, adv=0.0) for s in samples]
+    none, bonus = _update(path, samples, pad), _update(path, samples, pad, entropy_coeff=0.5)
+    assert none["actor/loss"] == 0 and none["actor/grad_norm"] == 0
+    assert bonus["actor/loss"] == pytest.approx(-0.5 * bonus["actor/entropy"], rel=1e-6)
+    assert bonus["actor/grad_norm"] > 0 and bonus["actor/entropy"] == pytest.approx(none["actor/entropy"], rel=1e-6)
+
+
 def test_tis_needs_engine_logprobs(update_setup):
     path, samples, pad = update_setup
     with pytest.raises(ValueError, match="rollout-correction"):

@@ -167,7 +167,7 @@ def test_the_mask_covers_exactly_the_sampled_tokens(tiny):
     logp.requires_grad_(True)
     s = dict(s, adv=1.0, ref_logp=tools.masked(logp.detach()[0] - 0.1, s))
     log = rundir.MetricSums()
-    loss, mask = grpo.micro_batch_loss(cfg, logp, torch.ones(1, R, dtype=torch.bool), [s],
+    loss, mask = grpo.micro_batch_loss(cfg, logp, torch.zeros(1, R), torch.ones(1, R, dtype=torch.bool), [s],
                                        dict(num_tokens=tools.policy_tokens(s), num_seqs=1, max_len=R), log, True)
     loss.backward()
     assert mask[0].tolist() == [bool(m) for m in s["policy_mask"]]

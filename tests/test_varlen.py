@@ -370,7 +370,7 @@ def test_chunk_logprobs_equal_plain_autograd(compiled, dtype):
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.shape), t)[1], lambda t: t):
             got, ent = V.ChunkLogProbs.apply(h, targets, w, 0.7, forbidden, True, kernels)
-        assert sorted(saved) == sorted([h.shape, w.shape, targets.shape, (n,)])  # h, weight, targets, logz
+        assert sorted(saved) == sorted([h.shape, w.shape, targets.shape, (n,), (n,)])  # h, weight, targets, logz, ent
         (got * up).sum().backward()
         assert same(got, want) and same(ent, want_ent)
         assert (h.grad is None) == (not h_grad) and (w.grad is None) == (not w_grad)
@@ -380,6 +380,31 @@ def test_chunk_logprobs_equal_plain_autograd(compiled, dtype):
     with torch.no_grad():  # without entropy: the same log-probs
         got, ent = V.ChunkLogProbs.apply(h0, targets, w0, 0.7, forbidden, False, kernels)
     assert ent is None and same(got, want.detach())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
+def test_chunk_entropy_gradient_equals_autograd(compiled):
+    """The entropy bonus's gradient (--entropy-coeff) through ChunkLogProbs against autograd through a differentiable
+    entropy (float64, temperature 0.7, two forbidden ids): with the log-probs' gradient beside it and alone."""
+    kernels = tuple(torch.compile(k, dynamic=True) for k in V.LOGPROB_KERNELS) if compiled else V.LOGPROB_KERNELS
+    g = torch.Generator().manual_seed(1)
+    n, H, vocab, forbidden = 29, 16, 50, [3, 7]
+    h0, w0 = (torch.randn(k, H, generator=g, dtype=torch.float64) for k in (n, vocab))
+    targets = torch.randint(8, vocab, (n,), generator=g)
+    up, up_ent = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+    for with_logp in (True, False):
+        h, w, ref_h, ref_w = (t.clone().requires_grad_() for t in (h0, w0, h0, w0))
+        logits = F.linear(ref_h, ref_w) / 0.7  # [n, V]
+        logits[:, forbidden] = float("-inf")
+        la = torch.log_softmax(logits, -1)
+        want, want_ent = la.gather(1, targets[:, None]).squeeze(1), -(la.exp() * la.masked_fill(la.isinf(), 0)).sum(-1)
+        got, ent = V.ChunkLogProbs.apply(h, targets, w, 0.7, forbidden, True, kernels)
+        ((got * up).sum() * with_logp + (ent * up_ent).sum()).backward()
+        ((want * up).sum() * with_logp + (want_ent * up_ent).sum()).backward()
+        assert torch.allclose(ent, want_ent, rtol=1e-12, atol=1e-13)
+        for a, b in ((h.grad, ref_h.grad), (w.grad, ref_w.grad)):
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), (a - b).abs().max()
+        assert w.grad[forbidden].abs().max() == 0
 
 
 def test_auto_packs_what_ran_on_a_gpu(monkeypatch):
