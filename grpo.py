@@ -359,10 +359,9 @@ def update_policy(ctx, samples, step):
 
 # ------------------------------------------------------------------------------------------ the loss (algorithm)
 def micro_batch_loss(cfg, logp, ent, mask, mb, norm, log, first_pass):
-    """The loss of one micro-batch: logp [b, R] the policy's log-probs of the sampled tokens now and ent [b, R] the
-    entropies there (with gradient), mask [b, R] its response tokens, mb its samples (advantage; old, reference and
-    engine log-probs where taken), norm the mini-batch's global normalisers. Returns the loss (a share of the
-    mini-batch's) and the mask of the tokens that took part."""
+    """One micro-batch's loss: logp and ent [b, R] the policy's log-probs of the sampled tokens and their entropies,
+    now (with gradient); mask [b, R] its response tokens; mb its samples (advantage; old, reference and engine log-probs
+    where taken); norm the mini-batch's global normalisers. -> (its share of the loss, the mask of the tokens used)"""
     dev, R = logp.device, logp.shape[1]
     mask = mask & actor.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]  # [b, R]
     if "policy_mask" in mb[0]:  # multi-turn: the tokens the policy sampled only, not the tools' answers
