@@ -23,6 +23,7 @@ import fsdp_actor as actor
 import memory
 import tiny_families
 import tiny_model
+import tools
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -47,8 +48,9 @@ def base_model_path(checkpoint, model_path=None):
         return model_path
     state = json.load(open(os.path.join(checkpoint, "trainer_state.json")))
     path = state.get("config", {}).get("model_path")
-    if not path:  # the demo: the tiny model (of --demo-model) was built in code and cached
-        path = tiny_model.build_tiny_model(arch=state["config"].get("demo_model", "qwen2_5_vl"))
+    if not path:  # the demo: the tiny model (of --demo-model; the zoom demo's has its call token) built in code
+        path = tiny_model.build_tiny_model(arch=state["config"].get("demo_model", "qwen2_5_vl"), extra_tokens=[
+            tools.ZOOM_CALL] if state["config"].get("demo_task") == "zoom" else ())
     return path
 
 

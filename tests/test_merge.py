@@ -4,10 +4,12 @@ import os
 
 import torch
 
+import data
 import fsdp_actor as actor
 import rundir
 import merge
 import tiny_model
+import tools
 
 
 def test_checkpoint_to_hf_folder(tmp_path):
@@ -70,3 +72,14 @@ def test_docstring_usage_runs_as_written(tmp_path, launch):
     json.dump({**state, "compute_dtype": "float32"}, open(os.path.join(ckpt, "trainer_state.json"), "w"))
     out = merge.merge(ckpt, str(tmp_path / "hf_cpu"))
     assert all(v.dtype == torch.float32 for v in actor.load_hf_model(out, dtype="auto").state_dict().values())
+
+
+def test_a_zoom_demo_checkpoint_merges_onto_the_model_with_the_call_token(tmp_path):
+    # watched failing: without the demo task's extra token the base is the plain tiny model, whose tokenizer reads
+    # the trained call's id as another word (the same vocabulary size: the weights load and nothing complains)
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"config": {"model_path": "", "demo_task": "zoom"}}))
+    tok = data.load_processor(merge.base_model_path(str(ckpt))).tokenizer
+    assert tok.convert_tokens_to_ids(tools.ZOOM_CALL) == tok.encode(tools.ZOOM_CALL, add_special_tokens=False)[0]
+    assert len(tok.encode(tools.ZOOM_CALL, add_special_tokens=False)) == 1
