@@ -181,6 +181,7 @@ class Config:
     resume: str = "auto"  # auto (the newest checkpoint of output_dir) | never (a new run only) | checkpoints/step_N
     config: str | None = None  # an EasyR1 YAML config (examples/config.yaml, unchanged); flags override it
     seed: int = 1  # data order, sampling seeds and initialisation
+    shuffle: bool = True  # one seeded permutation of the training rows per epoch (EasyR1's data.shuffle); False: file order
     log_samples: int = 4  # generations written to samples.jsonl per step
     logger: Annotated[list[Literal["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow"]], tyro.conf.arg(
         help="trackers; jsonl always on; wandb, swanlab offline without an API key; mlflow: output_dir/mlflow.db")] = field(

@@ -397,15 +397,15 @@ class PromptDataset:
         return self.encode_row(self.indices[i])
 
 
-def draw_prompts(dataset, cursor, count, rank, world, seed):
+def draw_prompts(dataset, cursor, count, rank, world, seed, shuffle=True):
     """`count` prompts (all ranks together) from an endless stream of seeded epoch shuffles of `dataset`, starting at
-    `cursor`. Returns this rank's share as (stream position, record): a pure function of the cursor, so resume is
-    exact and the seed of each prompt does not depend on the number of ranks."""
+    `cursor` (not shuffled: the file's order). Returns this rank's share as (stream position, record): a pure function
+    of the cursor, so resume is exact and the seed of each prompt does not depend on the number of ranks."""
     N, per = len(dataset), count // world
     out = []
     for pos in range(cursor + rank * per, cursor + (rank + 1) * per):
         epoch, k = divmod(pos, N)
-        out.append((pos, dataset[int(_epoch_perm(N, seed + epoch)[k])]))
+        out.append((pos, dataset[int(_epoch_perm(N, seed + epoch)[k]) if shuffle else k]))
     return out
 
 
@@ -422,7 +422,7 @@ def take_prompts(ctx, count):
             raise ahead.box["error"]  # a bad row: the error the draw here would have raised
         drawn = ahead.box["drawn"]
     else:
-        drawn = draw_prompts(ctx.train, ctx.cursor, count, ctx.rank, ctx.world, ctx.cfg.seed)
+        drawn = draw_prompts(ctx.train, ctx.cursor, count, ctx.rank, ctx.world, ctx.cfg.seed, ctx.cfg.shuffle)
     ctx.cursor += count
     ctx.prefetch_count = count
     ctx.prompt_seconds += time.time() - t
@@ -439,7 +439,7 @@ def prefetch_prompts(ctx, submit=None):
 
     def draw():
         try:
-            box["drawn"] = draw_prompts(ctx.train, cursor, count, ctx.rank, ctx.world, ctx.cfg.seed)
+            box["drawn"] = draw_prompts(ctx.train, cursor, count, ctx.rank, ctx.world, ctx.cfg.seed, ctx.cfg.shuffle)
             if submit is not None:
                 if ctx.device.type == "cuda":
                     torch.cuda.set_device(ctx.device)  # (a thread starts on device 0)

@@ -113,7 +113,7 @@ def _flag(option):
 SAME_NAME = """
 data.train_files data.val_files data.prompt_key data.answer_key data.image_key data.video_key data.image_dir
 data.video_fps data.max_prompt_length data.max_response_length data.rollout_batch_size data.format_prompt
-data.seed data.min_pixels data.max_pixels data.filter_overlong_prompts
+data.seed data.shuffle data.min_pixels data.max_pixels data.filter_overlong_prompts
 algorithm.adv_estimator algorithm.kl_coef algorithm.kl_type algorithm.kl_horizon algorithm.kl_target
 algorithm.filter_key algorithm.filter_low algorithm.filter_high
 worker.actor.global_batch_size worker.actor.max_grad_norm worker.actor.clip_ratio_low
@@ -134,8 +134,6 @@ TABLE = {
     "data.val_batch_size": (None, None, "validation runs 64 prompts per rank at a time (memory only)"),
     "data.override_chat_template": (None, _only(None, why="not supported: the model's own chat template is used"),
                                     "must be null: the model's own chat template is used"),
-    "data.shuffle": (None, _only(True, why="the data are always shuffled (one seeded permutation per epoch)"),
-                     "must be true: one seeded permutation per epoch"),
     "data.filter_overlong_prompts_workers": (None, None, NO_EFFECT),
     "algorithm.gamma": (None, _only(1, 1.0, why="no discounting here"), "must be 1"),
     "algorithm.lam": (None, _only(1, 1.0, why="GAE (a critic) is not implemented"), "must be 1 (no GAE here)"),

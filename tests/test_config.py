@@ -124,7 +124,9 @@ def test_conversions_and_refusals():
     y["trainer"].update(val_freq=-1, save_limit=-1, max_steps=40)
     y["worker"]["actor"]["optim"]["lr_warmup_ratio"] = 0.1
     y["worker"]["reward"]["reward_function"] = "my_reward.py"
+    y["data"]["shuffle"] = False  # the file's order (data.draw_prompts)
     opts, _ = E.translate(y, grpo.Config)
+    assert opts["shuffle"] is False
     assert (opts["kl_coef"], opts["kl_penalty"], opts["lr"], opts["val_freq"], opts["save_limit"]) == (
         0.0, "k1", 5e-7, 0, 0)
     # the warm-up ratio stays a ratio: grpo.setup turns it into optimizer steps once the data fix max_steps

@@ -313,3 +313,13 @@ def test_image_columns_stay_undecoded_until_encoding(tmp_path):
     path = tiny_model.make_color_dataset(str(tmp_path / "c.parquet"), 3, seed=0)
     row = data.load_rows(path)[0]
     assert set(row["images"][0]) == {"bytes", "path"}  # a bad image is then a row's problem, not the loader's
+
+
+def test_the_stream_is_one_seeded_shuffle_per_epoch_or_the_files_order():
+    rows = list(range(6))  # draw_prompts reads any sequence
+    shuffled = [r for _, r in data.draw_prompts(rows, 0, 12, 0, 1, seed=1)]
+    assert sorted(shuffled[:6]) == rows and sorted(shuffled[6:]) == rows and shuffled[:6] != shuffled[6:]
+    assert shuffled[:6] != rows
+    # --shuffle False (EasyR1's data.shuffle: false): the file's order, epoch after epoch, split over ranks as ever
+    ordered = [data.draw_prompts(rows, 4, 4, rank, 2, seed=1, shuffle=False) for rank in (0, 1)]
+    assert ordered == [[(4, 4), (5, 5)], [(6, 0), (7, 1)]]
