@@ -241,8 +241,7 @@ def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
     """The step's batch: rollout_batch_size prompts x n samples; with filter_groups, DAPO's dynamic sampling (EasyR1's
     online_filtering): generate gen_batch_size (or gen_factor x rollout_batch_size) prompts per try until every rank
     holds its share of groups with mixed `filter_key`. All ranks make the same number of generate calls (the
-    engines of a tensor-parallel group generate together), so the loop ends on an all-reduced MIN of "I have
-    enough"."""
+    engines of a tensor-parallel group generate together), so the loop ends on an all-reduced MIN of "I have enough"."""
     cfg = ctx.cfg
     if not cfg.filter_groups:
         return sample(ctx, take_prompts(ctx, cfg.rollout_batch_size), shape)

@@ -341,9 +341,10 @@ TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4,
 # stopped saying "green" before it could tell the clip's halves apart, and never learned it (greedy validation stuck
 # at 0.74: every clip ending green was answered "blue").
 VIDEO_DEMO = dict(max_response_length=1, n=32)
-# The zoom demo (--demo-task zoom, tools.py): turns of one token (the call, the colour), groups of 32, KL weight 0.1
+# The zoom demo (--demo-task zoom, tools.py): turns of one token (the call, the colour), groups of 32, KL weight 0.1 (at
+# 0.01 a colour stopped being sampled: 0.735), and batches that hold each colour alike (docs/demos.md)
 TOOLS_DEMO = dict(tools="zoom", reward_function="zoom", max_turns=2, max_turn_tokens=1, max_response_length=40,
-                  limit_images=3, n=32, kl_coef=0.1)  # (at 0.01 a colour stopped being sampled: 0.735; docs/demos.md)
+                  limit_images=3, n=32, kl_coef=0.1, shuffle=False)
 
 
 # ================================================================================ the demos' synthetic tasks
@@ -445,18 +446,20 @@ ZOOM_QUESTION = "<image>What is the color of the dot in the middle?"
 ZOOM_FORMAT_PROMPT = "{{ content }} Zoom in, then answer with one word."
 
 
-def draw_zoom_image(rng: random.Random):
-    """(picture, colour) of the zoom task (make_color_dataset's rows)."""
-    color, img = rng.choice(list(COLORS)), Image.new("RGB", (112, 112))
+def draw_zoom_image(rng: random.Random, color=None):
+    """(picture, colour) of the zoom task (make_color_dataset's rows); color None: drawn at random."""
+    color, img = color or rng.choice(list(COLORS)), Image.new("RGB", (112, 112))
     img.putdata([(g, g, g) for g in (rng.randint(100, 160) for _ in range(112 * 112))])  # grey noise
     ImageDraw.Draw(img).rectangle([55, 55, 56, 56], fill=jittered(rng, color))
     return img, color
 
 
 def demo_zoom_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the zoom task."""
-    return demo_files(data_dir, "zoom-v1", n_train, n_val,
-                      lambda path, k, seed: make_color_dataset(path, k, seed, draw_zoom_image, ZOOM_QUESTION))
+    """(train_path, val_path) of the zoom task; each 16 rows hold every colour 4 times (TOOLS_DEMO: in order)."""
+    def write(path, k, seed):
+        order = iter(c for b in range(-(-k // 16)) for c in random.Random(f"{seed}/{b}").sample([*COLORS] * 4, 16))
+        return make_color_dataset(path, k, seed, lambda rng: draw_zoom_image(rng, next(order)), ZOOM_QUESTION)
+    return demo_files(data_dir, "zoom-v2", n_train, n_val, write)
 
 
 def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:
