@@ -280,8 +280,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # (likewise)
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
     hf.config.use_cache = False
-    use_varlen = varlen.use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free,
-                                             vision_varlen)
+    use_varlen = varlen.use_varlen_attention(hf, device, param_dtype, attn_implementation, padding_free, vision_varlen)
     if any(use_varlen.values()):
         varlen.set_varlen_attention(hf, **use_varlen)
     gdn = varlen.use_gdn_forward(hf, device)  # Qwen3.5: the linear-attention layers see the samples' boundaries
@@ -536,8 +535,7 @@ def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device, bf16_r
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = memory.local(params[0]).device.type == "cuda"  # offloaded weights step on the host
     if bf16_rounding:
-        opt = memory.BF16AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, rounding=bf16_rounding,
-                               seed=seed)
+        opt = memory.BF16AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, rounding=bf16_rounding, seed=seed)
     else:
         opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=on_gpu or None)
     # linear warmup from lr/warmup to lr, then constant (EasyR1's default schedule)

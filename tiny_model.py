@@ -56,8 +56,7 @@ FAMILIES = ("gemma4", "internvl")  # other image-text families (tiny_families.py
 # ----------------------------------------------------------------------------- tokenizer
 def _corpus(n_lines=3000, seed=0):
     rng = random.Random(seed)
-    lines = [DEFAULT_SYSTEM, "system", "user", "assistant",
-             "What is the color of the shape? Answer with one word."]
+    lines = [DEFAULT_SYSTEM, "system", "user", "assistant", "What is the color of the shape? Answer with one word."]
     for _ in range(n_lines):
         words = [rng.choice(TASK_WORDS) if rng.random() < 0.6 else rng.choice(FILLER_WORDS)
                  for _ in range(rng.randint(2, 10))]
@@ -89,8 +88,7 @@ def build_tokenizer(vocab_size=512, split_digits=False, specials=SPECIAL_TOKENS,
                                                      pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), min_frequency=2, special_tokens=list(first),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, unk_token=None,
                                  additional_special_tokens=list(specials), model_max_length=32768, **named)
@@ -121,8 +119,7 @@ def _vl_classes(arch):
     return tuple(getattr(transformers, n) for n in (prefix + "Config", prefix + "ForConditionalGeneration", proc))
 
 
-def _text_config(ids, vocab_size, hidden, intermediate, layers, heads, kv_heads, mrope_section,
-                 tie, max_pos=4096):
+def _text_config(ids, vocab_size, hidden, intermediate, layers, heads, kv_heads, mrope_section, tie, max_pos=4096):
     rope = {"rope_type": "default", "rope_theta": 1000000.0}
     if mrope_section is not None:
         # transformers 5 reads M-RoPE from rope_parameters (4.x: rope_scaling, converted on load);
@@ -132,8 +129,7 @@ def _text_config(ids, vocab_size, hidden, intermediate, layers, heads, kv_heads,
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                 max_position_embeddings=max_pos, rms_norm_eps=1e-6, hidden_act="silu",
                 rope_parameters=rope, bos_token_id=ids["<|endoftext|>"],
-                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
-                tie_word_embeddings=tie)
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=tie)
 
 
 def tiny_config(arch, ids, vocab_size):
@@ -419,8 +415,7 @@ def make_color_dataset(out_path: str, n_rows: int, seed: int, draw=draw_color_im
         rows["answer"].append(color)
         rows["images"].append([png_item(img)])
     features = datasets.Features({"problem": datasets.Value("string"),
-                                  "answer": datasets.Value("string"),
-                                  "images": datasets.List(datasets.Image())})
+                                  "answer": datasets.Value("string"), "images": datasets.List(datasets.Image())})
     return write_parquet(rows, out_path, features)
 
 

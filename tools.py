@@ -70,9 +70,8 @@ def schema(fn):
             {"description": said[name]} if name in said else {})}
         if p.default is inspect.Parameter.empty:
             required.append(name)
-    return {"type": "function", "function": {"name": fn.__name__, "description": doc.split("\n\n")[0],
-                                             "parameters": {"type": "object", "properties": props,
-                                                            "required": required}}}
+    return {"type": "function", "function": {"name": fn.__name__, "description": doc.split("\n\n")[0], "parameters": {
+        "type": "object", "properties": props, "required": required}}}
 
 
 def schemas(fns):
@@ -165,13 +164,13 @@ def _call(fn, kw, box):
 
 # ------------------------------------------------------------------------------------------------ the tools' answer
 def _answer_text(proc, recs, ended, lo, hi):
-    """(text, pictures) of the tokens that follow a turn with calls: the template's rendering of the tool messages
-    and the next assistant header, after the turn's content, less the end of turn the model sampled (`ended`); lo,
-    hi: the pictures' pixel bounds."""
+    """(text, pictures within lo..hi pixels) of the tokens after a turn with calls: the template's rendering of the
+    tool messages and the next assistant header, after the turn's content, less the end of turn it sampled (`ended`)."""
     msgs, images = [], []
     for r in recs:
         parts = r["result"] if isinstance(r["result"], list) else [r["result"]]
-        pics = [data.resize_image(x.convert("RGB"), lo, hi) for x in parts if isinstance(x, Image.Image)]
+        pics = [data.resize_image(x if x.mode == "RGB" else x.convert("RGB"), lo, hi) for x in parts
+                if isinstance(x, Image.Image)]
         images += pics
         content = [{"type": "image"} if isinstance(x, Image.Image) else {"type": "text", "text": str(x)} for x in parts]
         msgs.append({"role": "tool", "name": r["name"] or "",
@@ -184,37 +183,47 @@ def _answer_text(proc, recs, ended, lo, hi):
 def render_answers(proc, recs, ended, min_pixels, max_pixels):
     """Per trajectory, what follows its turn with calls (recs[i]; ended[i]: the end-of-turn token it sampled, as text,
     or "": the template's is added): (raw ids (one pad per image: vLLM's), ids (the processor's, pads expanded),
-    images, mm_inputs). The GPU idles meanwhile, so answers alike (one text, pictures of the same sizes) go through
-    the processor together (its Python per call), split evenly, on a pool of threads (its resizing)."""
-    tok, texts, groups = getattr(proc, "tokenizer", proc), [], {}
+    images, mm_inputs: a callable that returns them). The GPU idles until the next turn starts, and only the trainer
+    reads the pixels: answers alike (one text, pictures of the same sizes) share their ids, so one of each kind goes
+    through the processor now, the others' pixels on a pool of threads while the engine runs (`pixels` waits for
+    them), together (the processor's Python per call), split evenly (its resizing on every thread)."""
+    tok, texts, groups, kinds = getattr(proc, "tokenizer", proc), [], {}, []
     for i, (r, e) in enumerate(zip(recs, ended)):
         texts.append(_answer_text(proc, r, e, min_pixels, max_pixels))
-        groups.setdefault((texts[-1][0], tuple(im.size for im in texts[-1][1])), []).append(i)
+        kinds.append((texts[-1][0], tuple(im.size for im in texts[-1][1])))
+        groups.setdefault(kinds[-1], []).append(i)
 
-    def render(key, idx):
-        raw = tok.encode(key[0], add_special_tokens=False)
+    def render(key, idx):  # [(ids, mm) of each of idx]
         if not key[1]:
-            return [(raw, raw, [], {})] * len(idx)
+            return [(tok.encode(key[0], add_special_tokens=False), {})] * len(idx)
         enc = proc(text=[key[0]] * len(idx), images=[texts[i][1] for i in idx], return_tensors="pt",
                    add_special_tokens=False)
         mm = {k: v for k, v in enc.items() if k not in data.TOKEN_KEYS and isinstance(v, torch.Tensor)}
         if any(v.shape[0] % len(idx) for v in mm.values()):  # not one share per answer: one by one
             return [x for i in idx for x in render(key, [i])]
         mm = {k: v.split(v.shape[0] // len(idx)) for k, v in mm.items()}  # (clones: no answer keeps the group's)
-        return [(raw, enc["input_ids"][j].tolist(), texts[i][1], {k: v[j].clone() for k, v in mm.items()})
-                for j, i in enumerate(idx)]
-    workers = min(8, os.cpu_count() or 1)  # a group in up to `workers` parts: every thread busy
-    jobs = [(key, idx[k:k + c]) for key, idx in groups.items() for c in [-(-len(idx) // workers)]
-            for k in range(0, len(idx), c)]
-    with ThreadPoolExecutor(workers) as ex:
-        done = ex.map(render, *zip(*jobs)) if len(jobs) > 1 else [render(*j) for j in jobs]
-        out = {i: r for (_, idx), res in zip(jobs, done) for i, r in zip(idx, res)}
-    return [out[i] for i in range(len(recs))]
+        return [(enc["input_ids"][j].tolist(), {k: v[j].clone() for k, v in mm.items()}) for j in range(len(idx))]
+    workers, out = min(8, os.cpu_count() or 1), {}  # a group in up to `workers` parts: every thread busy
+    ex = ThreadPoolExecutor(workers)
+    first = dict(zip(groups, ex.map(lambda key: (tok.encode(key[0], add_special_tokens=False),  # (waited for)
+                                                 *render(key, groups[key][:1])[0]), groups)))  # raw, ids, mm
+    for key, idx in groups.items():
+        out[idx[0]], c = (lambda mm=first[key][2]: mm), max(1, -(-(len(idx) - 1) // workers))
+        for k in range(1, len(idx), c):
+            job = ex.submit(render, key, idx[k:k + c])
+            out.update({i: (lambda job=job, j=j: job.result()[j][1]) for j, i in enumerate(idx[k:k + c])})
+    ex.shutdown(wait=False)  # (the threads finish the pixels; the next turn starts now)
+    return [(*first[k][:2], texts[i][1], out[i]) for i, k in enumerate(kinds)]
 
 
 def merge_mm(a, b):
     """Two records' processor tensors, the images of `a` first (Qwen-VL concatenates them along dim 0)."""
     return {k: torch.cat([a[k], b[k]]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+
+
+def pixels(parts):
+    """A trajectory's tool pictures' processor tensors, in order (render_answers' callables: waits for the threads)."""
+    return merge_mm(pixels(parts[:-1]), parts[-1]()) if parts else {}
 
 
 def continuation(t, expand=True):
@@ -223,7 +232,7 @@ def continuation(t, expand=True):
     p = t["prompt"]
     return dict(p, prompt_ids=p["prompt_ids"] + t["ids"], raw_prompt_ids=p["raw_prompt_ids"] + t["raw"],
                 images=list(p.get("images") or []) + t["images"],
-                mm_inputs=merge_mm(p["mm_inputs"], t["mm"]) if expand else None)
+                mm_inputs=merge_mm(p["mm_inputs"], pixels(t["mm"])) if expand else None)
 
 
 # ------------------------------------------------------------------------------------------------ the turn loop
@@ -240,7 +249,7 @@ def rollout(ctx, call):
     budget = cfg.max_response_length
     per_turn = call["max_tokens"]  # (rollout_call's: --max-turn-tokens, within the budget)
     trajs = [dict(prompt=p, seed=s, j=j, want=j < w, ids=[], raw=[], mask=[], logp=[] if j < w else None, images=[],
-                  mm={}, messages=[], calls=[], turn_tokens=[], last=[], finished=False)
+                  mm=[], messages=[], calls=[], turn_tokens=[], last=[], finished=False)
              for p, s, w in zip(call["prompts"], call["seeds"], call["logprobs"]) for j in range(call["n"])]
     tp = getattr(eng, "tp", 1) if getattr(eng, "tp_group", None) is not None else 1
     hf = not isinstance(eng, engines.VLLMRollout)  # the HF engine reads expanded ids and pixels; vLLM raw ids, images
@@ -288,7 +297,7 @@ def rollout(ctx, call):
                 continue
             t["ids"], t["raw"], t["mask"] = t["ids"] + ids, t["raw"] + raw, t["mask"] + [0] * len(ids)
             t["logp"] = t["logp"] + [0.0] * len(ids) if t["logp"] is not None else None  # (masked: never read)
-            t["images"], t["mm"] = t["images"] + imgs, merge_mm(t["mm"], mm)
+            t["images"], t["mm"] = t["images"] + imgs, t["mm"] + [mm]
             active.append(i)
     return [_sample(t) for t in trajs]
 
@@ -299,8 +308,8 @@ def _sample(t):
     prompt's, in sequence order: the trainer's vision tower, scatter and M-RoPE positions then see all of them)."""
     p = t["prompt"]
     if t["images"]:
-        p = dict(p, images=list(p.get("images") or []) + t["images"], mm_inputs=merge_mm(p["mm_inputs"], t["mm"]),
-                 tool_images=len(t["images"]))
+        p = dict(p, images=list(p.get("images") or []) + t["images"],
+                 mm_inputs=merge_mm(p["mm_inputs"], pixels(t["mm"])), tool_images=len(t["images"]))
     st = [r["status"] for r in t["calls"]]
     stats = dict(turns=len(t["turn_tokens"]), calls=len(st), call_rate=float("ok" in st), errors=st.count("error"),
                  timeouts=st.count("timeout"), invalid=st.count("invalid"),
@@ -308,9 +317,8 @@ def _sample(t):
                  answer_tokens=len(t["mask"]) - sum(t["mask"]),
                  tokens_per_turn=sum(t["turn_tokens"]) / max(len(t["turn_tokens"]), 1))
     calls = [{k: (v if not isinstance(v, Image.Image) else "<image>") for k, v in r.items()} for r in t["calls"]]
-    return dict(prompt=p, response_ids=t["ids"], finished=t["finished"], rollout_logp=t["logp"],
-                policy_mask=t["mask"], last_turn=t["last"], tool_stats=stats,
-                trajectory=dict(messages=t["messages"], tool_calls=calls))
+    return dict(prompt=p, response_ids=t["ids"], finished=t["finished"], rollout_logp=t["logp"], policy_mask=t["mask"],
+                last_turn=t["last"], tool_stats=stats, trajectory=dict(messages=t["messages"], tool_calls=calls))
 
 
 def policy_tokens(s):

@@ -11,7 +11,7 @@ call: the tool's picture (image x image pixels) rendered by the model's chat tem
 message and the next assistant header, the processor on the picture) and the trajectory continued (tools.continuation),
 then one engine call of `second` tokens for every trajectory. Both start cold (prefix, encoder and processor caches
 emptied); their order alternates by round. Results: <output_dir>/two_turn.json and a table, with two turns' parts
-(turn one, the render, the continuations, vLLM's intake of turn two, turn two).
+(turn one, the render, the continuations, vLLM's intake of turn two, turn two, the wait for the pixels made meanwhile).
 
     python -m benchmarks.two_turn host MODEL_PATH [--samples 512] [--image 512]
 
@@ -69,7 +69,8 @@ def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg):
     answers = tools.render_answers(proc, [[{"name": "zoom", "result": image}]] * len(done), [""] * len(done),
                                    cfg.min_pixels, cfg.max_pixels)
     for (p, ids), (raw, exp, imgs, mm) in zip(done, answers):
-        trajs.append(dict(prompt=p, ids=ids + exp, raw=ids + raw, images=imgs, mm=mm, first=len(ids), added=len(exp)))
+        trajs.append(dict(prompt=p, ids=ids + exp, raw=ids + raw, images=imgs, mm=[mm], first=len(ids),
+                          added=len(exp)))
     t1 = time.perf_counter()
     conts = [tools.continuation(x, expand=not isinstance(eng, rollout.VLLMRollout)) for x in trajs]
     call = (conts, 1, 1.0, 1.0, second, [s * n + j for s in seeds for j in range(n)])
@@ -77,10 +78,12 @@ def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg):
     queued = isinstance(eng, rollout.VLLMRollout) and eng.submit(*call, lengths=[[second]] * len(conts))
     t3 = time.perf_counter()
     outs2 = eng.generate(*call, lengths=[[second]] * len(conts))  # (runs what submit queued)
+    t4 = time.perf_counter()
+    [tools.pixels(x["mm"]) for x in trajs]  # what tools.rollout's samples wait for: the pixels made meanwhile
     tokens = sum(x["first"] for x in trajs) + sum(len(g[0]["response_ids"]) for g in outs2)
     return tokens, dict(first_seconds=t - t0, render_seconds=t1 - t, continue_seconds=t2 - t1,
-                        intake_seconds=t3 - t2 if queued else None, second_seconds=time.perf_counter() - t3,
-                        tool_tokens=trajs[0]["added"] if trajs else 0)
+                        intake_seconds=t3 - t2 if queued else None, second_seconds=t4 - t3,
+                        pixels_seconds=time.perf_counter() - t4, tool_tokens=trajs[0]["added"] if trajs else 0)
 
 
 def cold(eng):
@@ -135,7 +138,7 @@ def table(result):
         f"{k} {sum(v) / len(v):.2f}" for k, v in parts if v)])
 
 
-PARTS = ("first_seconds", "render_seconds", "continue_seconds", "intake_seconds", "second_seconds")
+PARTS = ("first_seconds", "render_seconds", "continue_seconds", "intake_seconds", "second_seconds", "pixels_seconds")
 
 
 def host(model_path, samples=512, size=512):
@@ -152,9 +155,11 @@ def host(model_path, samples=512, size=512):
     answers = [tools.render_answers(proc, [r], [e], 3136, 262144)[0] for r, e in zip(recs, ends)]
     out["render_one_by_one"] = time.perf_counter() - t
     t = time.perf_counter()
-    tools.render_answers(proc, recs, ends, 3136, 262144)
-    out["render_answers"] = time.perf_counter() - t
-    trajs = [dict(prompt=prompt, ids=exp, raw=raw, images=imgs, mm=mm) for raw, exp, imgs, mm in answers]
+    together = tools.render_answers(proc, recs, ends, 3136, 262144)
+    out["render_answers"] = time.perf_counter() - t  # (the GPU idle: until the next turn can start)
+    [tools.pixels([a[3]]) for a in together]
+    out["render_answers_with_pixels"] = time.perf_counter() - t
+    trajs = [dict(prompt=prompt, ids=exp, raw=raw, images=imgs, mm=[mm]) for raw, exp, imgs, mm in answers]
     for expand in (True, False):
         t = time.perf_counter()
         [tools.continuation(x, expand) for x in trajs]

@@ -4,6 +4,7 @@ breaking what it names (the comment at each says how)."""
 import collections
 import os
 import sys
+import threading
 import time
 import types
 
@@ -119,7 +120,32 @@ def test_answers_rendered_together_equal_one_by_one(tiny, arch):
     for r, e, got in zip(recs, ends, tools.render_answers(proc, recs, ends, 784, 12544)):
         want = tools.render_answers(proc, [r], [e], 784, 12544)[0]
         assert got[:2] == want[:2] and [im.tobytes() for im in got[2]] == [im.tobytes() for im in want[2]]
-        assert got[3].keys() == want[3].keys() and all(torch.equal(got[3][k], want[3][k]) for k in want[3])
+        got, want = got[3](), want[3]()  # (the pixels made on threads, waited for)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_next_turn_waits_for_one_answer_of_each_kind_only(tiny):
+    """render_answers returns once one answer of each kind (its text, its pictures' sizes) has been through the
+    processor: the others share its ids, and their pixels, which only the trainer reads, are made on threads while
+    the engine runs the next turn (`tools.pixels` waits for them). Watched failing with the threads waited for
+    (ex.shutdown(wait=True))."""
+    proc, gate = tiny[1], threading.Event()
+
+    class Held:  # the processor, held on any call with more than one picture until the gate opens
+        tokenizer, apply_chat_template = proc.tokenizer, proc.apply_chat_template
+
+        def __call__(self, images=None, **kw):
+            assert len(images or []) < 2 or gate.wait(10)
+            return proc(images=images, **kw)
+    recs = [[{"name": "zoom", "result": Image.new("RGB", (28, 28), (25 * i, 0, 0))}] for i in range(9)]
+    t = time.time()
+    got = tools.render_answers(Held(), recs, [""] * 9, 784, 12544)
+    assert time.time() - t < 5 and not gate.is_set()  # returned while the pixels of 8 answers were still held
+    gate.set()
+    for r, (raw, ids, imgs, mm) in zip(recs, got):
+        want = tools.render_answers(proc, [r], [""], 784, 12544)[0]
+        assert (raw, ids) == want[:2] and all(torch.equal(mm()[k], v) for k, v in want[3]().items())
+    assert tools.pixels([got[1][3], got[2][3]])["pixel_values"].shape[0] == 2 * got[1][3]()["pixel_values"].shape[0]
 
 
 def test_vllm_continues_from_the_raw_ids_and_the_tools_picture(tiny, monkeypatch):
