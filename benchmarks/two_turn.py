@@ -12,6 +12,12 @@ message and the next assistant header, the processor on the picture) and the tra
 then one engine call of `second` tokens for every trajectory. Both start cold (prefix, encoder and processor caches
 emptied); their order alternates by round. Results: <output_dir>/two_turn.json and a table, with two turns' parts
 (turn one, the render, the continuations, vLLM's intake of turn two, turn two, the wait for the pixels made meanwhile).
+`--rows one_turn,two_turn,...` adds variants of two_turn (the bar's ratio stays two_turn's):
+- two_turn_distinct: each trajectory gets a picture of its own, as a real tool's crops are. two_turn's one picture
+  lets vLLM's processor cache and encoder cache serve every trajectory from the first (same bytes, same hash), while
+  render_answers makes the trainer's pixels for each;
+- two_turn_pixels_first: the pixels made before turn two starts (the timing before render_answers deferred them to
+  threads: do those threads slow vLLM's intake by more than they save?).
 
     python -m benchmarks.two_turn host MODEL_PATH [--samples 512] [--image 512]
 
@@ -21,10 +27,10 @@ threads), the continuations with the trainer's pixel tensors (the HF engine's) a
 """
 import json
 import os
-import random
 import time
 from dataclasses import replace
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -38,10 +44,7 @@ from benchmarks import engine_bench
 def picture(size, seed=0):
     """The tool's answer: a size x size picture of seeded noise (no two patches alike: nothing for a cache to
     share)."""
-    rng = random.Random(seed)
-    img = Image.new("RGB", (size, size))
-    img.putdata([tuple(rng.randrange(256) for _ in range(3)) for _ in range(size * size)])
-    return img
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
 
 
 def setup(cfg):
@@ -58,19 +61,23 @@ def one_turn(eng, prompts, seeds, n, tokens):
     return sum(len(o["response_ids"]) for g in outs for o in g), {}
 
 
-def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg):
+def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_first=False):
     """Returns (generated tokens, the seconds of each part: turn one, the render between the calls, the
     continuations, vLLM's intake of turn two's requests (its submit: their input processing, the GPU idle; None for
-    the HF engine) and turn two, and the prompt tokens turn two added)."""
+    the HF engine) and turn two, and the prompt tokens turn two added). image: one picture for every trajectory, or a
+    list of one each; pixels_first: the render waits for the trainer's pixels too."""
     t0 = time.perf_counter()
     outs = eng.generate(prompts, n, 1.0, 1.0, first, seeds, lengths=[[first] * n for _ in prompts])
     t, trajs = time.perf_counter(), []
     done = [(p, list(o["response_ids"])) for p, group in zip(prompts, outs) for o in group]
-    answers = tools.render_answers(proc, [[{"name": "zoom", "result": image}]] * len(done), [""] * len(done),
-                                   cfg.min_pixels, cfg.max_pixels)
+    images = image if isinstance(image, list) else [image] * len(done)
+    answers = tools.render_answers(proc, [[{"name": "zoom", "result": im}] for im in images[:len(done)]],
+                                   [""] * len(done), cfg.min_pixels, cfg.max_pixels)
     for (p, ids), (raw, exp, imgs, mm) in zip(done, answers):
         trajs.append(dict(prompt=p, ids=ids + exp, raw=ids + raw, images=imgs, mm=[mm], first=len(ids),
                           added=len(exp)))
+    if pixels_first:
+        [tools.pixels(x["mm"]) for x in trajs]
     t1 = time.perf_counter()
     conts = [tools.continuation(x, expand=not isinstance(eng, rollout.VLLMRollout)) for x in trajs]
     call = (conts, 1, 1.0, 1.0, second, [s * n + j for s in seeds for j in range(n)])
@@ -91,24 +98,36 @@ def cold(eng):
         engine_bench.cold(eng)
 
 
-def run(cfg, repeats=2, first=512, second=512, size=512):
+ROWS = ("one_turn", "two_turn", "two_turn_distinct", "two_turn_pixels_first")
+
+
+def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
+    if not {"one_turn", "two_turn"} <= set(rows) <= set(ROWS):
+        raise ValueError(f"--rows {','.join(rows)}: one_turn, two_turn and any of {', '.join(ROWS[2:])}")
     cfg = replace(cfg, limit_images=max(cfg.limit_images, 2))  # the tool's picture: a second image per prompt
     eng, proc, drawn = setup(cfg)
     prompts, seeds, n, image = [p for _, p in drawn], [pos for pos, _ in drawn], cfg.n, picture(size)
-    runs = {"one_turn": [], "two_turn": []}
-    calls = {"one_turn": lambda: one_turn(eng, prompts, seeds, n, first + second),
-             "two_turn": lambda: two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg)}
-    for name in calls:  # warm-up, untimed: short turns
+    distinct = ([picture(size, seed=1 + i) for i in range(len(prompts) * n)]  # (~0.4 GB at the bar's 512 x 512^2)
+                if "two_turn_distinct" in rows else None)
+    variant = {"two_turn": (image, False), "two_turn_distinct": (distinct, False),
+               "two_turn_pixels_first": (image, True)}  # name -> (picture(s), pixels_first)
+    runs = {name: [] for name in rows}
+
+    def call(name, first=first, second=second):
+        if name == "one_turn":
+            return one_turn(eng, prompts, seeds, n, first + second)
+        return two_turn(eng, proc, prompts, seeds, n, first, second, variant[name][0], cfg, variant[name][1])
+
+    for name in rows:  # warm-up, untimed: short turns
         cold(eng)
-        (one_turn(eng, prompts, seeds, n, 8) if name == "one_turn"
-         else two_turn(eng, proc, prompts, seeds, n, 4, 4, image, cfg))
+        call(name, 4, 4)
     for k in range(repeats):
-        for name in (list(calls) if k % 2 == 0 else list(calls)[::-1]):
+        for name in (rows if k % 2 == 0 else rows[::-1]):
             cold(eng)
             if hasattr(eng, "wake"):
                 eng.wake()
             t = time.perf_counter()
-            tokens, extra = calls[name]()
+            tokens, extra = call(name)
             runs[name].append(dict(seconds=time.perf_counter() - t, tokens=tokens, **extra))
             runs[name][-1]["ended"] = time.strftime("%H:%M:%S")  # (beside the GPU's clocks: gpu_speed.sh's csv)
             print(f"[two-turn] round {k + 1}: {name} {runs[name][-1]['seconds']:.2f} s, {tokens} tokens, ended "
@@ -133,9 +152,10 @@ def table(result):
         rounds = ", ".join(f"{x['seconds']:.2f}" for x in rs)
         out.append(f"| {name} | {r['seconds'][name]:.2f} ({rounds}) | {rs[-1]['tokens']} | "
                    f"{r['seconds'][name] / r['seconds']['one_turn']:.3f} |")
-    parts = [(k[:-8], [x[k] for x in r["runs"]["two_turn"] if x.get(k) is not None]) for k in PARTS]
-    return "\n".join(out + ["", "two turns, by part (mean s): " + ", ".join(
-        f"{k} {sum(v) / len(v):.2f}" for k, v in parts if v)])
+    for name in [x for x in r["runs"] if x != "one_turn"]:
+        parts = [(k[:-8], [x[k] for x in r["runs"][name] if x.get(k) is not None]) for k in PARTS]
+        out += ["", f"{name}, by part (mean s): " + ", ".join(f"{k} {sum(v) / len(v):.2f}" for k, v in parts if v)]
+    return "\n".join(out)
 
 
 PARTS = ("first_seconds", "render_seconds", "continue_seconds", "intake_seconds", "second_seconds", "pixels_seconds")

@@ -18,11 +18,12 @@ def test_two_turns_generate_as_many_tokens_as_one_and_continue_with_the_picture(
                       rollout_engine="hf", rollout_batch_size=2, n=2, min_pixels=56 * 56,
                       max_pixels=112 * 112, max_prompt_length=256, max_response_length=64,
                       output_dir=str(tmp_path / "out"))
-    r = two_turn.run(cfg, repeats=1, first=3, second=2, size=56)
-    assert [rs[0]["tokens"] for rs in r["runs"].values()] == [2 * 2 * 5] * 2
+    r = two_turn.run(cfg, repeats=1, first=3, second=2, size=56, rows=two_turn.ROWS)
+    assert [rs[0]["tokens"] for rs in r["runs"].values()] == [2 * 2 * 5] * 4
+    assert all(f"{name}, by part" in two_turn.table(r) for name in two_turn.ROWS[1:])
     assert r["runs"]["two_turn"][0]["tool_tokens"] >= 4  # the picture's 4 image tokens and the template's around it
-    second = seen[-1]  # the last call: turn two of the timed two_turn run
-    first = seen[-2]
+    second = seen[-5]  # turn two of the timed two_turn run (then the two variants' two calls each)
+    first = seen[-6]
     assert len(second) == 4 and all(len(p["images"]) == 2 for p in second)
     assert all(c["prompt_ids"][:len(p["prompt_ids"])] == p["prompt_ids"] for c, p in zip(second[::2], first))
     assert all(c["mm_inputs"]["image_grid_thw"].shape[0] == 2 for c in second)
@@ -34,7 +35,9 @@ def test_turn_twos_intake_is_timed_apart_and_its_queue_is_what_runs(tmp_path, mo
     and generate runs the queued requests themselves: one enqueue, no abort, no second intake."""
     from vllm_standin import standin_vllm
     import data
+    import fsdp_actor
     standin_vllm(monkeypatch)
+    fsdp_actor.init_distributed()  # (draw_prompts' collectives; the run above made the group when run before)
     path = tiny_model.build_tiny_model()
     eng = rollout.make_rollout("vllm", path)
     proc = data.load_processor(path, min_pixels=56 * 56, max_pixels=112 * 112)
@@ -45,3 +48,30 @@ def test_turn_twos_intake_is_timed_apart_and_its_queue_is_what_runs(tmp_path, mo
     tokens, parts = two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, two_turn.picture(56), cfg)
     assert tokens == 2 * 2 * 5 and parts["intake_seconds"] is not None and parts["second_seconds"] > 0
     assert eng.llm.events[-3:] == ["generate", "enqueue", "wait"]  # turn one, turn two's intake, then its run
+
+
+def test_the_variants_give_each_trajectory_its_picture_or_make_the_pixels_first(tmp_path, monkeypatch):
+    """--rows: two_turn_distinct continues each trajectory with a picture of its own (two_turn: one for all), and
+    two_turn_pixels_first has the trainer's pixels made before turn two's intake (two_turn: after turn two)."""
+    from vllm_standin import standin_vllm
+    import data
+    import fsdp_actor
+    import tools
+    standin_vllm(monkeypatch)
+    fsdp_actor.init_distributed()
+    path = tiny_model.build_tiny_model()
+    eng = rollout.make_rollout("vllm", path)
+    proc = data.load_processor(path, min_pixels=56 * 56, max_pixels=112 * 112)
+    cfg = grpo.Config(model_path=path, train_files=tiny_model.demo_data()[0], val_files="", min_pixels=56 * 56,
+                      max_pixels=112 * 112, max_prompt_length=256, rollout_batch_size=2)
+    prompts = [p for _, p in data.draw_prompts(data.load_datasets(cfg, path)[1], 0, 2, 0, 1, 0)]
+    pixels = tools.pixels
+    monkeypatch.setattr(tools, "pixels", lambda parts: eng.llm.events.append("pixels") or pixels(parts))
+    pictures = [two_turn.picture(56, seed=1 + i) for i in range(4)]
+    for image, first in ((two_turn.picture(56), False), (pictures, False), (two_turn.picture(56), True)):
+        eng.llm.events.clear()
+        two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, image, cfg, pixels_first=first)
+        shown = {p["multi_modal_data"]["image"][1].tobytes() for p in eng.llm.calls[-1]["reqs"]}  # turn two
+        assert len(shown) == (4 if isinstance(image, list) else 1)
+        ev = [e for e in eng.llm.events if e in ("pixels", "enqueue")]
+        assert ev.count("enqueue") == 1 and ("pixels" in ev[:ev.index("enqueue")]) == first, ev
