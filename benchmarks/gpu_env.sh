@@ -13,11 +13,13 @@
 #      2026-12-02 the tracked tree (9.4 MB) and part-01 (57.6 MB) pass 64 MiB together: `split -b 30M -d
 #      .gpu/vllm026-slim.tar.xz.part-01 .gpu/p01.` and carry p01.00, then p01.01, cat-ing them in /tmp/vparts):
 #      cp .gpu/*.part-01 /tmp/vparts/ && bash .gpu/install_vllm.sh && bash benchmarks/gpu_speed.sh bar
+# EXTRA_PYTHONPATH: folders put first on the path (e.g. a torchvision installed apart: `pip install vllm` brings
+# torchvision, the slim bundle does not; with it transformers and vLLM take the torchvision image processors).
 # The install takes ~20 s; a later call on the same warm machine runs a recipe alone (`bash benchmarks/gpu_X.sh ...`).
 # One call may run 10 minutes: each recipe says how long its modes take. What a call leaves in $OUT comes back.
-export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
-  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \
-  VLLM_ENABLE_V1_MULTIPROCESSING=0
+export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}/tmp/site:/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 \
+  VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+  PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 if [ ! -d /tmp/site ] && ls .gpu/wheels/*.whl > /dev/null 2>&1; then  # the carried wheels, installed once per machine
   python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl
