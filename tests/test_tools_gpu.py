@@ -15,10 +15,10 @@ def test_zoom_demo_with_vllm_calls_the_tool_and_agrees_on_the_models_tokens(tmp_
     pytest.importorskip("vllm")
     out = tmp_path / "run"
     launch.run([sys.executable, "grpo.py", "--demo-task", "zoom", "--rollout-engine", "vllm", "--enforce-eager",
-                *engine_flags(0.2), "--max-steps", "60", "--val-freq", "0", "--rollout-logprobs-every", "1",
+                *engine_flags(0.2), "--max-steps", "70", "--val-freq", "0", "--rollout-logprobs-every", "1",
                 "--output-dir", out], tmp_path / "run.log", 1800)
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
-    # 60 steps: with the balanced batches and KL 0.1 (TOOLS_DEMO) the call rate passes 0.5 at step ~45 (session 31)
+    # 70 steps: the balanced batches, KL 0.1 (TOOLS_DEMO): the call rate passed 0.5 at step 43 in two runs (session 31)
     late = [r for r in rows if r["tools/call_rate"] > 0.5]  # most samples' agreement then spans two turns
     assert late, [r["tools/call_rate"] for r in rows]
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
