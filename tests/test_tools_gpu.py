@@ -23,7 +23,7 @@ def test_zoom_demo_with_vllm_calls_the_tool_and_agrees_on_the_models_tokens(tmp_
     assert late, [r["tools/call_rate"] for r in rows]
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     # the run's mean is the matrix's bar (MAX_DIFF_MEAN); one step's mean over ~1,000 one-token turns strays to
-    # 0.7-1.4e-2 in some zoom runs (sessions 22, 24, 31): bf16 logits, no pattern. A tool picture in the wrong place
+    # 0.7-1.4e-2 in some zoom runs (sessions 22, 24, 31; not explained yet). A tool picture in the wrong place
     # or a turn's ids re-tokenized shifts whole stretches of steps by far more (the video demo's text at wrong M-RoPE
     # positions, before that fix: steps at up to 0.48, BENCHMARKS.md)
     assert sum(diffs) / len(diffs) < 5e-3 and max(diffs) < 5e-2, diffs
