@@ -119,7 +119,7 @@ def run_calls(tools, calls, images, timeout):
     record per call: name, arguments, result (text, a PIL image or a list of them), status ok / error (it raised:
     the answer is its one-line error) / timeout (cut at `timeout` s: the thread is left behind, its result
     dropped) / invalid (unknown tool, bad arguments, malformed call), seconds. images: per call, the trajectory's
-    images so far, for a tool that takes `images`. A tool never stops the run."""
+    images so far, for a tool that takes `images` (it gets copies). A tool never stops the run."""
     recs, running = [], []
     for (name, args), imgs in zip(calls, images):
         rec = dict(name=name, arguments=args, status="invalid", result=None, seconds=0.0)
@@ -132,8 +132,8 @@ def run_calls(tools, calls, images, timeout):
             rec["result"] = f"error: unknown tool {name!r}; the tools are {', '.join(sorted(tools))}"
             continue
         kw = {k: v for k, v in args.items() if k not in HIDDEN}
-        if "images" in inspect.signature(fn).parameters:
-            kw["images"] = imgs
+        if "images" in inspect.signature(fn).parameters:  # (copies: a tool that draws on one changes no turn's)
+            kw["images"] = [im.copy() for im in imgs]
         try:
             inspect.signature(fn).bind(**kw)
         except TypeError as e:

@@ -253,6 +253,26 @@ def test_bad_tools_answer_and_the_rollout_goes_on(tiny, tmp_path):
     assert m["tools/calls"] == 6 and m["tools/errors"] == 1 and m["tools/call_rate"] == 1.0
 
 
+DRAW = '''
+from PIL import ImageDraw
+def mark(*, images):
+    """Draws a black box on the first picture and shows it."""
+    ImageDraw.Draw(images[0]).rectangle((0, 0, 20, 20), fill="black")
+    return images[0]
+'''
+
+
+def test_a_tool_that_draws_on_its_pictures_changes_no_earlier_turns_picture(tmp_path):
+    # watched failing: with the trajectory's pictures handed to the tool as they are (the prompt's then has the box,
+    # and vLLM's next turn, which gets the prompt's picture again, would see it where the trainer sees the original)
+    (tmp_path / "t.py").write_text(DRAW)
+    pic = Image.new("RGB", (56, 56), "white")
+    before = pic.tobytes()
+    rec, = tools.run_calls(tools.load_tools(str(tmp_path / "t.py")), [("mark", {})], [[pic]], timeout=5)
+    assert rec["status"] == "ok" and rec["result"].getpixel((0, 0)) == (0, 0, 0)
+    assert pic.tobytes() == before
+
+
 FLAKY = '''
 import itertools, time
 _n = itertools.count()
