@@ -207,9 +207,9 @@ def render_answers(proc, recs, ended, min_pixels, max_pixels):
     ex = ThreadPoolExecutor(workers)
     first = dict(zip(groups, ex.map(lambda key: (tok.encode(key[0], add_special_tokens=False),  # (waited for)
                                                  *render(key, groups[key][:1])[0]), groups)))  # raw, ids, mm
-    for key, idx in groups.items():
-        out[idx[0]], c = (lambda mm=first[key][2]: mm), max(1, -(-(len(idx) - 1) // workers))
-        for k in range(1, len(idx), c):
+    for key, idx in groups.items():  # (answers of text alone: all share the first's ids and its empty mm)
+        out, c = {**out, **dict.fromkeys(idx, lambda mm=first[key][2]: mm)}, max(1, -(-(len(idx) - 1) // workers))
+        for k in range(1, len(idx) if key[1] else 1, c):
             job = ex.submit(render, key, idx[k:k + c])
             out.update({i: (lambda job=job, j=j: job.result()[j][1]) for j, i in enumerate(idx[k:k + c])})
     ex.shutdown(wait=False)  # (the threads finish the pixels; the next turn starts now)

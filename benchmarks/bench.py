@@ -580,8 +580,9 @@ def main():
     if note and rank == 0:
         print(f"[bench] {note}", flush=True)
     if two:
-        two_turn.run(cfg, int(opts["--repeats"]), int(opts["--first"]), int(opts["--second"]), int(opts["--image"]),
-                     tuple(r for r in opts["--rows"].split(",") if r) or two_turn.ROWS[:2])
+        with one_line_errors():  # (a bad --rows: one line)
+            two_turn.run(cfg, int(opts["--repeats"]), int(opts["--first"]), int(opts["--second"]),
+                         int(opts["--image"]), tuple(r for r in opts["--rows"].split(",") if r) or two_turn.ROWS[:2])
     elif ablation:
         engine_bench.run(cfg, [r for r in opts["--rows"].split(",") if r], int(opts["--repeats"]),
                          int(opts["--warmup-tokens"]), float(opts["--bare-memory-share"]), sys.argv[1:],

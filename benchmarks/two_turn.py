@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from common import UserError
 import data
 import fsdp_actor as actor
 import rollout
@@ -103,7 +104,7 @@ ROWS = ("one_turn", "two_turn", "two_turn_distinct", "two_turn_pixels_first")
 
 def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
     if not {"one_turn", "two_turn"} <= set(rows) <= set(ROWS):
-        raise ValueError(f"--rows {','.join(rows)}: one_turn, two_turn and any of {', '.join(ROWS[2:])}")
+        raise UserError(f"--rows {','.join(rows)}: give one_turn, two_turn and any of {', '.join(ROWS[2:])}")
     cfg = replace(cfg, limit_images=max(cfg.limit_images, 2))  # the tool's picture: a second image per prompt
     eng, proc, drawn = setup(cfg)
     prompts, seeds, n, image = [p for _, p in drawn], [pos for pos, _ in drawn], cfg.n, picture(size)

@@ -3,10 +3,13 @@ runs generate the same forced tokens, and turn two's prompts carry the tool's pi
 tokens) after the first turn's tokens, as tools.rollout continues a trajectory."""
 import json
 
+import pytest
+
 import grpo
 import rollout
 import tiny_model
 from benchmarks import two_turn
+from common import UserError
 
 
 def test_two_turns_generate_as_many_tokens_as_one_and_continue_with_the_picture(tmp_path, monkeypatch):
@@ -75,3 +78,8 @@ def test_the_variants_give_each_trajectory_its_picture_or_make_the_pixels_first(
         assert len(shown) == (4 if isinstance(image, list) else 1)
         ev = [e for e in eng.llm.events if e in ("pixels", "enqueue")]
         assert ev.count("enqueue") == 1 and ("pixels" in ev[:ev.index("enqueue")]) == first, ev
+
+
+def test_rows_without_both_runs_of_the_ratio_are_refused_in_one_line():
+    with pytest.raises(UserError, match="--rows two_turn: give one_turn, two_turn"):
+        two_turn.run(grpo.Config(), rows=("two_turn",))
