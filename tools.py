@@ -180,13 +180,13 @@ def _answer_text(proc, recs, ended, lo, hi):
     return (tail[len(ended):] if ended and tail.startswith(ended) else tail), images  # its token kept, not twice
 
 
-def render_answers(proc, recs, ended, min_pixels, max_pixels):
+def render_answers(proc, recs, ended, min_pixels, max_pixels, hold=None):
     """Per trajectory, what follows its turn with calls (recs[i]; ended[i]: the end-of-turn token it sampled, as text,
     or "": the template's is added): (raw ids (one pad per image: vLLM's), ids (the processor's, pads expanded),
     images, mm_inputs: a callable that returns them). The GPU idles until the next turn starts, and only the trainer
     reads the pixels: answers alike (one text, pictures of the same sizes) share their ids, so one of each kind goes
-    through the processor now, the others' pixels on a pool of threads while the engine runs (`pixels` waits for
-    them), together (the processor's Python per call), split evenly (its resizing on every thread)."""
+    through the processor now, the others' pixels on threads while the engine runs (from `hold.set()` if given;
+    `pixels` waits for them), together (the processor's Python per call), split evenly (its resizing on every one)."""
     tok, texts, groups, kinds = getattr(proc, "tokenizer", proc), [], {}, []
     for i, (r, e) in enumerate(zip(recs, ended)):
         texts.append(_answer_text(proc, r, e, min_pixels, max_pixels))
@@ -210,7 +210,7 @@ def render_answers(proc, recs, ended, min_pixels, max_pixels):
     for key, idx in groups.items():  # (answers of text alone: all share the first's ids and its empty mm)
         out, c = {**out, **dict.fromkeys(idx, lambda mm=first[key][2]: mm)}, max(1, -(-(len(idx) - 1) // workers))
         for k in range(1, len(idx) if key[1] else 1, c):
-            job = ex.submit(render, key, idx[k:k + c])
+            job = ex.submit(lambda a=(key, idx[k:k + c]): (hold is None or hold.wait(), render(*a))[1])
             out.update({i: (lambda job=job, j=j: job.result()[j][1]) for j, i in enumerate(idx[k:k + c])})
     ex.shutdown(wait=False)  # (the threads finish the pixels; the next turn starts now)
     return [(*first[k][:2], texts[i][1], out[i]) for i, k in enumerate(kinds)]

@@ -17,7 +17,11 @@ emptied); their order alternates by round. Results: <output_dir>/two_turn.json a
   lets vLLM's processor cache and encoder cache serve every trajectory from the first (same bytes, same hash), while
   render_answers makes the trainer's pixels for each;
 - two_turn_pixels_first: the pixels made before turn two starts (the timing before render_answers deferred them to
-  threads: do those threads slow vLLM's intake by more than they save?).
+  threads: do those threads slow vLLM's intake by more than they save?);
+- two_turn_pixels_after_intake: the pixel threads held until vLLM's intake of turn two is done (render_answers'
+  `hold`): they run beside the engine's loop instead, which lets go of the GIL while it waits on the GPU; the intake
+  does not (on the 2-core CPU, one pixel thread beside vLLM 0.26's intake of 256 turn-two requests made it ~40 %
+  slower: BENCHMARKS.md, session 32).
 
     python -m benchmarks.two_turn host MODEL_PATH [--samples 512] [--image 512]
 
@@ -27,6 +31,7 @@ threads), the continuations with the trainer's pixel tensors (the HF engine's) a
 """
 import json
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -62,29 +67,35 @@ def one_turn(eng, prompts, seeds, n, tokens):
     return sum(len(o["response_ids"]) for g in outs for o in g), {}
 
 
-def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_first=False):
+def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_first=False, after_intake=False):
     """Returns (generated tokens, the seconds of each part: turn one, the render between the calls, the
     continuations, vLLM's intake of turn two's requests (its submit: their input processing, the GPU idle; None for
     the HF engine) and turn two, and the prompt tokens turn two added). image: one picture for every trajectory, or a
-    list of one each; pixels_first: the render waits for the trainer's pixels too."""
+    list of one each; pixels_first: the render waits for the trainer's pixels too; after_intake: their threads start
+    once vLLM's intake is done (the HF engine's continuations read them: at once there)."""
     t0 = time.perf_counter()
     outs = eng.generate(prompts, n, 1.0, 1.0, first, seeds, lengths=[[first] * n for _ in prompts])
     t, trajs = time.perf_counter(), []
     done = [(p, list(o["response_ids"])) for p, group in zip(prompts, outs) for o in group]
     images = image if isinstance(image, list) else [image] * len(done)
+    vllm, hold = isinstance(eng, rollout.VLLMRollout), threading.Event() if after_intake else None
     answers = tools.render_answers(proc, [[{"name": "zoom", "result": im}] for im in images[:len(done)]],
-                                   [""] * len(done), cfg.min_pixels, cfg.max_pixels)
+                                   [""] * len(done), cfg.min_pixels, cfg.max_pixels, hold)
     for (p, ids), (raw, exp, imgs, mm) in zip(done, answers):
         trajs.append(dict(prompt=p, ids=ids + exp, raw=ids + raw, images=imgs, mm=[mm], first=len(ids),
                           added=len(exp)))
     if pixels_first:
         [tools.pixels(x["mm"]) for x in trajs]
+    if hold and not vllm:
+        hold.set()
     t1 = time.perf_counter()
-    conts = [tools.continuation(x, expand=not isinstance(eng, rollout.VLLMRollout)) for x in trajs]
+    conts = [tools.continuation(x, expand=not vllm) for x in trajs]
     call = (conts, 1, 1.0, 1.0, second, [s * n + j for s in seeds for j in range(n)])
     t2 = time.perf_counter()
-    queued = isinstance(eng, rollout.VLLMRollout) and eng.submit(*call, lengths=[[second]] * len(conts))
+    queued = vllm and eng.submit(*call, lengths=[[second]] * len(conts))
     t3 = time.perf_counter()
+    if hold:
+        hold.set()
     outs2 = eng.generate(*call, lengths=[[second]] * len(conts))  # (runs what submit queued)
     t4 = time.perf_counter()
     [tools.pixels(x["mm"]) for x in trajs]  # what tools.rollout's samples wait for: the pixels made meanwhile
@@ -99,7 +110,7 @@ def cold(eng):
         engine_bench.cold(eng)
 
 
-ROWS = ("one_turn", "two_turn", "two_turn_distinct", "two_turn_pixels_first")
+ROWS = ("one_turn", "two_turn", "two_turn_distinct", "two_turn_pixels_first", "two_turn_pixels_after_intake")
 
 
 def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
@@ -110,14 +121,16 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
     prompts, seeds, n, image = [p for _, p in drawn], [pos for pos, _ in drawn], cfg.n, picture(size)
     distinct = ([picture(size, seed=1 + i) for i in range(len(prompts) * n)]  # (~0.4 GB at the bar's 512 x 512^2)
                 if "two_turn_distinct" in rows else None)
-    variant = {"two_turn": (image, False), "two_turn_distinct": (distinct, False),
-               "two_turn_pixels_first": (image, True)}  # name -> (picture(s), pixels_first)
+    variant = {"two_turn": (image, False, False), "two_turn_distinct": (distinct, False, False),
+               "two_turn_pixels_first": (image, True, False),  # name -> (picture(s), pixels_first, after_intake)
+               "two_turn_pixels_after_intake": (image, False, True)}
     runs = {name: [] for name in rows}
 
     def call(name, first=first, second=second):
         if name == "one_turn":
             return one_turn(eng, prompts, seeds, n, first + second)
-        return two_turn(eng, proc, prompts, seeds, n, first, second, variant[name][0], cfg, variant[name][1])
+        pics, pixels_first, after_intake = variant[name]
+        return two_turn(eng, proc, prompts, seeds, n, first, second, pics, cfg, pixels_first, after_intake)
 
     for name in rows:  # warm-up, untimed: short turns
         cold(eng)

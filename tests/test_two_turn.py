@@ -22,11 +22,11 @@ def test_two_turns_generate_as_many_tokens_as_one_and_continue_with_the_picture(
                       max_pixels=112 * 112, max_prompt_length=256, max_response_length=64,
                       output_dir=str(tmp_path / "out"))
     r = two_turn.run(cfg, repeats=1, first=3, second=2, size=56, rows=two_turn.ROWS)
-    assert [rs[0]["tokens"] for rs in r["runs"].values()] == [2 * 2 * 5] * 4
+    assert [rs[0]["tokens"] for rs in r["runs"].values()] == [2 * 2 * 5] * len(two_turn.ROWS)
     assert all(f"{name}, by part" in two_turn.table(r) for name in two_turn.ROWS[1:])
     assert r["runs"]["two_turn"][0]["tool_tokens"] >= 4  # the picture's 4 image tokens and the template's around it
-    second = seen[-5]  # turn two of the timed two_turn run (then the two variants' two calls each)
-    first = seen[-6]
+    later = 2 * (len(two_turn.ROWS) - 2)  # turn two of the timed two_turn run: then the variants' two calls each
+    second, first = seen[-1 - later], seen[-2 - later]
     assert len(second) == 4 and all(len(p["images"]) == 2 for p in second)
     assert all(c["prompt_ids"][:len(p["prompt_ids"])] == p["prompt_ids"] for c, p in zip(second[::2], first))
     assert all(c["mm_inputs"]["image_grid_thw"].shape[0] == 2 for c in second)
@@ -78,6 +78,34 @@ def test_the_variants_give_each_trajectory_its_picture_or_make_the_pixels_first(
         assert len(shown) == (4 if isinstance(image, list) else 1)
         ev = [e for e in eng.llm.events if e in ("pixels", "enqueue")]
         assert ev.count("enqueue") == 1 and ("pixels" in ev[:ev.index("enqueue")]) == first, ev
+
+
+def test_pixels_after_intake_holds_the_pixel_threads_until_vllms_intake_is_done(tmp_path, monkeypatch):
+    """two_turn_pixels_after_intake: before vLLM's intake of turn two the processor has seen the first answer alone
+    (its ids), the others' pixels come after it (two_turn's threads start at the render: all before it, given time)."""
+    import time
+    from vllm_standin import standin_vllm
+    import data
+    import fsdp_actor
+    import tools
+    standin_vllm(monkeypatch)
+    fsdp_actor.init_distributed()
+    path = tiny_model.build_tiny_model()
+    eng = rollout.make_rollout("vllm", path)
+    proc = data.load_processor(path, min_pixels=56 * 56, max_pixels=112 * 112)
+    cfg = grpo.Config(model_path=path, train_files=tiny_model.demo_data()[0], val_files="", min_pixels=56 * 56,
+                      max_pixels=112 * 112, max_prompt_length=256, rollout_batch_size=2)
+    prompts = [p for _, p in data.draw_prompts(data.load_datasets(cfg, path)[1], 0, 2, 0, 1, 0)]
+    ev, call, submit = eng.llm.events, type(proc).__call__, eng.submit
+    monkeypatch.setattr(type(proc), "__call__", lambda self, *a, **k: ev.append("processor") or call(self, *a, **k))
+    monkeypatch.setattr(eng, "submit", lambda *a, **k: time.sleep(0.5) or submit(*a, **k))  # (time for threads)
+    for after in (False, True):
+        ev.clear()
+        tokens, _ = two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, two_turn.picture(56), cfg,
+                                      after_intake=after)
+        seq = [e for e in ev if e in ("processor", "enqueue")]
+        assert tokens == 2 * 2 * 5 and seq.count("enqueue") == 1 and seq.count("processor") >= 2, seq  # (4 answers)
+        assert seq[:seq.index("enqueue")].count("processor") == (1 if after else seq.count("processor")), seq
 
 
 def test_rows_without_both_runs_of_the_ratio_are_refused_in_one_line():
