@@ -14,7 +14,9 @@
 #   test_engine_growth_gpu.py  - / 77   50 steps of fresh pictures: no encoder cache left, no growth
 #   test_llama_gpu.py          - / 110  the tiny Llama with vLLM (tied embeddings)
 #   test_moe_gpu.py            - / 118  the tiny Qwen3-VL-MoE with vLLM: one expert's sync, the demo's agreement
-# Up to ~19 min one after another (the sum above), more than one call's 10. `shared` runs files side by side instead,
+#   test_tools_gpu.py        ~260 / -   the zoom demo's multi-turn rollouts with vLLM, 70 steps (session 31: 40 steps
+#                                       124 s, 60 steps 227 s): the call learned, agreement on the model's tokens
+# Up to ~24 min one after another (the sum above), more than one call's 10. `shared` runs files side by side instead,
 # each engine with a fixed KV cache (GPU_TESTS_SHARED=1, tests/test_grpo_gpu.py engine_memory): the seven files took
 # 216 s together. Two calls hold them all:
 #   bash benchmarks/gpu_tests.sh shared     # every file but the two below, at once
@@ -28,7 +30,7 @@ cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
 declare -A LIMITS=([test_varlen_gpu.py]=150 [test_vllm_gpu.py]=200 [test_grpo_gpu.py]=200 [test_video_gpu.py]=300
                    [test_memory_gpu.py]=420 [test_qwen3_gpu.py]=540 [test_engine_growth_gpu.py]=240
-                   [test_llama_gpu.py]=200 [test_moe_gpu.py]=240)
+                   [test_llama_gpu.py]=200 [test_moe_gpu.py]=240 [test_tools_gpu.py]=360)
 python -c "import tiny_model; [tiny_model.build_tiny_model(arch=a) for a in tiny_model.ARCHS]" \
   > "$OUT/build_tiny_models.log" 2>&1  # once, before the tests' subprocesses would each wait for it
 if [ "${1:-}" = spmd ]; then
@@ -62,7 +64,7 @@ fi
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(test_varlen_gpu.py test_vllm_gpu.py test_grpo_gpu.py test_video_gpu.py
                                  test_memory_gpu.py test_qwen3_gpu.py test_engine_growth_gpu.py test_llama_gpu.py
-                                 test_moe_gpu.py)
+                                 test_moe_gpu.py test_tools_gpu.py)
 for f in "${files[@]}"; do
   f=$(basename "$f")
   s=$(date +%s)

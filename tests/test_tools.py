@@ -2,11 +2,13 @@
 different numbers of turns, and a tool's image in the trainer's forward. Each test was watched failing once by
 breaking what it names (the comment at each says how)."""
 import collections
+import json
 import os
 import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import datasets
 import pytest
@@ -381,3 +383,17 @@ def test_the_zoom_demos_steps_see_each_colour_alike(tmp_path):
         drawn = data.draw_prompts(answers, step * cfg.rollout_batch_size, cfg.rollout_batch_size, 0, 1, cfg.seed,
                                   cfg.shuffle)
         assert collections.Counter(a for _, a in drawn) == {c: cfg.rollout_batch_size // 4 for c in tiny_model.COLORS}
+
+
+def test_the_gpu_tests_bars_pass_a_recorded_run_that_learned_and_fail_one_that_did_not():
+    """tests/test_tools_gpu.py's bars against its two recorded H200 runs (session 31): at 60 steps the call was learned
+    (rate past 0.5 from step 43), the agreement's mean 1.5e-3 with two steps near 1.1e-2: it passes; the 40-step run's
+    call rate stayed under 0.44: it fails, as does the 60-step run with one step at a misplaced picture's 0.1."""
+    from test_tools_gpu import check_zoom_run
+    runs = {k: [json.loads(x) for x in open(Path(__file__).parents[1] / "benchmarks" / "h200" /
+                                             f"test_tools_gpu_s31_{k}steps_metrics.jsonl")] for k in (40, 60)}
+    check_zoom_run(runs[60])
+    with pytest.raises(AssertionError):
+        check_zoom_run(runs[40])
+    with pytest.raises(AssertionError):
+        check_zoom_run([dict(r, **{"rollout/logprob_diff_mean": 0.1}) if r["step"] == 50 else r for r in runs[60]])

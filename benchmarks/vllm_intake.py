@@ -1,0 +1,119 @@
+"""vLLM's intake of turn two's requests, timed on the CPU: the host's work while the GPU idles between two turns of
+tools.rollout (issue: multi-turn tools; the two-turn bar's ~2.4-4.4 s on the H200's host, BENCHMARKS.md sessions
+30-31). No GPU and no engine: vLLM's input processing (InputProcessor.process_inputs: its multimodal processor and
+cache, the placeholders) and the engine core's Request (the prefix cache's block hashes) for `--requests` requests as
+turn two sends them (rollout.VLLMRollout._vllm_prompt): ~100 prompt tokens around the prompt's picture, the first
+turn's 512 tokens, the tool's answer with its picture, each picture one <|image_pad|> that vLLM expands. Rows:
+- alone: one tool picture for all (the two-turn bar's: vLLM's processor cache serves all from the first);
+- uuids: the same with `multi_modal_uuids` given for both pictures (vLLM hashes neither);
+- distinct: a picture of its own per request, new each round (each one through vLLM's HF processor);
+- beside_pixels: `alone` while tools.render_answers' threads make the trainer's pixels of as many tool answers
+  (`--workers` threads, `--backend` pil or torchvision image processor): what the deferred pixels cost the intake.
+
+Setup, once (vLLM 0.26's wheel brings the device's torch 2.11, torchvision and the rest; its compiled ops are not
+used: the platform is forced to the CPU's):
+    python -m venv /tmp/v26env && /tmp/v26env/bin/pip install vllm==0.26.0 transformers==5.17.0
+    python -c "from benchmarks import bench; bench.build_random_model('/tmp/b3', 'qwen2_5_vl_3b', weights=False)"
+    /tmp/v26env/bin/python -m benchmarks.vllm_intake /tmp/b3 [--requests 256] [--rounds 3]
+"""
+import argparse
+import os
+import time
+
+import numpy as np
+from PIL import Image
+
+
+def engine_pieces(model_path):
+    """(vLLM's InputProcessor, the block hasher) for the model, on the CPU platform."""
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+    vllm.platforms._current_platform = CpuPlatform()  # (no CUDA here: vLLM would find no platform)
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.engine.input_processor import InputProcessor
+    cfg = EngineArgs(model=model_path, load_format="dummy", enforce_eager=True, max_model_len=4096,
+                     limit_mm_per_prompt={"image": 2}, enable_prefix_caching=True).create_engine_config()
+    fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
+    init_none_hash(fn)
+    return InputProcessor(cfg), get_request_block_hasher(16, fn)  # (the CUDA default; the CPU's is larger)
+
+
+def picture(seed, size=512):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def requests(tok, tool_pictures, uuids=False):
+    """Turn two's vLLM prompts: prompt text around its picture, 512 sampled tokens, the tool's answer and picture."""
+    pad, start, end = (tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
+    rng, question = np.random.default_rng(0), picture(100)
+    text = [int(x) for x in rng.integers(1000, 20000, 100)]
+    out = []
+    for i, tool in enumerate(tool_pictures):
+        ids = (text[:20] + [start, pad, end] + text[20:] + [int(x) for x in rng.integers(1000, 20000, 512)]
+               + text[:10] + [start, pad, end] + text[10:20])
+        out.append({"prompt_token_ids": ids, "multi_modal_data": {"image": [question, tool]}})
+        if uuids:
+            out[-1]["multi_modal_uuids"] = {"image": ["question", f"tool-{id(tool)}"]}
+    return out
+
+
+def intake(ip, hasher, reqs, tag):
+    """Seconds of process_inputs for every request, then of the engine core's Requests (their block hashes)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+    params = SamplingParams(max_tokens=512, ignore_eos=True, logprobs=0, detokenize=False, seed=1)
+    t = time.perf_counter()
+    core = [ip.process_inputs(f"{tag}-{i}", r, params, supported_tasks=("generate",)) for i, r in enumerate(reqs)]
+    t1 = time.perf_counter()
+    [Request.from_engine_core_request(r, hasher) for r in core]
+    return t1 - t, time.perf_counter() - t1
+
+
+def pixel_processor(model_path, backend):
+    import transformers
+    proc = transformers.AutoProcessor.from_pretrained(model_path)
+    if backend == "pil":  # (the device's image had no torchvision: transformers took this one there)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        proc.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
+    return proc
+
+
+def main(model_path, n=256, rounds=3, workers=1, backend="pil"):
+    import tools
+    ip, hasher = engine_pieces(model_path)
+    tok, one = ip.tokenizer, picture(1)
+    proc = pixel_processor(model_path, backend)
+    os.cpu_count = lambda: workers  # render_answers' pool: min(8, os.cpu_count()) threads
+    times = {k: [] for k in ("alone", "uuids", "distinct", "beside_pixels")}
+    intake(ip, hasher, requests(tok, [one] * n), "warm")  # the processor cache holds both pictures from here
+    for k in range(rounds):
+        times["alone"].append(intake(ip, hasher, requests(tok, [one] * n), f"a{k}"))
+        times["uuids"].append(intake(ip, hasher, requests(tok, [one] * n, uuids=True), f"u{k}"))
+        fresh = [picture(1000 * (k + 1) + i) for i in range(n)]
+        times["distinct"].append(intake(ip, hasher, requests(tok, fresh), f"d{k}"))
+        answers = tools.render_answers(proc, [[{"name": "zoom", "result": one}]] * n, [""] * n, 3136, 1 << 22)
+        times["beside_pixels"].append(intake(ip, hasher, requests(tok, [one] * n), f"b{k}"))
+        t = time.perf_counter()
+        [tools.pixels([a[3]]) for a in answers]
+        print(f"round {k + 1}: " + ", ".join(f"{name} {v[-1][0]:.3f} + {v[-1][1]:.3f} s" for name, v in times.items())
+              + f"; the pixels' wait after it {time.perf_counter() - t:.3f} s", flush=True)
+    print(f"\n{n} turn-two requests, {rounds} rounds, {workers} pixel thread(s), {backend} image processor\n\n"
+          "| row | process_inputs s (rounds) | Requests + block hashes s | x alone |\n|---|---|---|---|")
+    base = sum(a for a, _ in times["alone"]) / rounds
+    for name, v in times.items():
+        mean = sum(a for a, _ in v) / rounds
+        print(f"| {name} | {mean:.3f} ({', '.join(f'{a:.3f}' for a, _ in v)}) | {sum(b for _, b in v) / rounds:.3f} "
+              f"| {mean / base:.2f} |")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_intake")
+    ap.add_argument("model_path")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=1, help="render_answers' pixel threads beside the intake")
+    ap.add_argument("--backend", choices=["pil", "torchvision"], default="pil")
+    a = ap.parse_args()
+    main(a.model_path, a.requests, a.rounds, a.workers, a.backend)
