@@ -93,7 +93,6 @@ def _undecoded_images(rows):
         inner = getattr(feature, "feature", None)  # a List holds its element's feature in .feature
         new = undecoded(inner) if inner is not None else None
         return datasets.List(new) if new is not None else None
-
     for key, feature in rows.features.items():
         new = undecoded(feature)
         if new is not None:

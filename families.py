@@ -66,7 +66,6 @@ def special_token_ids(model_path):
         for i in (x if isinstance(x, (list, tuple)) else [x]):
             if isinstance(i, int) and i >= 0 and i not in eos:
                 eos.append(i)
-
     try:
         add(GenerationConfig.from_pretrained(model_path).eos_token_id)
     except (OSError, ValueError):  # no generation_config.json

@@ -529,9 +529,8 @@ def compute_logprobs(model, samples, pad_id, device, temperature, max_tokens, ma
 
 # ----------------------------------------------------------------------------------------------- optimizer
 def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device, bf16_rounding=None, seed=0, schedule=None):
-    """AdamW over the trainable parameters (fp32 master weights), or, with `bf16_rounding`, memory.py's AdamW
-    for pure-bf16 weights and state. schedule: optimizer step -> learning-rate factor (default: warm-up, then
-    constant)."""
+    """AdamW over the trainable parameters (fp32 master weights), or, with `bf16_rounding`, memory.py's AdamW for
+    pure-bf16 weights and state. schedule: optimizer step -> learning-rate factor (default: warm-up, then constant)."""
     params = [p for p in model.parameters() if p.requires_grad]
     on_gpu = memory.local(params[0]).device.type == "cuda"  # offloaded weights step on the host
     if bf16_rounding:

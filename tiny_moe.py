@@ -18,11 +18,10 @@ TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, deco
 
 
 def hub_layout(out):
-    """Qwen3-VL-MoE's expert tensors on disk as the hub checkpoints hold them, gate_up_proj [E, H, 2I] and
-    down_proj [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory and saves that back): a file written
-    here loads like the real one in transformers and in vLLM (both transpose by the dimensions). The config names
-    the expert count num_experts, as the hub's (transformers 5.24 writes num_local_experts, older versions may not
-    read it)."""
+    """Qwen3-VL-MoE's expert tensors on disk as the hub checkpoints hold them, gate_up_proj [E, H, 2I] and down_proj
+    [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory and saves that back): a file written here loads
+    like the real one in transformers and in vLLM (both transpose by the dimensions). The config names the expert
+    count num_experts, as the hub's (transformers 5.24 writes num_local_experts, older versions may not read it)."""
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     text = cfg.get("text_config", cfg)
@@ -46,9 +45,8 @@ def routers(hf):
 
 
 def router_aux_loss(hf, logits, input_ids):
-    """The model's own load-balancing loss (Switch Transformer's, as transformers computes it for
-    output_router_logits) over a micro-batch's real tokens: logits per layer [B*T, experts], pads (right-padded
-    rows) left out."""
+    """The model's own load-balancing loss (Switch Transformer's, as transformers computes it for output_router_logits)
+    over a micro-batch's real tokens: logits per layer [B*T, experts], pads (right-padded rows) left out."""
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func  # (slow import)
     cfg = hf.config.get_text_config()
     real = (input_ids != cfg.pad_token_id).long() if cfg.pad_token_id is not None else None  # [B, T]

@@ -27,6 +27,7 @@ from common import UserError, all_reduce_cpu
 
 HIDDEN = ("images",)  # parameters the loop fills in (the images of the trajectory so far), not the model
 SENTINEL = "\x00end of the assistant's turn\x00"  # where the model's own tokens end in a rendered chat
+_WORKER = {}  # a render_answers pool process's processor (benchmarks/two_turn.py pixel_pool)
 
 
 # ------------------------------------------------------------------------------------------------ tools, schemas
@@ -180,40 +181,44 @@ def _answer_text(proc, recs, ended, lo, hi):
     return (tail[len(ended):] if ended and tail.startswith(ended) else tail), images  # its token kept, not twice
 
 
-def render_answers(proc, recs, ended, min_pixels, max_pixels, hold=None):
+def render_answers(proc, recs, ended, min_pixels, max_pixels, pool=None):
     """Per trajectory, what follows its turn with calls (recs[i]; ended[i]: the end-of-turn token it sampled, as text,
     or "": the template's is added): (raw ids (one pad per image: vLLM's), ids (the processor's, pads expanded),
     images, mm_inputs: a callable that returns them). The GPU idles until the next turn starts, and only the trainer
     reads the pixels: answers alike (one text, pictures of the same sizes) share their ids, so one of each kind goes
-    through the processor now, the others' pixels on threads while the engine runs (from `hold.set()` if given;
-    `pixels` waits for them), together (the processor's Python per call), split evenly (its resizing on every one)."""
+    through the processor now, the others' pixels on threads while the engine runs (`pixels` waits for them), or in
+    a `pool` of processes (benchmarks/two_turn.py), together (the processor's Python per call), split evenly."""
     tok, texts, groups, kinds = getattr(proc, "tokenizer", proc), [], {}, []
     for i, (r, e) in enumerate(zip(recs, ended)):
         texts.append(_answer_text(proc, r, e, min_pixels, max_pixels))
         kinds.append((texts[-1][0], tuple(im.size for im in texts[-1][1])))
         groups.setdefault(kinds[-1], []).append(i)
-
-    def render(key, idx):  # [(ids, mm) of each of idx]
-        if not key[1]:
-            return [(tok.encode(key[0], add_special_tokens=False), {})] * len(idx)
-        enc = proc(text=[key[0]] * len(idx), images=[texts[i][1] for i in idx], return_tensors="pt",
-                   add_special_tokens=False)
-        mm = {k: v for k, v in enc.items() if k not in data.TOKEN_KEYS and isinstance(v, torch.Tensor)}
-        if any(v.shape[0] % len(idx) for v in mm.values()):  # not one share per answer: one by one
-            return [x for i in idx for x in render(key, [i])]
-        mm = {k: v.split(v.shape[0] // len(idx)) for k, v in mm.items()}  # (clones: no answer keeps the group's)
-        return [(enc["input_ids"][j].tolist(), {k: v[j].clone() for k, v in mm.items()}) for j in range(len(idx))]
-    workers, out = min(8, os.cpu_count() or 1), {}  # a group in up to `workers` parts: every thread busy
+    workers, out = pool._max_workers if pool else min(8, os.cpu_count() or 1), {}  # a group in up to `workers` parts
     ex = ThreadPoolExecutor(workers)
     first = dict(zip(groups, ex.map(lambda key: (tok.encode(key[0], add_special_tokens=False),  # (waited for)
-                                                 *render(key, groups[key][:1])[0]), groups)))  # raw, ids, mm
+                                                 *_render(proc, key[0], [texts[groups[key][0]][1]])[0]), groups)))
     for key, idx in groups.items():  # (answers of text alone: all share the first's ids and its empty mm)
         out, c = {**out, **dict.fromkeys(idx, lambda mm=first[key][2]: mm)}, max(1, -(-(len(idx) - 1) // workers))
         for k in range(1, len(idx) if key[1] else 1, c):
-            job = ex.submit(lambda a=(key, idx[k:k + c]): (hold is None or hold.wait(), render(*a))[1])
+            job = (pool or ex).submit(_render, None if pool else proc, key[0], [texts[i][1] for i in idx[k:k + c]])
             out.update({i: (lambda job=job, j=j: job.result()[j][1]) for j, i in enumerate(idx[k:k + c])})
     ex.shutdown(wait=False)  # (the threads finish the pixels; the next turn starts now)
     return [(*first[k][:2], texts[i][1], out[i]) for i, k in enumerate(kinds)]
+
+
+def _render(proc, text, pics):
+    """[(ids, mm_inputs)] of answers of one `text` and pictures pics[j], through the processor (None: a pool process's:
+    it sends the tensors back once, in shared memory, the answers' are views of them; a thread's, copies) together."""
+    proc = _WORKER["proc"] if proc is None else proc
+    if not pics[0]:  # (answers of text alone)
+        return [(getattr(proc, "tokenizer", proc).encode(text, add_special_tokens=False), {})] * len(pics)
+    enc = proc(text=[text] * len(pics), images=pics, return_tensors="pt", add_special_tokens=False)
+    mm = {k: v for k, v in enc.items() if k not in data.TOKEN_KEYS and isinstance(v, torch.Tensor)}
+    if any(v.shape[0] % len(pics) for v in mm.values()):  # not one share per answer: one by one
+        return [x for p in pics for x in _render(proc, text, [p])]
+    mm = {k: v.split(v.shape[0] // len(pics)) for k, v in mm.items()}
+    return [(enc["input_ids"][j].tolist(), {k: v[j] if _WORKER else v[j].clone() for k, v in mm.items()})
+            for j in range(len(pics))]
 
 
 def merge_mm(a, b):

@@ -48,7 +48,7 @@
 #   two_turn   (~5 min at REPEATS=3 with the model build; sessions 26-27) bench.py two-turn on the 3B shape: the bar's 64
 #              prompts x 8, 512 forced tokens, a tool's 512x512 picture, 512 more, against one turn of 1024 forced
 #              tokens, REPEATS=2 rounds each (benchmarks/two_turn.py; the bar: at most 1.3x); its variants with
-#              ARGS="--rows one_turn,two_turn,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_after_intake"
+#              ARGS="--rows one_turn,two_turn,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_in_processes"
 #              (~30 s more each a round; longer than a call at REPEATS=4: run it through benchmarks/gpu_detach.sh)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
 # ARGS: more bench.py flags for every run (e.g. ARGS="--torch-compile off"); STEPS and LIMIT (seconds per run)

@@ -18,10 +18,9 @@ emptied); their order alternates by round. Results: <output_dir>/two_turn.json a
   render_answers makes the trainer's pixels for each;
 - two_turn_pixels_first: the pixels made before turn two starts (the timing before render_answers deferred them to
   threads: do those threads slow vLLM's intake by more than they save?);
-- two_turn_pixels_after_intake: the pixel threads held until vLLM's intake of turn two is done (render_answers'
-  `hold`): they run beside the engine's loop instead, which lets go of the GIL while it waits on the GPU; the intake
-  does not (on the 2-core CPU, one pixel thread beside vLLM 0.26's intake of 256 turn-two requests made it ~40 %
-  slower: BENCHMARKS.md, session 32).
+- two_turn_pixels_in_processes: the pixels made in processes (render_answers' `pool`: pixel_pool below), which share
+  no GIL with vLLM's intake and loop (on the 2-core CPU, beside vLLM 0.26's intake of 256 turn-two requests, a
+  process slowed it by ~17 %, a thread by ~47 %: benchmarks/vllm_intake.py, BENCHMARKS.md session 32).
 
     python -m benchmarks.two_turn host MODEL_PATH [--samples 512] [--image 512]
 
@@ -30,9 +29,10 @@ idle meanwhile: the tools' answers rendered one at a time and all at once (rende
 threads), the continuations with the trainer's pixel tensors (the HF engine's) and without (vLLM's).
 """
 import json
+import multiprocessing
 import os
-import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -67,35 +67,31 @@ def one_turn(eng, prompts, seeds, n, tokens):
     return sum(len(o["response_ids"]) for g in outs for o in g), {}
 
 
-def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_first=False, after_intake=False):
+def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_first=False, pool=None):
     """Returns (generated tokens, the seconds of each part: turn one, the render between the calls, the
     continuations, vLLM's intake of turn two's requests (its submit: their input processing, the GPU idle; None for
     the HF engine) and turn two, and the prompt tokens turn two added). image: one picture for every trajectory, or a
-    list of one each; pixels_first: the render waits for the trainer's pixels too; after_intake: their threads start
-    once vLLM's intake is done (the HF engine's continuations read them: at once there)."""
+    list of one each; pixels_first: the render waits for the trainer's pixels too; pool: processes make them
+    (pixel_pool), not threads."""
     t0 = time.perf_counter()
     outs = eng.generate(prompts, n, 1.0, 1.0, first, seeds, lengths=[[first] * n for _ in prompts])
     t, trajs = time.perf_counter(), []
     done = [(p, list(o["response_ids"])) for p, group in zip(prompts, outs) for o in group]
     images = image if isinstance(image, list) else [image] * len(done)
-    vllm, hold = isinstance(eng, rollout.VLLMRollout), threading.Event() if after_intake else None
+    vllm = isinstance(eng, rollout.VLLMRollout)
     answers = tools.render_answers(proc, [[{"name": "zoom", "result": im}] for im in images[:len(done)]],
-                                   [""] * len(done), cfg.min_pixels, cfg.max_pixels, hold)
+                                   [""] * len(done), cfg.min_pixels, cfg.max_pixels, pool)
     for (p, ids), (raw, exp, imgs, mm) in zip(done, answers):
         trajs.append(dict(prompt=p, ids=ids + exp, raw=ids + raw, images=imgs, mm=[mm], first=len(ids),
                           added=len(exp)))
     if pixels_first:
         [tools.pixels(x["mm"]) for x in trajs]
-    if hold and not vllm:
-        hold.set()
     t1 = time.perf_counter()
     conts = [tools.continuation(x, expand=not vllm) for x in trajs]
     call = (conts, 1, 1.0, 1.0, second, [s * n + j for s in seeds for j in range(n)])
     t2 = time.perf_counter()
     queued = vllm and eng.submit(*call, lengths=[[second]] * len(conts))
     t3 = time.perf_counter()
-    if hold:
-        hold.set()
     outs2 = eng.generate(*call, lengths=[[second]] * len(conts))  # (runs what submit queued)
     t4 = time.perf_counter()
     [tools.pixels(x["mm"]) for x in trajs]  # what tools.rollout's samples wait for: the pixels made meanwhile
@@ -110,7 +106,20 @@ def cold(eng):
         engine_bench.cold(eng)
 
 
-ROWS = ("one_turn", "two_turn", "two_turn_distinct", "two_turn_pixels_first", "two_turn_pixels_after_intake")
+ROWS = ("one_turn", "two_turn", "two_turn_distinct", "two_turn_pixels_first", "two_turn_pixels_in_processes")
+
+
+def _pool_init(model_path, min_pixels, max_pixels):
+    torch.set_num_threads(1)  # (a process a core)
+    tools._WORKER["proc"] = data.load_processor(model_path, min_pixels, max_pixels)
+
+
+def pixel_pool(model_path, min_pixels, max_pixels, workers=None):
+    """Processes for render_answers' pixels (its `pool`), each with the processor loaded once: forkserver's clean
+    processes inherit neither CUDA nor the engine's threads (~4 s to start, once; its tensors come back in shared
+    memory)."""
+    return ProcessPoolExecutor(workers or min(8, os.cpu_count() or 1), multiprocessing.get_context("forkserver"),
+                               initializer=_pool_init, initargs=(model_path, min_pixels, max_pixels))
 
 
 def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
@@ -121,16 +130,17 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
     prompts, seeds, n, image = [p for _, p in drawn], [pos for pos, _ in drawn], cfg.n, picture(size)
     distinct = ([picture(size, seed=1 + i) for i in range(len(prompts) * n)]  # (~0.4 GB at the bar's 512 x 512^2)
                 if "two_turn_distinct" in rows else None)
-    variant = {"two_turn": (image, False, False), "two_turn_distinct": (distinct, False, False),
-               "two_turn_pixels_first": (image, True, False),  # name -> (picture(s), pixels_first, after_intake)
-               "two_turn_pixels_after_intake": (image, False, True)}
+    pool = (pixel_pool(cfg.model_path, cfg.min_pixels, cfg.max_pixels) if "two_turn_pixels_in_processes" in rows
+            else None)
+    variant = {"two_turn": dict(image=image), "two_turn_distinct": dict(image=distinct),  # name -> two_turn's kwargs
+               "two_turn_pixels_first": dict(image=image, pixels_first=True),
+               "two_turn_pixels_in_processes": dict(image=image, pool=pool)}
     runs = {name: [] for name in rows}
 
     def call(name, first=first, second=second):
         if name == "one_turn":
             return one_turn(eng, prompts, seeds, n, first + second)
-        pics, pixels_first, after_intake = variant[name]
-        return two_turn(eng, proc, prompts, seeds, n, first, second, pics, cfg, pixels_first, after_intake)
+        return two_turn(eng, proc, prompts, seeds, n, first, second, cfg=cfg, **variant[name])
 
     for name in rows:  # warm-up, untimed: short turns
         cold(eng)
@@ -146,6 +156,8 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
             runs[name][-1]["ended"] = time.strftime("%H:%M:%S")  # (beside the GPU's clocks: gpu_speed.sh's csv)
             print(f"[two-turn] round {k + 1}: {name} {runs[name][-1]['seconds']:.2f} s, {tokens} tokens, ended "
                   f"{runs[name][-1]['ended']}", flush=True)
+    if pool:
+        pool.shutdown()
     mean = {k: sum(r["seconds"] for r in v) / len(v) for k, v in runs.items()}
     result = dict(runs=runs, seconds=mean, ratio=mean["two_turn"] / mean["one_turn"], prompts=len(prompts), n=n,
                   first=first, second=second, image=size, engine=type(eng).__name__,

@@ -8,11 +8,13 @@ turn's 512 tokens, the tool's answer with its picture, each picture one <|image_
 - uuids: the same with `multi_modal_uuids` given for both pictures (vLLM hashes neither);
 - distinct: a picture of its own per request, new each round (each one through vLLM's HF processor);
 - beside_pixels: `alone` while tools.render_answers' threads make the trainer's pixels of as many tool answers
-  (`--workers` threads, `--backend` pil or torchvision image processor): what the deferred pixels cost the intake.
+  (`--workers` threads, `--backend` pil or torchvision image processor): what the deferred pixels cost the intake;
+- beside_processes: the same with render_answers' `pool` (two_turn.pixel_pool: `--workers` processes, the processor
+  data.load_processor gives, torchvision's where it is installed: compare with `--backend torchvision`).
 
 Setup, once (vLLM 0.26's wheel brings the device's torch 2.11, torchvision and the rest; its compiled ops are not
 used: the platform is forced to the CPU's):
-    python -m venv /tmp/v26env && /tmp/v26env/bin/pip install vllm==0.26.0 transformers==5.17.0
+    python -m venv /tmp/v26env && /tmp/v26env/bin/pip install vllm==0.26.0 transformers==5.17.0 -r requirements.txt
     python -c "from benchmarks import bench; bench.build_random_model('/tmp/b3', 'qwen2_5_vl_3b', weights=False)"
     /tmp/v26env/bin/python -m benchmarks.vllm_intake /tmp/b3 [--requests 256] [--rounds 3]
 """
@@ -22,6 +24,9 @@ import time
 
 import numpy as np
 from PIL import Image
+
+import tools
+from benchmarks import two_turn
 
 
 def engine_pieces(model_path):
@@ -80,14 +85,21 @@ def pixel_processor(model_path, backend):
     return proc
 
 
-def main(model_path, n=256, rounds=3, workers=1, backend="pil"):
-    import tools
+def main(model_path, n=256, rounds=3, workers=1, backend="pil", profile=False):
     ip, hasher = engine_pieces(model_path)
     tok, one = ip.tokenizer, picture(1)
     proc = pixel_processor(model_path, backend)
     os.cpu_count = lambda: workers  # render_answers' pool: min(8, os.cpu_count()) threads
-    times = {k: [] for k in ("alone", "uuids", "distinct", "beside_pixels")}
+    times = {k: [] for k in ("alone", "uuids", "distinct", "beside_pixels", "beside_processes")}
+    pool = two_turn.pixel_pool(model_path, 3136, 1 << 22, workers)
+    pool.submit(int, 1).result()  # (its processes started: once per run)
     intake(ip, hasher, requests(tok, [one] * n), "warm")  # the processor cache holds both pictures from here
+    if profile:  # where `alone`'s time goes: vLLM's functions by their own and cumulative seconds
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.runcall(intake, ip, hasher, requests(tok, [one] * n), "profile")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(r"vllm|transformers", 30)
     for k in range(rounds):
         times["alone"].append(intake(ip, hasher, requests(tok, [one] * n), f"a{k}"))
         times["uuids"].append(intake(ip, hasher, requests(tok, [one] * n, uuids=True), f"u{k}"))
@@ -97,8 +109,15 @@ def main(model_path, n=256, rounds=3, workers=1, backend="pil"):
         times["beside_pixels"].append(intake(ip, hasher, requests(tok, [one] * n), f"b{k}"))
         t = time.perf_counter()
         [tools.pixels([a[3]]) for a in answers]
+        waits = [time.perf_counter() - t]
+        answers = tools.render_answers(proc, [[{"name": "zoom", "result": one}]] * n, [""] * n, 3136, 1 << 22,
+                                       pool=pool)
+        times["beside_processes"].append(intake(ip, hasher, requests(tok, [one] * n), f"p{k}"))
+        t = time.perf_counter()
+        [tools.pixels([a[3]]) for a in answers]
+        waits.append(time.perf_counter() - t)
         print(f"round {k + 1}: " + ", ".join(f"{name} {v[-1][0]:.3f} + {v[-1][1]:.3f} s" for name, v in times.items())
-              + f"; the pixels' wait after it {time.perf_counter() - t:.3f} s", flush=True)
+              + "; the pixels' wait after it: threads {:.3f} s, processes {:.3f} s".format(*waits), flush=True)
     print(f"\n{n} turn-two requests, {rounds} rounds, {workers} pixel thread(s), {backend} image processor\n\n"
           "| row | process_inputs s (rounds) | Requests + block hashes s | x alone |\n|---|---|---|---|")
     base = sum(a for a, _ in times["alone"]) / rounds
@@ -113,7 +132,8 @@ if __name__ == "__main__":
     ap.add_argument("model_path")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=1, help="render_answers' pixel threads beside the intake")
+    ap.add_argument("--workers", type=int, default=1, help="render_answers' pixel threads (processes) beside it")
     ap.add_argument("--backend", choices=["pil", "torchvision"], default="pil")
+    ap.add_argument("--profile", action="store_true", help="first, a profile of one `alone` intake")
     a = ap.parse_args()
-    main(a.model_path, a.requests, a.rounds, a.workers, a.backend)
+    main(a.model_path, a.requests, a.rounds, a.workers, a.backend, a.profile)

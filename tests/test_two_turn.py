@@ -4,6 +4,7 @@ tokens) after the first turn's tokens, as tools.rollout continues a trajectory."
 import json
 
 import pytest
+import torch
 
 import grpo
 import rollout
@@ -80,32 +81,23 @@ def test_the_variants_give_each_trajectory_its_picture_or_make_the_pixels_first(
         assert ev.count("enqueue") == 1 and ("pixels" in ev[:ev.index("enqueue")]) == first, ev
 
 
-def test_pixels_after_intake_holds_the_pixel_threads_until_vllms_intake_is_done(tmp_path, monkeypatch):
-    """two_turn_pixels_after_intake: before vLLM's intake of turn two the processor has seen the first answer alone
-    (its ids), the others' pixels come after it (two_turn's threads start at the render: all before it, given time)."""
-    import time
-    from vllm_standin import standin_vllm
+def test_pixels_made_in_processes_are_the_threads_pixels():
+    """render_answers' `pool` (benchmarks/two_turn.py pixel_pool): each answer gets the pixels the threads give it,
+    answers of one size in a few jobs (a process sends its group's tensors back once: the answers' are views)."""
     import data
-    import fsdp_actor
     import tools
-    standin_vllm(monkeypatch)
-    fsdp_actor.init_distributed()
     path = tiny_model.build_tiny_model()
-    eng = rollout.make_rollout("vllm", path)
     proc = data.load_processor(path, min_pixels=56 * 56, max_pixels=112 * 112)
-    cfg = grpo.Config(model_path=path, train_files=tiny_model.demo_data()[0], val_files="", min_pixels=56 * 56,
-                      max_pixels=112 * 112, max_prompt_length=256, rollout_batch_size=2)
-    prompts = [p for _, p in data.draw_prompts(data.load_datasets(cfg, path)[1], 0, 2, 0, 1, 0)]
-    ev, call, submit = eng.llm.events, type(proc).__call__, eng.submit
-    monkeypatch.setattr(type(proc), "__call__", lambda self, *a, **k: ev.append("processor") or call(self, *a, **k))
-    monkeypatch.setattr(eng, "submit", lambda *a, **k: time.sleep(0.5) or submit(*a, **k))  # (time for threads)
-    for after in (False, True):
-        ev.clear()
-        tokens, _ = two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, two_turn.picture(56), cfg,
-                                      after_intake=after)
-        seq = [e for e in ev if e in ("processor", "enqueue")]
-        assert tokens == 2 * 2 * 5 and seq.count("enqueue") == 1 and seq.count("processor") >= 2, seq  # (4 answers)
-        assert seq[:seq.index("enqueue")].count("processor") == (1 if after else seq.count("processor")), seq
+    pictures = [two_turn.picture(56, seed=i) for i in range(3)] + [two_turn.picture(84, seed=9)]
+    recs = [[{"name": "zoom", "result": pictures[i % 4]}] for i in range(11)]
+    pool = two_turn.pixel_pool(path, 56 * 56, 112 * 112, workers=2)
+    try:
+        got = [tools.pixels([a[3]]) for a in tools.render_answers(proc, recs, [""] * 11, 56 * 56, 112 * 112, pool=pool)]
+    finally:
+        pool.shutdown()
+    want = [tools.pixels([a[3]]) for a in tools.render_answers(proc, recs, [""] * 11, 56 * 56, 112 * 112)]
+    assert all(g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w) for g, w in zip(got, want))
+    assert len({g["pixel_values"].untyped_storage().data_ptr() for g in got}) < 11  # (views of a job's tensors)
 
 
 def test_rows_without_both_runs_of_the_ratio_are_refused_in_one_line():
