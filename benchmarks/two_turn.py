@@ -31,6 +31,7 @@ threads), the continuations with the trainer's pixel tensors (the HF engine's) a
 import json
 import multiprocessing
 import os
+import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -122,6 +123,20 @@ def pixel_pool(model_path, min_pixels, max_pixels, workers=None):
                                initializer=_pool_init, initargs=(model_path, min_pixels, max_pixels))
 
 
+def shm_holds(answers, size):
+    """Whether /dev/shm can hold the pool's pixels of `answers` size^2 pictures (Qwen-VL's: ~24 bytes a pixel), twice
+    over; a container's is often 64 MB: else one line says so and the variant is left out, not the run lost."""
+    need = 2 * answers * size * size * 24
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        free = 0
+    if free < need:
+        print(f"[two-turn] two_turn_pixels_in_processes left out: /dev/shm has {free / 2**30:.2f} GiB free, its "
+              f"pixels need ~{need / 2**30:.2f}", flush=True)
+    return free >= need
+
+
 def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
     if not {"one_turn", "two_turn"} <= set(rows) <= set(ROWS):
         raise UserError(f"--rows {','.join(rows)}: give one_turn, two_turn and any of {', '.join(ROWS[2:])}")
@@ -130,6 +145,8 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
     prompts, seeds, n, image = [p for _, p in drawn], [pos for pos, _ in drawn], cfg.n, picture(size)
     distinct = ([picture(size, seed=1 + i) for i in range(len(prompts) * n)]  # (~0.4 GB at the bar's 512 x 512^2)
                 if "two_turn_distinct" in rows else None)
+    if "two_turn_pixels_in_processes" in rows and not shm_holds(len(prompts) * n, size):
+        rows = tuple(r for r in rows if r != "two_turn_pixels_in_processes")
     pool = (pixel_pool(cfg.model_path, cfg.min_pixels, cfg.max_pixels) if "two_turn_pixels_in_processes" in rows
             else None)
     variant = {"two_turn": dict(image=image), "two_turn_distinct": dict(image=distinct),  # name -> two_turn's kwargs

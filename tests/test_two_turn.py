@@ -100,6 +100,22 @@ def test_pixels_made_in_processes_are_the_threads_pixels():
     assert len({g["pixel_values"].untyped_storage().data_ptr() for g in got}) < 11  # (views of a job's tensors)
 
 
+def test_a_small_dev_shm_leaves_the_processes_variant_out_not_the_run(tmp_path, monkeypatch, capsys):
+    """Docker gives a container 64 MB of /dev/shm unless told otherwise: the pool's pixels (in shared memory) would
+    fail there mid-run, so the variant is left out at the start, in one line, and the ratio's rows still run."""
+    import collections
+    import shutil
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("du", "total used free")(
+        64 << 20, 48 << 20, 16 << 20))  # (the 4 answers' 512^2 pixels: ~25 MB, twice over wanted)
+    cfg = grpo.Config(model_path=tiny_model.build_tiny_model(), train_files=tiny_model.demo_data()[0], val_files="",
+                      rollout_engine="hf", rollout_batch_size=2, n=2, min_pixels=56 * 56, max_pixels=112 * 112,
+                      max_prompt_length=256, max_response_length=64, output_dir=str(tmp_path / "out"))
+    r = two_turn.run(cfg, repeats=1, first=3, second=2, size=512, rows=("one_turn", "two_turn",
+                                                                         "two_turn_pixels_in_processes"))
+    assert list(r["runs"]) == ["one_turn", "two_turn"] and r["ratio"] > 0
+    assert "two_turn_pixels_in_processes left out: /dev/shm has 0.02 GiB free" in capsys.readouterr().out
+
+
 def test_rows_without_both_runs_of_the_ratio_are_refused_in_one_line():
     with pytest.raises(UserError, match="--rows two_turn: give one_turn, two_turn"):
         two_turn.run(grpo.Config(), rows=("two_turn",))
