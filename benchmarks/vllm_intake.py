@@ -118,7 +118,8 @@ def main(model_path, n=256, rounds=3, workers=1, backend="pil", profile=False):
         waits.append(time.perf_counter() - t)
         print(f"round {k + 1}: " + ", ".join(f"{name} {v[-1][0]:.3f} + {v[-1][1]:.3f} s" for name, v in times.items())
               + "; the pixels' wait after it: threads {:.3f} s, processes {:.3f} s".format(*waits), flush=True)
-    print(f"\n{n} turn-two requests, {rounds} rounds, {workers} pixel thread(s), {backend} image processor\n\n"
+    print(f"\n{n} turn-two requests, {rounds} rounds, {workers} pixel thread(s) or process(es), {backend} image "
+          "processor in the threads\n\n"
           "| row | process_inputs s (rounds) | Requests + block hashes s | x alone |\n|---|---|---|---|")
     base = sum(a for a, _ in times["alone"]) / rounds
     for name, v in times.items():
