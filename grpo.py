@@ -9,6 +9,7 @@ config.py's. dapo.py imports this file, turns dynamic sampling on and adds overl
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,9 +33,8 @@ from algos import (adaptive_kl_coef, agg_loss, compute_advantages, correction_we
 from common import UserError, heap_freezer, one_line_errors
 from data import prefetch_prompts, take_prompts  # the prompt stream (drawn ahead on a thread)
 from config import Config, bf16_compute  # the options; their defaults are EasyR1's (examples/config.yaml)
-# the demos' own defaults (no --model-path), where a flag does not say otherwise: DEMO, and TEXT_DEMO / VIDEO_DEMO /
-# TOOLS_DEMO on top of it for the text, the video and the zoom demo
-from tiny_model import DEMO, TEXT_DEMO, TOOLS_DEMO, VIDEO_DEMO
+from tiny_model import DEMO, TEXT_DEMO, TOOLS_DEMO, VIDEO_DEMO  # the demos' defaults (no --model-path), flags win;
+# the text, video and zoom demos' on top of DEMO
 
 
 # ================================================================================================ setup
@@ -428,8 +428,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     if step + 1 < cfg.max_steps:
         prefetch_prompts(ctx, early_requests(ctx, step, collect))  # the next step's, while the GPU computes this one's
     peaks["gen"] = memory.phase_peak_gb(ctx.rollout)
-    # ---- 3. log-probs of the old policy (when it differs from the first forward, or the reward needs it) and of
-    #         the reference ----
+    # ---- 3. log-probs of the old policy (several updates follow, or the reward needs them) and of the reference ----
     mb_kw = dict(pad_id=ctx.pad_id, device=ctx.device, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
                  **logprob_bounds(cfg))
     if cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs > 1 or kl_in_reward(cfg):
@@ -592,7 +591,8 @@ def main(config_cls=Config, collect=collect_rollouts, demo=DEMO, text_demo=TEXT_
     with one_line_errors():
         train(easyr1_config.cli(config_cls, demo, text_demo=text_demo, video_demo=video_demo, tools_demo=tools_demo),
               collect)
-    dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()  # every rank passed train's last barrier; the trackers are closed: then
+    os._exit(0)  # no interpreter teardown, where torch 2.13's gloo at times aborts a finished run (SIGABRT, CI)
 
 
 if __name__ == "__main__":
