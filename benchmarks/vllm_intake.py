@@ -23,7 +23,6 @@ import os
 import time
 
 import numpy as np
-from PIL import Image
 
 import tools
 from benchmarks import two_turn
@@ -45,14 +44,10 @@ def engine_pieces(model_path):
     return InputProcessor(cfg), get_request_block_hasher(16, fn)  # (the CUDA default; the CPU's is larger)
 
 
-def picture(seed, size=512):
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
-
-
 def requests(tok, tool_pictures, uuids=False):
     """Turn two's vLLM prompts: prompt text around its picture, 512 sampled tokens, the tool's answer and picture."""
     pad, start, end = (tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
-    rng, question = np.random.default_rng(0), picture(100)
+    rng, question = np.random.default_rng(0), two_turn.picture(512, seed=100)
     text = [int(x) for x in rng.integers(1000, 20000, 100)]
     out = []
     for i, tool in enumerate(tool_pictures):
@@ -87,7 +82,7 @@ def pixel_processor(model_path, backend):
 
 def main(model_path, n=256, rounds=3, workers=1, backend="pil", profile=False):
     ip, hasher = engine_pieces(model_path)
-    tok, one = ip.tokenizer, picture(1)
+    tok, one = ip.tokenizer, two_turn.picture(512, seed=1)
     proc = pixel_processor(model_path, backend)
     os.cpu_count = lambda: workers  # render_answers' pool: min(8, os.cpu_count()) threads
     times = {k: [] for k in ("alone", "uuids", "distinct", "beside_pixels", "beside_processes")}
@@ -103,7 +98,7 @@ def main(model_path, n=256, rounds=3, workers=1, backend="pil", profile=False):
     for k in range(rounds):
         times["alone"].append(intake(ip, hasher, requests(tok, [one] * n), f"a{k}"))
         times["uuids"].append(intake(ip, hasher, requests(tok, [one] * n, uuids=True), f"u{k}"))
-        fresh = [picture(1000 * (k + 1) + i) for i in range(n)]
+        fresh = [two_turn.picture(512, seed=1000 * (k + 1) + i) for i in range(n)]
         times["distinct"].append(intake(ip, hasher, requests(tok, fresh), f"d{k}"))
         answers = tools.render_answers(proc, [[{"name": "zoom", "result": one}]] * n, [""] * n, 3136, 1 << 22)
         times["beside_pixels"].append(intake(ip, hasher, requests(tok, [one] * n), f"b{k}"))

@@ -13,15 +13,19 @@ from benchmarks import two_turn
 from common import UserError
 
 
+def config(path, **kw):
+    """The tiny Qwen2.5-VL's demo pictures at 56-112 pixels a side, two prompts a step."""
+    return grpo.Config(model_path=path, train_files=tiny_model.demo_data()[0], val_files="", min_pixels=56 * 56,
+                       max_pixels=112 * 112, max_prompt_length=256, rollout_batch_size=2, **kw)
+
+
 def test_two_turns_generate_as_many_tokens_as_one_and_continue_with_the_picture(tmp_path, monkeypatch):
     seen = []
     generate = rollout.HFRollout.generate
     monkeypatch.setattr(rollout.HFRollout, "generate", lambda self, prompts, *a, **k: seen.append(prompts) or
                         generate(self, prompts, *a, **k))
-    cfg = grpo.Config(model_path=tiny_model.build_tiny_model(), train_files=tiny_model.demo_data()[0], val_files="",
-                      rollout_engine="hf", rollout_batch_size=2, n=2, min_pixels=56 * 56,
-                      max_pixels=112 * 112, max_prompt_length=256, max_response_length=64,
-                      output_dir=str(tmp_path / "out"))
+    cfg = config(tiny_model.build_tiny_model(), rollout_engine="hf", n=2, max_response_length=64,
+                 output_dir=str(tmp_path / "out"))
     r = two_turn.run(cfg, repeats=1, first=3, second=2, size=56, rows=two_turn.ROWS)
     assert [rs[0]["tokens"] for rs in r["runs"].values()] == [2 * 2 * 5] * len(two_turn.ROWS)
     assert all(f"{name}, by part" in two_turn.table(r) for name in two_turn.ROWS[1:])
@@ -45,8 +49,7 @@ def test_turn_twos_intake_is_timed_apart_and_its_queue_is_what_runs(tmp_path, mo
     path = tiny_model.build_tiny_model()
     eng = rollout.make_rollout("vllm", path)
     proc = data.load_processor(path, min_pixels=56 * 56, max_pixels=112 * 112)
-    cfg = grpo.Config(model_path=path, train_files=tiny_model.demo_data()[0], val_files="", min_pixels=56 * 56,
-                      max_pixels=112 * 112, max_prompt_length=256, rollout_batch_size=2)
+    cfg = config(path)
     train = data.load_datasets(cfg, path)[1]
     prompts = [p for _, p in data.draw_prompts(train, 0, 2, 0, 1, 0)]
     tokens, parts = two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, two_turn.picture(56), cfg)
@@ -66,8 +69,7 @@ def test_the_variants_give_each_trajectory_its_picture_or_make_the_pixels_first(
     path = tiny_model.build_tiny_model()
     eng = rollout.make_rollout("vllm", path)
     proc = data.load_processor(path, min_pixels=56 * 56, max_pixels=112 * 112)
-    cfg = grpo.Config(model_path=path, train_files=tiny_model.demo_data()[0], val_files="", min_pixels=56 * 56,
-                      max_pixels=112 * 112, max_prompt_length=256, rollout_batch_size=2)
+    cfg = config(path)
     prompts = [p for _, p in data.draw_prompts(data.load_datasets(cfg, path)[1], 0, 2, 0, 1, 0)]
     pixels = tools.pixels
     monkeypatch.setattr(tools, "pixels", lambda parts: eng.llm.events.append("pixels") or pixels(parts))
@@ -107,9 +109,8 @@ def test_a_small_dev_shm_leaves_the_processes_variant_out_not_the_run(tmp_path, 
     import shutil
     monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("du", "total used free")(
         64 << 20, 48 << 20, 16 << 20))  # (the 4 answers' 512^2 pixels: ~25 MB, twice over wanted)
-    cfg = grpo.Config(model_path=tiny_model.build_tiny_model(), train_files=tiny_model.demo_data()[0], val_files="",
-                      rollout_engine="hf", rollout_batch_size=2, n=2, min_pixels=56 * 56, max_pixels=112 * 112,
-                      max_prompt_length=256, max_response_length=64, output_dir=str(tmp_path / "out"))
+    cfg = config(tiny_model.build_tiny_model(), rollout_engine="hf", n=2, max_response_length=64,
+                 output_dir=str(tmp_path / "out"))
     r = two_turn.run(cfg, repeats=1, first=3, second=2, size=512, rows=("one_turn", "two_turn",
                                                                          "two_turn_pixels_in_processes"))
     assert list(r["runs"]) == ["one_turn", "two_turn"] and r["ratio"] > 0
