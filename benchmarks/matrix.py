@@ -6,9 +6,11 @@ From the repository root (the rows start grpo.py and dapo.py there):
     python -m benchmarks.matrix table benchmarks/h200/matrix_*.json  # the markdown table of kept results (README,
                                                                       # BENCHMARKS)
 
-A row passes when greedy validation reaches its target (0.95; the text demo 0.90) within the demo's steps, the
-engine/trainer log-prob agreement (mean per token over the run) stays under 5e-3, and no optimizer step was
-skipped. `run` exits 1 if any row fails (or was cut by --timeout before reaching its target). Each engine gets a fixed
+A row passes when greedy validation holds its target (0.95; the text demo 0.90) to the end: its last three
+validations all at or above it (a row that touches 1.0 once and ends a colour short has not learned it). Beside it
+the engine/trainer log-prob agreement (mean per token over the run) stays under 5e-3, and no optimizer step was
+skipped. "Steps to target" (the first validation at it) and "held from" (the step from which every validation is)
+are reported. `run` exits 1 if any row fails (or was cut by --timeout before reaching its target). Each engine gets a fixed
 KV cache (--kv-cache-memory-gb): vLLM's start-up memory profile assumes no other process allocates meanwhile, and the
 other rows' engines sleep and wake every step. Results: one JSON file (the rows' summaries, their validation curves,
 the versions that ran) and the table, under --out.
@@ -57,6 +59,7 @@ ROWS = {
     "zoom_tools": ("grpo.py", ["--demo-task", "zoom"], 0.95, "Qwen2.5-VL zoom tool, two turns (tools.py)"),
 }
 MAX_DIFF_MEAN = 5e-3
+HOLD = 3  # a row passes when its last HOLD validations are all at its target
 MIN_GREEDY_EQUAL = 0.99  # parity: the share of validation prompts on which vLLM's greedy answer is the HF engine's
 
 
@@ -83,6 +86,7 @@ def summarize(name, metrics_path, target):
     diffs = [r["rollout/logprob_diff_mean"] for r in steps if "rollout/logprob_diff_mean" in r]
     reached = next((s for s, v in val if v >= target), None)
     s = dict(row=name, steps=max((r["step"] for r in steps), default=0), target=target, steps_to_target=reached,
+             held_from=held_from(val, target),
              final_val=val[-1][1] if val else None, val=val,
              diff_mean=statistics.fmean(diffs) if diffs else None,
              diff_max=max((r.get("rollout/logprob_diff_max", 0) for r in steps), default=None),
@@ -113,10 +117,34 @@ def worst_class(val_samples_path):
     return min(by.items(), key=lambda kv: kv[1]) if by else None
 
 
-def failures(s):
-    out = []
+def held_from(val, target):
+    """The step of the first validation from which every later one is at `target`, or None (the last is below)."""
+    held = None
+    for step, v in val:
+        held = (held or step) if v >= target else None
+    return held
+
+
+def validation_failures(s):
+    """The validation rule: the last HOLD validations at the target (a touch followed by a fall fails)."""
+    last = [v for _, v in s["val"][-HOLD:]]
     if s["steps_to_target"] is None:
-        out.append(f"validation never reached {s['target']} (last {s['final_val']})")
+        return [f"validation never reached {s['target']} (last {s['final_val']})"]
+    if len(last) < HOLD or min(last) < s["target"]:
+        return [f"validation reached {s['target']} at step {s['steps_to_target']} but did not hold it: the last "
+                f"{len(last)} of {len(s['val'])} {', '.join(f'{v:.3f}' for v in last)} (all {HOLD} must be at it)"]
+    return []
+
+
+def regrade(s):
+    """A kept row judged by today's validation rule (its other failures, parity and exit code, as they were)."""
+    s = {**s, "held_from": held_from(s["val"], s["target"])}
+    s["failures"] = validation_failures(s) + [f for f in s["failures"] if not f.startswith("validation")]
+    return s
+
+
+def failures(s):
+    out = validation_failures(s)
     if s["diff_mean"] is None or s["diff_mean"] >= MAX_DIFF_MEAN:
         out.append(f"engine/trainer log-prob difference {s['diff_mean']} per token (bar {MAX_DIFF_MEAN})")
     if s["skipped"]:
@@ -124,12 +152,13 @@ def failures(s):
     return out
 
 
-def reached_target(metrics_path, target):
-    """Whether a running row's metrics.jsonl already holds a validation at its target (--stop-at-target)."""
+def held_target(metrics_path, target):
+    """Whether a running row's last HOLD validations are at its target already (--stop-at-target)."""
     if not os.path.isfile(metrics_path):
         return False
     rows = [json.loads(line) for line in open(metrics_path) if line.endswith("\n")]  # a half-written line waits
-    return any(r.get("val/accuracy", r.get("val/mean", -1)) >= target for r in rows if "val/mean" in r)
+    val = [r.get("val/accuracy", r["val/mean"]) for r in rows if "val/mean" in r][-HOLD:]
+    return len(val) == HOLD and min(val) >= target
 
 
 def run(names, out, timeout, runs_dir, with_parity=False, stop_at_target=False):
@@ -152,7 +181,7 @@ def run(names, out, timeout, runs_dir, with_parity=False, stop_at_target=False):
     while pending:
         left = timeout - (time.time() - t0)
         stopped = {n for n in pending if stop_at_target and pending[n][0].poll() is None
-                   and reached_target(os.path.join(runs_dir, n, "metrics.jsonl"), ROWS[n][2])}
+                   and held_target(os.path.join(runs_dir, n, "metrics.jsonl"), ROWS[n][2])}
         done = [n for n, (p, _, _) in pending.items() if p.poll() is not None or left <= 0 or n in stopped]
         if not done:
             try:
@@ -177,7 +206,8 @@ def run(names, out, timeout, runs_dir, with_parity=False, stop_at_target=False):
                 if os.path.isfile(os.path.join(runs_dir, name, f)):  # (`collect` rebuilds matrix.json from them)
                     shutil.copy(os.path.join(runs_dir, name, f), os.path.join(out, f"{name}_{f}"))
             print(f"[matrix] {name}: {'PASS' if not s['failures'] else 'FAIL ' + '; '.join(s['failures'])} (target at "
-                  f"{s['steps_to_target']}, final val {s['final_val']}, agreement {s['diff_mean']})", flush=True)
+                  f"{s['steps_to_target']}, held from {s['held_from']}, final val {s['final_val']}, agreement "
+                  f"{s['diff_mean']})", flush=True)
             if with_parity and rundir.latest_checkpoint(os.path.join(runs_dir, name, "checkpoints")):
                 path = os.path.join(out, f"{name}_parity.json")
                 checks[name] = (launch_parity(os.path.join(runs_dir, name), path), path, time.time() - t0)
@@ -282,20 +312,21 @@ def _fmt(x, spec):
 
 def table(docs):
     """Markdown: one line per row, from the last of the kept runs (files in order) that ran it; earlier attempts
-    at a row are listed below the table with what stopped them."""
+    at a row are listed below the table with what stopped them. Every row is judged by today's rule (regrade)."""
     latest, earlier = {}, []
     for doc in docs:
-        for s in doc["rows"]:
+        for s in map(regrade, doc["rows"]):
             if s["row"] in latest:
                 earlier.append(latest[s["row"]])
             latest[s["row"]] = {**s, "doc": doc}
-    lines = ["| row | what | steps to target (target) | final val | agreement mean / max | s/step | peak GiB | "
+    lines = ["| row | what | steps to target / held from (target) | final val | agreement mean / max | s/step | peak GiB | "
              "result | date |", "|---|---|---|---|---|---|---|---|---|"]
     for name in [n for n in ROWS if n in latest] + [n for n in latest if n not in ROWS]:
         s = latest[name]
         what = ROWS.get(name, ("", [], 0, name))[3]
         lines.append(
-            f"| {name} | {what} | {_fmt(s['steps_to_target'], 'd')} ({s['target']}) of {s['steps']} | "
+            f"| {name} | {what} | {_fmt(s['steps_to_target'], 'd')} / {_fmt(s['held_from'], 'd')} ({s['target']}) of "
+            f"{s['steps']} | "
             f"{_fmt(s['final_val'], '.3f')}{_worst_note(s)} | "
             f"{_fmt(s['diff_mean'], '.1e')} / {_fmt(s['diff_max'], '.2f')} | "
             f"{_fmt(s['sec_per_step'], '.2f')} | {_fmt(s['peak_gb'], '.1f')} | "
@@ -354,7 +385,7 @@ def main(argv=None):
     r.add_argument("--runs-dir", default="/tmp/matrix_runs", help="the rows' output folders (checkpoints, logs)")
     r.add_argument("--parity", action="store_true", help="then each row's final checkpoint: engine = HF engine")
     r.add_argument("--stop-at-target", action="store_true",
-                   help="end a row once its validation reaches the target (a short lease; no final val, no parity)")
+                   help="end a row once its last 3 validations hold the target (a short call; no parity)")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     c = sub.add_parser("collect", help="rows from kept metrics files, when a call was cut before matrix.json")

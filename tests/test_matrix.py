@@ -34,13 +34,40 @@ def test_the_stalled_qwen3vl_run_fails_its_row():
 
 def test_each_bar_fails_a_row(tmp_path):
     p = str(tmp_path / "m.jsonl")
-    write_metrics(p, [0.5, 0.96])
-    assert matrix.summarize("r", p, 0.95)["failures"] == [] and matrix.summarize("r", p, 0.95)["steps_to_target"] == 20
-    write_metrics(p, [0.5, 0.96], diff=6e-3)
+    write_metrics(p, [0.5, 0.96, 1.0, 0.95], steps=40)
+    s = matrix.summarize("r", p, 0.95)
+    assert s["failures"] == [] and s["steps_to_target"] == 20 and s["held_from"] == 20
+    write_metrics(p, [0.5, 0.96, 1.0, 0.95], diff=6e-3, steps=40)
     assert "log-prob difference" in " ".join(matrix.summarize("r", p, 0.95)["failures"])
-    write_metrics(p, [0.5, 0.96], skipped=2)
+    write_metrics(p, [0.5, 0.96, 1.0, 0.95], skipped=2, steps=40)
     assert matrix.summarize("r", p, 0.95)["failures"] == ["2 optimizer steps skipped"]
     assert "never reached" in matrix.summarize("r", str(tmp_path / "missing.jsonl"), 0.95)["failures"][0]
+
+
+# Gemma 4's row on one H100 (vLLM 0.26, 2026-12-05): 0.77 from step 30 to 70, 1.0 once at 80, then a colour lost
+GEMMA4_H100 = [0.25, 0.5, 0.77, 0.77, 0.77, 0.77, 0.77, 1.0, 0.915, 0.915, 0.77, 0.77, 0.77, 0.77, 0.77]
+
+
+def test_a_row_that_touches_its_target_and_falls_back_fails(tmp_path):
+    """The rule is the end, not a touch: the Gemma 4 curve above reached 1.0 at step 80 and ended at 0.77 (blue
+    answered "white"); under the old rule (a validation at the target, once) it printed PASS."""
+    p = str(tmp_path / "m.jsonl")
+    write_metrics(p, GEMMA4_H100, steps=150)
+    s = matrix.summarize("gemma4_colour", p, 0.95)
+    assert s["steps_to_target"] == 80 and s["held_from"] is None and s["final_val"] == 0.77
+    assert s["failures"] == ["validation reached 0.95 at step 80 but did not hold it: the last 3 of 15 0.770, 0.770, "
+                             "0.770 (all 3 must be at it)"]
+    # a dip in the last three fails too; a dip before them does not (held from the step after it)
+    write_metrics(p, [0.5, 1.0, 0.77, 1.0, 0.96, 1.0], steps=60)
+    assert not matrix.summarize("r", p, 0.95)["failures"] and matrix.summarize("r", p, 0.95)["held_from"] == 40
+    write_metrics(p, [0.5, 1.0, 1.0, 1.0, 0.9, 1.0], steps=60)
+    assert "did not hold" in matrix.summarize("r", p, 0.95)["failures"][0]
+    write_metrics(p, [1.0, 1.0], steps=20)  # fewer validations than the rule reads: not shown to hold
+    assert "did not hold" in matrix.summarize("r", p, 0.95)["failures"][0]
+    # the table re-grades kept rows by this rule (a row kept with no validation failure)
+    kept = {**s, "failures": []}
+    assert "FAIL: validation reached 0.95 at step 80 but did not hold it" in matrix.table(
+        [dict(date="d", versions={}, rows=[kept])])
 
 
 def test_the_worst_class_of_the_last_validation(tmp_path):
@@ -63,7 +90,7 @@ def test_collect_rebuilds_a_cut_call_from_kept_metrics(tmp_path):
     """A call cut before matrix.json was written: `collect` makes the rows from the kept NAME_metrics.jsonl files
     (each row's own bars, its worst class from NAME_val_samples.jsonl) with the versions of the named matrix.json."""
     good, bad = str(tmp_path / "qwen2vl_colour_metrics.jsonl"), str(tmp_path / "qwen3vl_video_metrics.jsonl")
-    write_metrics(good, [0.5, 0.96])
+    write_metrics(good, [0.5, 0.96, 0.97, 1.0], steps=40)
     write_metrics(bad, [0.5, 0.9])
     with open(tmp_path / "qwen3vl_video_val_samples.jsonl", "w") as f:
         f.writelines(json.dumps({"step": 20, "answer": a, "accuracy": float(a != "red")}) + "\n"
@@ -101,15 +128,15 @@ def test_run_fails_when_a_row_fails(tmp_path, monkeypatch):
     # no tiny models to build, no nvidia-smi to ask
     monkeypatch.setattr(matrix.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=""))
     monkeypatch.setattr(matrix.time, "sleep", lambda s: None)
-    monkeypatch.setattr(matrix, "ROWS", {"good": (str(script), ["--val", "1.0"], 0.95, "passes"),
-                                         "bad": (str(script), ["--val", "0.5"], 0.95, "stalls")})
+    monkeypatch.setattr(matrix, "ROWS", {"good": (str(script), ["--val", "1.0", "--steps", "3"], 0.95, "passes"),
+                                         "bad": (str(script), ["--val", "0.5", "--steps", "3"], 0.95, "stalls")})
     out = tmp_path / "out"
     assert matrix.run(["good"], str(out), 60, str(tmp_path / "runs1"))
     assert not matrix.run(["good", "bad"], str(out), 60, str(tmp_path / "runs2"))
     doc = json.load(open(out / "matrix.json"))
     assert [r["failures"] for r in doc["rows"]] == [[], ["validation never reached 0.95 (last 0.5)"]]
     assert sys.executable and doc["versions"]["torch"]
-    # each row's metrics kept beside matrix.json as it ends (session 26 lost a passing row's to a cut call)
+    # each row's metrics kept beside matrix.json as it ends (a cut call lost a passing row's, 2026-12-04)
     assert matrix.summarize("bad", str(out / "bad_metrics.jsonl"), 0.95)["final_val"] == 0.5
 
 
@@ -123,7 +150,7 @@ def test_benchmarks_quotes_the_generated_matrix_and_readme_links_it():
     assert "(benchmarks/BENCHMARKS.md#gpu-learning-matrix" in open(os.path.join(ROOT, "README.md")).read()
     latest = {r["row"]: r for d in docs for r in d["rows"]}
     assert set(latest) <= set(matrix.ROWS)  # a kept row that failed stays, marked FAIL in the table (gemma4_colour)
-    for name in set(matrix.ROWS) - set(latest):  # a row added since the last GPU session says so in the table
+    for name in set(matrix.ROWS) - set(latest):  # a row added since the last GPU run says so in the table
         assert f"| {name} | {matrix.ROWS[name][3]} | - | - | - | - | - | not yet run | - |" in text
 
 
@@ -164,8 +191,8 @@ def test_a_rows_parity_check_starts_when_the_row_ends(tmp_path, monkeypatch):
     monkeypatch.setattr(matrix.rundir, "latest_checkpoint", lambda d: os.path.isdir(d) or None)
     monkeypatch.setattr(matrix, "launch_parity", lambda run_dir, path: subprocess.Popen(
         [sys.executable, str(check), path]))
-    monkeypatch.setattr(matrix, "ROWS", {"fast": (str(script), ["--delay", "0"], 0.95, "fast"),
-                                         "slow": (str(script), ["--delay", "4"], 0.95, "slow")})
+    monkeypatch.setattr(matrix, "ROWS", {"fast": (str(script), ["--delay", "0", "--steps", "3"], 0.95, "fast"),
+                                         "slow": (str(script), ["--delay", "4", "--steps", "3"], 0.95, "slow")})
     out = tmp_path / "out"
     assert matrix.run(["slow", "fast"], str(out), 60, str(tmp_path / "runs"), with_parity=True)
     rows = {r["row"]: r for r in json.load(open(out / "matrix.json"))["rows"]}
@@ -174,25 +201,29 @@ def test_a_rows_parity_check_starts_when_the_row_ends(tmp_path, monkeypatch):
 
 
 def test_stop_at_target_ends_a_row_as_a_pass(tmp_path, monkeypatch):
-    """--stop-at-target (a short lease): a row whose validation reached its target is ended and passes; the same
-    row without it runs on until --timeout cuts it and fails; a row below target is never stopped."""
+    """--stop-at-target (a short call): a row whose last 3 validations hold its target is ended and passes; the same
+    row without it runs on until --timeout cuts it and fails; a row below target is never stopped, nor one that
+    touched it only once."""
     script = tmp_path / "fake_demo.py"
     script.write_text(FAKE_ROW)
     monkeypatch.setattr(matrix, "ENGINE", [])
     monkeypatch.setattr(matrix.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=""))
     monkeypatch.setattr(matrix.time, "sleep", lambda s: None)
-    monkeypatch.setattr(matrix, "ROWS", {"good": (str(script), ["--val", "1.0", "--steps", "1", "--after", "60"], 0.95,
+    monkeypatch.setattr(matrix, "ROWS", {"good": (str(script), ["--val", "1.0", "--steps", "3", "--after", "60"], 0.95,
                                                   "reaches"),
+                                         "once": (str(script), ["--val", "1.0", "--steps", "2", "--after", "60"], 0.95,
+                                                  "touches"),
                                          "low": (str(script), ["--val", "0.5", "--steps", "1", "--after", "60"], 0.95,
                                                  "stalls")})
     t0 = time.time()
     assert matrix.run(["good"], str(tmp_path / "a"), 20, str(tmp_path / "r1"), stop_at_target=True)
     assert time.time() - t0 < 15
     row = json.load(open(tmp_path / "a" / "matrix.json"))["rows"][0]
-    assert row["stopped_at_target"] and row["steps_to_target"] == 1
+    assert row["stopped_at_target"] and row["steps_to_target"] == 1 and row["held_from"] == 1
     assert "(stopped at its target)" in matrix.table([json.load(open(tmp_path / "a" / "matrix.json"))])
     assert not matrix.run(["good"], str(tmp_path / "b"), 3, str(tmp_path / "r2"))  # cut: an exit code
     assert not matrix.run(["low"], str(tmp_path / "c"), 3, str(tmp_path / "r3"), stop_at_target=True)
+    assert not matrix.run(["once"], str(tmp_path / "d"), 3, str(tmp_path / "r4"), stop_at_target=True)
 
 
 def test_a_rows_figures_from_its_log_alone(tmp_path):
