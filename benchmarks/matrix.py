@@ -58,9 +58,26 @@ ROWS = {
     "internvl_colour": ("grpo.py", ["--demo-model", "internvl"], 0.95, "InternVL colour (generic path)"),
     "zoom_tools": ("grpo.py", ["--demo-task", "zoom"], 0.95, "Qwen2.5-VL zoom tool, two turns (tools.py)"),
 }
+VARIANTS = {}  # --variant LABEL=FLAGS: a row named ROW+LABEL runs ROW with FLAGS on top (a cause looked for)
 MAX_DIFF_MEAN = 5e-3
 HOLD = 3  # a row passes when its last HOLD validations are all at its target
 MIN_GREEDY_EQUAL = 0.99  # parity: the share of validation prompts on which vLLM's greedy answer is the HF engine's
+
+
+def spec(name):
+    """(script, options, target, what) of a row name: ROW, ROW+LABEL (a --variant's flags on top) and either with /sN
+    (--seed N: the same row on another draw of the data and the samples)."""
+    base, _, seed = name.partition("/s")
+    base, _, label = base.partition("+")
+    script, extra, target, what = ROWS[base]
+    flags = [*extra, *VARIANTS[label].split()] if label else list(extra)
+    return (script, flags + (["--seed", seed] if seed else []), target,
+            what + (f", {VARIANTS[label]}" if label else "") + (f", seed {seed}" if seed else ""))
+
+
+def slug(name):
+    """A row's name as a file name (gemma4_colour+fp32/s2 -> gemma4_colour+fp32_s2)."""
+    return name.replace("/", "_")
 
 
 def versions():
@@ -168,11 +185,11 @@ def run(names, out, timeout, runs_dir, with_parity=False, stop_at_target=False):
                     "tiny_model.demo_video_data()"], check=True)  # the models and data once, before the rows race to build them
     procs, t0 = {}, time.time()
     for name in names:
-        script, extra, _, _ = ROWS[name]
+        script, extra, _, _ = spec(name)
         save = ["--save-freq", "0"] if with_parity else []  # 0: the last step only, for the parity check
-        cmd = [sys.executable, script, *ENGINE, *extra, *save, "--output-dir", os.path.join(runs_dir, name)]
+        cmd = [sys.executable, script, *ENGINE, *extra, *save, "--output-dir", os.path.join(runs_dir, slug(name))]
         env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-        log = open(os.path.join(out, f"{name}.log"), "w")
+        log = open(os.path.join(out, f"{slug(name)}.log"), "w")
         procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log, cmd)
         time.sleep(3)  # engine start-ups a little apart
     # each row's parity check starts as soon as the row ends (its engine beside the rows still training), so the
@@ -181,7 +198,7 @@ def run(names, out, timeout, runs_dir, with_parity=False, stop_at_target=False):
     while pending:
         left = timeout - (time.time() - t0)
         stopped = {n for n in pending if stop_at_target and pending[n][0].poll() is None
-                   and held_target(os.path.join(runs_dir, n, "metrics.jsonl"), ROWS[n][2])}
+                   and held_target(os.path.join(runs_dir, slug(n), "metrics.jsonl"), spec(n)[2])}
         done = [n for n, (p, _, _) in pending.items() if p.poll() is not None or left <= 0 or n in stopped]
         if not done:
             try:
@@ -195,22 +212,22 @@ def run(names, out, timeout, runs_dir, with_parity=False, stop_at_target=False):
                 p.kill()
             p.wait()
             log.close()
-            s = summarize(name, os.path.join(runs_dir, name, "metrics.jsonl"), ROWS[name][2])
-            s.update(command=" ".join(cmd[1:]), returncode=p.returncode, seconds=round(time.time() - t0),
-                     log_tail=open(os.path.join(out, f"{name}.log"), errors="replace").read()[-1500:])
+            s = summarize(name, os.path.join(runs_dir, slug(name), "metrics.jsonl"), spec(name)[2])
+            s.update(command=" ".join(cmd[1:]), what=spec(name)[3], returncode=p.returncode, seconds=round(time.time() - t0),
+                     log_tail=open(os.path.join(out, f"{slug(name)}.log"), errors="replace").read()[-1500:])
             s["stopped_at_target"] = name in stopped
             if p.returncode != 0 and name not in stopped:
                 s["failures"].append(f"exit code {p.returncode}" + (" (cut by --timeout)" if p.returncode < 0 else ""))
             results[name] = s
             for f in ("metrics.jsonl", "val_samples.jsonl"):  # kept now: a cut later in the call loses no row
-                if os.path.isfile(os.path.join(runs_dir, name, f)):  # (`collect` rebuilds matrix.json from them)
-                    shutil.copy(os.path.join(runs_dir, name, f), os.path.join(out, f"{name}_{f}"))
+                if os.path.isfile(os.path.join(runs_dir, slug(name), f)):  # (`collect` rebuilds matrix.json from them)
+                    shutil.copy(os.path.join(runs_dir, slug(name), f), os.path.join(out, f"{slug(name)}_{f}"))
             print(f"[matrix] {name}: {'PASS' if not s['failures'] else 'FAIL ' + '; '.join(s['failures'])} (target at "
                   f"{s['steps_to_target']}, held from {s['held_from']}, final val {s['final_val']}, agreement "
                   f"{s['diff_mean']})", flush=True)
-            if with_parity and rundir.latest_checkpoint(os.path.join(runs_dir, name, "checkpoints")):
-                path = os.path.join(out, f"{name}_parity.json")
-                checks[name] = (launch_parity(os.path.join(runs_dir, name), path), path, time.time() - t0)
+            if with_parity and rundir.latest_checkpoint(os.path.join(runs_dir, slug(name), "checkpoints")):
+                path = os.path.join(out, f"{slug(name)}_parity.json")
+                checks[name] = (launch_parity(os.path.join(runs_dir, slug(name)), path), path, time.time() - t0)
     results = [results[n] for n in names]
     write(out, results)  # kept if a cut comes during the parity checks
     for s in results:
@@ -242,13 +259,13 @@ def collect(pairs, out, versions_from):
     results = []
     for pair in pairs:
         name, path = pair.split("=", 1)
-        s = summarize(name, path, ROWS[name][2])
+        s = summarize(name, path, spec(name)[2])
         if path.endswith("_metrics.jsonl"):  # kept as NAME_metrics.jsonl beside NAME_val_samples.jsonl
             s["worst_class"] = worst_class(path[:-len("metrics.jsonl")] + "val_samples.jsonl")
             if os.path.isfile(path[:-len("metrics.jsonl")] + "parity.json"):  # and its parity check's summary
                 s["parity"] = json.load(open(path[:-len("metrics.jsonl")] + "parity.json"))
                 s["failures"] += s["parity"]["failures"]
-        s.update(command=" ".join([ROWS[name][0], *ENGINE, *ROWS[name][1]]), collected_from=os.path.basename(path))
+        s.update(command=" ".join([spec(name)[0], *ENGINE, *spec(name)[1]]), collected_from=os.path.basename(path))
         results.append(s)
     os.makedirs(out, exist_ok=True)
     return write(out, results, json.load(open(versions_from))["versions"])
@@ -323,7 +340,7 @@ def table(docs):
              "result | date |", "|---|---|---|---|---|---|---|---|---|"]
     for name in [n for n in ROWS if n in latest] + [n for n in latest if n not in ROWS]:
         s = latest[name]
-        what = ROWS.get(name, ("", [], 0, name))[3]
+        what = s.get("what") or ROWS.get(name, ("", [], 0, name))[3]
         lines.append(
             f"| {name} | {what} | {_fmt(s['steps_to_target'], 'd')} / {_fmt(s['held_from'], 'd')} ({s['target']}) of "
             f"{s['steps']} | "
@@ -379,7 +396,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.matrix", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
+    r.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}; ROW+LABEL runs a "
+                   "--variant of ROW, ROW/sN (either) with --seed N")
+    r.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="grpo.py flags on top of a row's, for rows named ROW+LABEL (e.g. fp32='--dtype fp32')")
+    r.add_argument("--seeds", default="", help="comma-separated: every row once per seed (seed 1 keeps its name)")
     r.add_argument("--out", default=os.environ.get("OUT", "outputs/matrix"))
     r.add_argument("--timeout", type=float, default=540, help="seconds for all rows together")
     r.add_argument("--runs-dir", default="/tmp/matrix_runs", help="the rows' output folders (checkpoints, logs)")
@@ -413,10 +434,13 @@ def main(argv=None):
     if a.cmd == "table":
         print(table([json.load(open(f)) for f in a.files]))
         return 0
-    names = [n for n in a.rows.split(",") if n]
-    unknown = [n for n in names if n not in ROWS]
+    VARIANTS.update(v.split("=", 1) for v in a.variant)
+    names = [n + (f"/s{seed}" if seed != "1" else "") for n in a.rows.split(",") if n
+             for seed in (a.seeds.split(",") if a.seeds else ["1"])]
+    unknown = [n for n in names if n.partition("/s")[0].partition("+")[0] not in ROWS
+               or n.partition("/s")[0].partition("+")[2] not in ("", *VARIANTS)]
     if unknown:
-        ap.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
+        ap.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)} (+LABEL of a --variant)")
     return 0 if run(names, a.out, a.timeout, a.runs_dir, a.parity, a.stop_at_target) else 1
 
 
