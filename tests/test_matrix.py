@@ -238,3 +238,13 @@ def test_a_rows_figures_from_its_log_alone(tmp_path):
     # a demo whose reward is not its accuracy (the zoom row: val=0.2 for the call alone): run asserts val/accuracy
     log.write_text("step   10 | reward=0.5 val=0.788 vacc=0.735 lpdiff=0.003 t_step=3\n")
     assert matrix.from_log(str(log))["val"] == [(10, 0.735)]
+
+
+def test_a_variant_and_a_seed_of_a_row(monkeypatch):
+    """ROW+LABEL runs ROW with the --variant's flags on top, ROW/sN with --seed N (the runs that look for a cause)."""
+    monkeypatch.setitem(matrix.VARIANTS, "fp32hf", "--rollout-engine hf --dtype fp32")
+    script, flags, target, what = matrix.spec("gemma4_colour+fp32hf/s2")
+    assert (script, target) == ("grpo.py", 0.95) and matrix.slug("gemma4_colour+fp32hf/s2") == "gemma4_colour+fp32hf_s2"
+    assert flags == ["--demo-model", "gemma4", "--rollout-engine", "hf", "--dtype", "fp32", "--seed", "2"]
+    assert what == "Gemma 4 colour (generic path), --rollout-engine hf --dtype fp32, seed 2"
+    assert matrix.spec("dapo") == ("dapo.py", [], 0.95, "dapo.py, Qwen2.5-VL colour")
