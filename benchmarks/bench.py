@@ -428,7 +428,7 @@ def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
     the whole run (occupy: left out of the memory/* keys), and vLLM's gpu_memory_utilization, a share of the
     *whole* card, becomes `engine_share` of the cap (its weights and KV cache), unless --gpu-memory-utilization
     already asks for less. Not torch.cuda.set_per_process_memory_fraction: that limit counts reserved segments, and
-    vLLM's sleep-mode pool stays reserved while asleep (only its physical pages are released), so the trainer could
+    vLLM's sleep-mode pool stays reserved while asleep (only its physical pages are freed), so the trainer could
     never reuse what the sleeping engine gave back, as it can on a real card of that size."""
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # (before init_distributed: this rank's GPU)
     free, total = (x / 2**30 for x in torch.cuda.mem_get_info())

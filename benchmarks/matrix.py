@@ -333,7 +333,7 @@ def _ran(doc):
 
 def from_log(path):
     """A row's figures from its console log alone (the step lines grpo prints every step, 3 significant digits):
-    what is left of a row whose metrics.jsonl a cut call lost (session 26's Gemma 4 row, before rows' metrics were
+    what is left of a row whose metrics.jsonl a cut call lost (2026-12-04's Gemma 4 row, before rows' metrics were
     kept as they end). Validation: val/accuracy ("vacc") where the log has it, what `run` asserts; else val/mean."""
     steps = [m.group(0) for line in open(path, errors="replace").read().replace("\r", "\n").splitlines()
              if (m := re.search(r"\bstep +\d+ \|.*", line))]
@@ -354,7 +354,7 @@ def main(argv=None):
     r.add_argument("--runs-dir", default="/tmp/matrix_runs", help="the rows' output folders (checkpoints, logs)")
     r.add_argument("--parity", action="store_true", help="then each row's final checkpoint: engine = HF engine")
     r.add_argument("--stop-at-target", action="store_true",
-                   help="end a row once its validation reaches the target (a short lease; no final val, no parity)")
+                   help="end a row once its validation reaches the target (a short device call; no final val, no parity)")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     c = sub.add_parser("collect", help="rows from kept metrics files, when a call was cut before matrix.json")

@@ -31,7 +31,7 @@ TWO_GPUS = "Two H200s: the colour demo at tensor parallel 1 and 2 (2 x H200, 202
 PARITY = "Parity: vLLM against the HF engine (H200, 2026-12-01 to 2026-12-04)"
 SPEED = "Speed: the Qwen2.5-VL-3B step (H200, 2026-12-02)"
 MEMORY = "Memory cells: measured against the memory model (H200, 2026-12-01 to 2026-12-05)"
-SHAPES = "Model shapes: Qwen3.5-9B, Qwen3.5-35B-A3B, Gemma-4-E2B (H200, 2026-12-04 to 2026-12-05)"
+SHAPES = "Model shapes: Qwen3.5-9B, Qwen3.5-35B-A3B, Gemma-4-E2B (H200, 2026-12-03 to 2026-12-05)"
 TOOLS_GPU = "The zoom demo with vLLM: the tools GPU test's two recorded runs (H200, 2026-12-05)"
 TWO_TURN = "Two-turn rollout: a tool's picture between turns (H200, 2026-12-04 to 2026-12-05; CPU, 2026-12-05)"
 CPU = "CPU demos: each built-in demo learns (2-core CPU, 2026-11-30 to 2026-12-04)"
@@ -56,7 +56,8 @@ TABLES = [
         H + "bench8b_qwen3vl_bf16_1gpu_16x8_summary.json", H + "moe30b_lora_bf16_summary.json",
         H + "bench9b_qwen35_2026-12-04_summary.json", H + "moe35b_qwen35_2026-12-05_summary.json",
         H + "gemma4_e2b_2026-12-04_summary.json"]),
-    Table("shapes", SHAPES, "benchmarks.bench report", [H + "bench9b_qwen35_2026-12-04_metrics.jsonl",
+    Table("shapes", SHAPES, "benchmarks.bench report", [H + "bench9b_qwen35_2026-12-03_oom_in_step2_metrics.jsonl",
+                                                         H + "bench9b_qwen35_2026-12-04_metrics.jsonl",
                                                          H + "moe35b_qwen35_2026-12-05_metrics.jsonl",
                                                          H + "gemma4_e2b_2026-12-04_metrics.jsonl"]),
     Table("engine9b", SHAPES, "benchmarks.record engine", [H + "engine9b_qwen35_2026-12-04.json"]),

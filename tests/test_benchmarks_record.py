@@ -60,14 +60,17 @@ def test_benchmarks_is_a_short_reference():
     assert size < 6e6, f"benchmarks/ holds {size / 1e6:.1f} MB"
 
 
+WORKING_WORDS = "se" + "ssion [0-9]|le" + "ase"  # a measuring day's number, the device's loan (spelt apart: this
+# file is tracked too); literal and case-insensitive, so the words that hold the loan word are out as well
+
+
 def test_the_project_words_are_its_own():
-    """No "session N" or "lease" (nor "release", "please": the check is literal) in a tracked file, nor a session's
-    number in a file's name (bench3b_s17_...: dates instead)."""
+    """No working words in a tracked file (*.jsonl aside), nor a day's number in a file's name (dates instead)."""
     try:
-        out = subprocess.run(["git", "grep", "-niE", "session [0-9]|lease", "--", ":!*.jsonl"], cwd=ROOT,
+        out = subprocess.run(["git", "grep", "-niE", WORKING_WORDS, "--", ":!*.jsonl"], cwd=ROOT,
                              capture_output=True, text=True)
         names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
     assert out.stdout == ""
-    assert [n for n in names.splitlines() if re.search(r"session|lease|_s[0-9]+", n, re.I)] == []
+    assert [n for n in names.splitlines() if re.search(r"se" + r"ssion|le" + r"ase|_s[0-9]+", n, re.I)] == []

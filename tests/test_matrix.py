@@ -109,7 +109,7 @@ def test_run_fails_when_a_row_fails(tmp_path, monkeypatch):
     doc = json.load(open(out / "matrix.json"))
     assert [r["failures"] for r in doc["rows"]] == [[], ["validation never reached 0.95 (last 0.5)"]]
     assert sys.executable and doc["versions"]["torch"]
-    # each row's metrics kept beside matrix.json as it ends (session 26 lost a passing row's to a cut call)
+    # each row's metrics kept beside matrix.json as it ends (2026-12-04 lost a passing row's to a cut call)
     assert matrix.summarize("bad", str(out / "bad_metrics.jsonl"), 0.95)["final_val"] == 0.5
 
 
@@ -120,7 +120,7 @@ def test_benchmarks_quotes_the_generated_matrix_and_readme_links_it():
     assert text in open(os.path.join(ROOT, "benchmarks", "BENCHMARKS.md")).read(), "benchmarks/BENCHMARKS.md: " \
         "paste `python -m benchmarks.matrix table benchmarks/h200/matrix_*.json`"
     # README quotes its results through a link (tests/test_docs.py: the link reaches the table's heading)
-    assert "(benchmarks/BENCHMARKS.md#gpu-learning-matrix" in open(os.path.join(ROOT, "README.md")).read()
+    assert "(benchmarks/BENCHMARKS.md#learning-matrix" in open(os.path.join(ROOT, "README.md")).read()
     latest = {r["row"]: r for d in docs for r in d["rows"]}
     assert set(latest) <= set(matrix.ROWS)  # a kept row that failed stays, marked FAIL in the table (gemma4_colour)
     for name in set(matrix.ROWS) - set(latest):  # a row added since the last GPU session says so in the table
@@ -174,7 +174,7 @@ def test_a_rows_parity_check_starts_when_the_row_ends(tmp_path, monkeypatch):
 
 
 def test_stop_at_target_ends_a_row_as_a_pass(tmp_path, monkeypatch):
-    """--stop-at-target (a short lease): a row whose validation reached its target is ended and passes; the same
+    """--stop-at-target (a short device call): a row whose validation reached its target is ended and passes; the same
     row without it runs on until --timeout cuts it and fails; a row below target is never stopped."""
     script = tmp_path / "fake_demo.py"
     script.write_text(FAKE_ROW)
