@@ -25,7 +25,7 @@
 #              already, with LIMIT=570; or with half the prompts, ARGS="--rollout-batch-size 32")
 #   knobs      (measured 2026-12-01: 449 s for three runs, the first with --profile and 3 steps) the trainer alone (--trainer-only, no engine) on the 3B, 16 prompts
 #              x 8 x 1024, 2 steps (step 1 pays torch.compile, step 2 is timed): today's defaults (64k-token
-#              micro-batches, every layer recomputed), then both issue-23 knobs in one run (they act on different
+#              micro-batches, every layer recomputed), then both trainer knobs in one run (they act on different
 #              phases: the reference pass and the update): --logprob-max-token-len-per-device 262144 (4 x 64k) with
 #              --checkpoint-layers 0.5 (the first half of the layers recompute) and 32k-token update micro-batches (at
 #              64k the kept layers would need 172 GiB by the memory model, at 32k 120 GiB); a third run,
@@ -45,7 +45,7 @@
 #              reads them
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
-#   two_turn   (~5 min at REPEATS=3 with the model build; sessions 26-27) bench.py two-turn on the 3B shape: the bar's 64
+#   two_turn   (~5 min at REPEATS=3 with the model build; 2026-12-04) bench.py two-turn on the 3B shape: the bar's 64
 #              prompts x 8, 512 forced tokens, a tool's 512x512 picture, 512 more, against one turn of 1024 forced
 #              tokens, REPEATS=2 rounds each (benchmarks/two_turn.py; the bar: at most 1.3x); its variants with
 #              ARGS="--rows one_turn,two_turn,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_in_processes"
@@ -88,7 +88,7 @@ ablation() {  # ablation GPU
     "$OUT/$name.json" 2> /dev/null || tail -20 "$OUT/$name.log"
 }
 
-knobs() {  # knobs GPU: the issue-23 knobs against today's defaults, the trainer alone
+knobs() {  # knobs GPU: the two trainer knobs against today's defaults, the trainer alone
   prepare qwen2_5_vl_3b
   local t=(--preset qwen2_5_vl_3b --trainer-only --max-steps "${STEPS:-2}" --rollout-batch-size 16
            --global-batch-size 16)

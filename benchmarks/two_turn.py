@@ -1,5 +1,5 @@
-"""A two-turn rollout with a tool that returns a picture, timed beside one turn of as many generated tokens (issue:
-multi-turn tools; the bar: at most 1.3x, prefix caching making turn two's prompt cheap).
+"""A two-turn rollout with a tool that returns a picture, timed beside one turn of as many generated tokens (the bar for
+multi-turn tools: at most 1.3x, prefix caching making turn two's prompt cheap).
 
     python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b [--repeats 2] [--first 512]
         [--second 512] [--image 512]

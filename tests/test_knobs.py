@@ -1,4 +1,4 @@
-"""The two speed knobs of issue 23, each against its plain fallback: a token bound of its own for the no-grad log-prob
+"""The two speed knobs of the trainer, each against its plain fallback: a token bound of its own for the no-grad log-prob
 passes (--logprob-max-token-len-per-device) gives the same log-probs in fewer micro-batches, and selective activation
 checkpointing (--checkpoint-layers) gives the same loss and gradients with fewer layers recomputed; the memory model
 counts both."""

@@ -123,7 +123,7 @@ def test_benchmarks_quotes_the_generated_matrix_and_readme_links_it():
     assert "(benchmarks/BENCHMARKS.md#learning-matrix" in open(os.path.join(ROOT, "README.md")).read()
     latest = {r["row"]: r for d in docs for r in d["rows"]}
     assert set(latest) <= set(matrix.ROWS)  # a kept row that failed stays, marked FAIL in the table (gemma4_colour)
-    for name in set(matrix.ROWS) - set(latest):  # a row added since the last GPU session says so in the table
+    for name in set(matrix.ROWS) - set(latest):  # a row added since the last GPU run says so in the table
         assert f"| {name} | {matrix.ROWS[name][3]} | - | - | - | - | - | not yet run | - |" in text
 
 

@@ -27,7 +27,7 @@ def check_zoom_run(rows):
     assert late, [r["tools/call_rate"] for r in rows]
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     # the run's mean is the matrix's bar (MAX_DIFF_MEAN); one step's mean over ~1,000 one-token turns strays to
-    # 0.7-1.4e-2 in some zoom runs (sessions 22, 24, 31; not explained yet). A tool picture in the wrong place
+    # 0.7-1.4e-2 in some zoom runs (2026-12-03 to 12-05; not explained yet). A tool picture in the wrong place
     # or a turn's ids re-tokenized shifts whole stretches of steps by far more (the video demo's text at wrong M-RoPE
     # positions, before that fix: steps at up to 0.48, BENCHMARKS.md)
     assert sum(diffs) / len(diffs) < 5e-3 and max(diffs) < 5e-2, diffs
