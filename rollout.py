@@ -292,7 +292,7 @@ class VLLMRollout:
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True):
         """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j`, so
         requests need seeds `rows` apart (request_seed). logprobs: the sampled token's (processed; vLLM's
-        FlatLogprobs measured slower on an H200, BENCHMARKS "Engine ablation"); ban: pad tokens."""
+        FlatLogprobs measured slower on an H200, benchmarks/HISTORY.md); ban: pad tokens."""
         from vllm import SamplingParams  # optional: the GPU engine
         greedy = temperature == 0
         # logit_bias is clamped to [-100, 100] by vLLM: -100 is probability ~e-44, i.e. forbidden

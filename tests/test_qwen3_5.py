@@ -144,7 +144,7 @@ def test_lora_adapts_the_gdn_projections_and_merges_to_a_folder_that_reproduces_
 def test_the_check_before_loading_knows_qwen3_5_by_its_hub_name(tmp_path, monkeypatch, capsys):
     """`--model-path Qwen/Qwen3.5-27B` with no download: its dimensions come from the preset of its hub name, and one
     80 GB GPU in AMP stops with one line that names how many such GPUs the memory model says it takes (its AMP
-    row in BENCHMARKS.md "Memory modes": 90.1 GiB on each of 8, so 16)."""
+    row in BENCHMARKS.md "Memory cells": 90.1 GiB on each of 8, so 16)."""
     import types
     import grpo
     from test_errors import grpo_main

@@ -293,7 +293,7 @@ def test_sleep_survives_another_process_allocating(monkeypatch):
 
 def test_vllm_asks_each_sampled_tokens_logprob_and_forced_lengths_keep_theirs(path, monkeypatch):
     """generate asks vLLM for the sampled token's log-prob only (logprobs=0, the dict container: FlatLogprobs measured
-    slower, BENCHMARKS "Engine ablation"); the benchmarks' forced lengths return one log-prob per forced token."""
+    slower, benchmarks/HISTORY.md); the benchmarks' forced lengths return one log-prob per forced token."""
     prompts = [{"raw_prompt_ids": [3, 4, 5]}, {"raw_prompt_ids": [6, 7]}]
     kw = dict(n=3, temperature=1.0, top_p=1.0, max_tokens=5, seeds=[11, 12])
     standin_vllm(monkeypatch)
