@@ -1,6 +1,6 @@
 """common.py -- the floor, which imports no file of this project: the user-error type and its one-line report, the
 image pixel bounds the options and the data share, small CPU collectives, and the garbage collector's pause and
-freeze (measured in BENCHMARKS.md, sessions 13 and 14)."""
+freeze (measured 2026-12-02: benchmarks/HISTORY.md)."""
 import contextlib
 import gc
 import os

@@ -73,7 +73,7 @@ class Config:
     # vLLM's intake of the next step's requests (its processor on every image) on the prefetch thread while this step
     # trains, not at the start of generating (never before a validation). auto: where it can (vLLM at tensor parallel
     # 1: a TP group gathers its prompts on the main thread); on: the same, and one line where it cannot; off: at the
-    # start of generating (the 3B bar's generation 17.4 s against 18.2 s: BENCHMARKS.md session 17)
+    # start of generating (the 3B bar's generation 17.4 s against 18.2 s: BENCHMARKS.md, 2026-12-02)
     prefetch_requests: Literal["auto", "on", "off"] = "auto"
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
     limit_videos: int = 0  # videos per prompt the engine accepts; 0 = the most any training or validation row has
@@ -137,7 +137,7 @@ class Config:
     rollout_correction_cap: float = 2.0  # weights above it are truncated to it (veRL's rollout_is_threshold)
     # the engine returns its log-probs for one training prompt in K (its first sample; all n with tis): the agreement
     # metric (rollout/logprob_diff_*) needs a sample of them, tis every one, and each token that returns one costs
-    # vLLM's engine loop ~7 us of Python (BENCHMARKS.md session 14); 0 = auto: 1 with --rollout-correction tis, else 8
+    # vLLM's engine loop ~7 us of Python (BENCHMARKS.md, 2026-12-02); 0 = auto: 1 with --rollout-correction tis, else 8
     rollout_logprobs_every: int = 0
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU

@@ -182,7 +182,7 @@ def logprobs_every(cfg):
 
 def logprob_samples(cfg):
     """How many of such a prompt's samples (its first) get them: all with tis, which weights each by them; else one,
-    for the agreement metric (rollout/logprob_diff_*). Each costs vLLM's loop ~7 us a token (BENCHMARKS session 14)."""
+    for the agreement metric (rollout/logprob_diff_*). Each costs vLLM's loop ~7 us a token (BENCHMARKS, 2026-12-02)."""
     return cfg.n if cfg.rollout_correction == "tis" else 1
 
 

@@ -158,7 +158,7 @@ def resident(model, device, offload):
 
 # ----------------------------------------------------------------------------------------------- accounting
 # vLLM's sleep-mode pool (CuMemAllocator: the engine's weights and KV cache) is a torch MemPool; asleep, its physical
-# memory is released but its tensors still exist, so torch.cuda.max_memory_allocated() includes the whole pool, awake
+# memory is freed but its tensors still exist, so torch.cuda.max_memory_allocated() includes the whole pool, awake
 # or not. The trainer's own peak (weights, gradients, optimizer state, activations) is that less the pool's bytes.
 BALLAST = []  # benchmarks/bench.py --gpu-memory-cap-gb: memory taken away to emulate a smaller card (not the trainer's)
 
@@ -347,7 +347,7 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
                 peak=max(gen + engine_gb, update), parts=parts)
 
 
-ENGINE_LEAST_GIB = 4.5  # vLLM beside its weights at its least (session 6's 7B: 15.7 GiB of weights, 20.7 awake)
+ENGINE_LEAST_GIB = 4.5  # vLLM beside its weights at its least (2026-12-01's 7B: 15.7 GiB of weights, 20.7 awake)
 
 
 def need_gib(m, dims, world):
@@ -500,7 +500,7 @@ def oom_explained(ctx, step):
             gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
             card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
             ballast = sum(t.numel() for t in BALLAST)
-            engine = _engine_bytes(ctx.rollout)  # (allocated in torch's view even while its pages are released)
+            engine = _engine_bytes(ctx.rollout)  # (allocated in torch's view even while its pages are freed)
             trainer = max(torch.cuda.memory_allocated() - engine - ballast, 0)
             awake = "asleep" if getattr(ctx.rollout, "asleep", None) else f"{gib(engine)}"
             shares = (f" (GiB: trainer {gib(trainer)}, engine {awake}, free {gib(torch.cuda.mem_get_info()[0])} of "

@@ -233,7 +233,7 @@ def zoom_reward(items):
     lets a random policy find the call before it can read the colour (the call alone is worth no accuracy until the
     crop is read). Calls that overrun the trajectory's budget leave no reply: without that condition the policy
     learned to repeat the call until its trajectory was cut (2.8 calls a turn at step 40, a second turn for 30 % of
-    the samples: benchmarks/cpu/demo_tools_first_shaping_72steps_metrics.jsonl)."""
+    the samples: a 72-step CPU run of 2026-12-03, git show 9e05f1d --stat)."""
     out = []
     for it, sc in zip(items, color_reward(items)):
         replied = bool(it.get("messages")) and it["messages"][-1]["role"] == "assistant"

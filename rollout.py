@@ -173,7 +173,7 @@ class HFRollout:
             raise RuntimeError(f"the engine started without weights and these were not sent: {missing[:5]}...")
         self.weights_lost = False
 
-    def sleep(self):  # the HF engine keeps its weights; nothing to release
+    def sleep(self):  # the HF engine keeps its weights; nothing to free
         pass
 
     def pool_bytes(self):  # the HF engine's weights are ordinary allocations: the trainer's peaks include them
@@ -292,7 +292,7 @@ class VLLMRollout:
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True):
         """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j`, so
         requests need seeds `rows` apart (request_seed). logprobs: the sampled token's (processed; vLLM's
-        FlatLogprobs measured slower on an H200, BENCHMARKS "Engine ablation"); ban: pad tokens."""
+        FlatLogprobs measured slower on an H200, benchmarks/HISTORY.md); ban: pad tokens."""
         from vllm import SamplingParams  # optional: the GPU engine
         greedy = temperature == 0
         # logit_bias is clamped to [-100, 100] by vLLM: -100 is probability ~e-44, i.e. forbidden
@@ -477,7 +477,7 @@ class VLLMRollout:
         return CuMemAllocator.get_instance().get_current_usage()
 
     def sleep(self):
-        """Release the GPU memory for training. The encoder cache is dropped every step (stale after the next
+        """Free the GPU memory for training. The encoder cache is dropped every step (stale after the next
         sync anyway); the prefix cache goes with the KV cache."""
         self._reset_caches()
         if not self.sleep_mode or self.asleep:
@@ -487,7 +487,7 @@ class VLLMRollout:
             self.llm.sleep(level=self.sleep_level)
         except AssertionError as e:
             # vLLM's worker checks the whole device's free memory grew: another process allocating meanwhile
-            # (matrix.py's side-by-side rows) fails it after the release, before the executor marks itself asleep,
+            # (matrix.py's side-by-side rows) fails it after the freeing, before the executor marks itself asleep,
             # and wake_up would then leave the weights unmapped (v1/worker/gpu_worker.py, v1/executor/abstract.py)
             if "Memory usage increased after sleeping" not in str(e):
                 raise
@@ -560,7 +560,7 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
     kw.update(overrides)
     try:
         eng = VLLMRollout(model_path, **kw)
-    except torch.OutOfMemoryError as e:  # one line, not vLLM's traceback (the 35B-A3B's, BENCHMARKS.md session 26)
+    except torch.OutOfMemoryError as e:  # one line, not vLLM's traceback (the 35B-A3B's, BENCHMARKS.md, 2026-12-04)
         raise UserError(f"vLLM ran out of GPU memory starting beside the trainer ({str(e)[:100]}...): give it less "
                         "(--kv-cache-memory-gb, --gpu-memory-utilization), the trainer less (--offload-params, "
                         "--lora-rank), or take more GPUs") from None
@@ -572,7 +572,7 @@ def engine_options(cfg, limit_videos=0):
     """The engine's settings from grpo.Config, every option it reads named here. limit_videos: videos per prompt
     when --limit-videos is 0 (setup passes the most any row has)."""
     # full fine-tuning re-sends every weight each step, so level 1's copy to pinned host memory and back is waste (3B:
-    # 8 GiB, wake 0.27-0.32 s vs 0.10-0.12, BENCHMARKS.md session 15); LoRA's sync and --debug-skip-sync need it
+    # 8 GiB, wake 0.27-0.32 s vs 0.10-0.12, benchmarks/HISTORY.md); LoRA's sync and --debug-skip-sync need it
     auto_level, ranks = 1 if cfg.lora_rank > 0 or cfg.debug_skip_sync else 2, int(os.environ.get("WORLD_SIZE", 1))
     return dict(tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
                 max_model_len=cfg.max_prompt_length + cfg.max_response_length,

@@ -72,7 +72,7 @@ def reference_varlen_attention(q, k, v, cu_seqlens, causal, scale=None, cu_k=Non
 
 
 def _torch_varlen_kernel():
-    """torch.nn.attention.varlen.varlen_attn (torch >= 2.10). Its keywords moved between releases: 2.10 took
+    """torch.nn.attention.varlen.varlen_attn (torch >= 2.10). Its keywords moved between versions: 2.10 took
     is_causal, 2.11 takes window_size=(-1, 0) for causal and has no GQA flag, 2.13 adds enable_gqa."""
     from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10 only (the caller skips a kernel that fails)
     params = inspect.signature(varlen_attn).parameters
@@ -158,7 +158,7 @@ def varlen_choice(config, padding_free, vision_varlen, fast):
     has_vision = getattr(config, "vision_config", None) is not None
     qwen3 = mt in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # (Qwen3.5: GDN boundaries, gdn_forward)
     # Qwen3-VL-MoE packs only when asked ("on"): its packed rows were never run on a GPU (the dense Qwen3-VL's were:
-    # tests/test_varlen_gpu.py and the 8B bench, benchmarks/BENCHMARKS.md session 12)
+    # tests/test_varlen_gpu.py and the 8B bench, benchmarks/BENCHMARKS.md, 2026-12-02)
     unproven = mt == "qwen3_vl_moe"
     can = {"text": mt in ("qwen2_vl", "qwen2_5_vl") or qwen3 or not has_vision,
            "vision": mt in ("qwen2_vl", "qwen2_5_vl")}

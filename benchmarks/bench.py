@@ -33,6 +33,7 @@ import collections
 import csv
 import datetime
 import json
+import lzma
 import math
 import os
 import random
@@ -188,8 +189,14 @@ def defaults(workdir, model_path, data_path):
         output_dir=os.path.join(workdir, "run"))
 
 
+def read_lines(path):
+    """A text file's lines; an .xz file's decompressed (benchmarks/cpu keeps its metrics.jsonl so)."""
+    with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as f:
+        return f.read().splitlines()
+
+
 def summarize(metrics_path):
-    rows = [json.loads(x) for x in open(metrics_path) if '"timing/step"' in x]
+    rows = [json.loads(x) for x in read_lines(metrics_path) if '"timing/step"' in x]
     steady = rows[1:] or rows
     keys = sorted({k for r in steady for k in r if k.startswith(("timing/", "throughput/", "memory/", "perf/",
                                                                   "response_length/", "gen_loop/"))})
@@ -203,7 +210,7 @@ def report(paths):
            "|---|---|---|---|---|---|---|---|"]
     phases = []
     for p in [p for p in paths if os.path.exists(p)]:  # (a recipe's unmatched glob: a run that made no metrics)
-        rows = [json.loads(x) for x in open(p)]
+        rows = [json.loads(x) for x in read_lines(p)]
         tr = [r for r in rows if "timing/step" in r]
         val = [r["val/mean"] for r in rows if "val/mean" in r]
         f = lambda k, rs=tr: [r[k] for r in rs if k in r]  # noqa: E731
@@ -421,7 +428,7 @@ def cap_gpu_memory(cfg, cap_gb, engine_share=0.5):
     the whole run (occupy: left out of the memory/* keys), and vLLM's gpu_memory_utilization, a share of the
     *whole* card, becomes `engine_share` of the cap (its weights and KV cache), unless --gpu-memory-utilization
     already asks for less. Not torch.cuda.set_per_process_memory_fraction: that limit counts reserved segments, and
-    vLLM's sleep-mode pool stays reserved while asleep (only its physical pages are released), so the trainer could
+    vLLM's sleep-mode pool stays reserved while asleep (only its physical pages are freed), so the trainer could
     never reuse what the sleeping engine gave back, as it can on a real card of that size."""
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # (before init_distributed: this rank's GPU)
     free, total = (x / 2**30 for x in torch.cuda.mem_get_info())

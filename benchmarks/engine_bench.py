@@ -83,7 +83,7 @@ ROWS = {
     "all_ours_scored": ("all_ours + decoding and reward (bench's timing/gen)", None),
     "all_ours_gc_on": ("all_ours with Python's collector left on in generate (its pause's before)", None),
     "all_ours_lp_all_n": ("all_ours with log-probs from all n samples of a chosen prompt, not its first (before "
-                          "session 14)", None),
+                          "2026-12-02)", None),
     "all_ours_no_lp": ("all_ours with no log-probs asked (the agreement metric's cost: all_ours against this)", None),
     "all_ours_early": ("all_ours with its requests queued before, off the clock (vLLM's intake: grpo's prefetch "
                        "thread runs it during the update)", None),
@@ -160,7 +160,7 @@ def engine_loop_timers(llm, totals):
     launches (the forward, the sampling) and the wait for a step's sampled tokens (the future's result: the GPU
     sync), and the output processor; outside the loop, the requests' intake before it (LLMEngine.add_request: vLLM's
     input processing, the images through the HF processor). Unlike sampled_stacks these are not sampled, so not biased
-    towards the calls that release the GIL. host = step - wait: a loop that never waits kept the GPU waiting on Python.
+    towards the calls that let go of the GIL. host = step - wait: a loop that never waits kept the GPU waiting on Python.
     Parts this vLLM lacks (another version, or not vLLM: llm None) are left out."""
     engine = getattr(llm, "llm_engine", None)
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient's EngineCore
@@ -420,7 +420,7 @@ def run_child(cmd, out_dir, limit_s=300):
 def table(result):
     """The markdown table of a result: row, what it adds, seconds (mean; each run), x bare (of the means; and round by
     round, each run against bare's of the same round: the engine's speed drifts between rounds by more than most
-    additions, BENCHMARKS.md session 14), tokens, GC seconds."""
+    additions, benchmarks/HISTORY.md), tokens, GC seconds."""
     bare = result["rows"].get("bare", {})
     out = ["| row | adds to bare | seconds | x bare | x bare by round | tokens | GC s |",
            "|---|---|---|---|---|---|---|"]
@@ -528,7 +528,7 @@ def run(cfg, rows=None, repeats=1, warmup_tokens=32, bare_memory_share=0.6, argv
                                            if loops.get(name) and name != "all_ours_scored" else {}))
     write(cfg, result)
     if "memory_share" in rows and bare_memory_share and bare_memory_share != cfg.gpu_memory_utilization:
-        eng.sleep()  # (level 1: the weights to the host, the KV cache released) room for the second engine
+        eng.sleep()  # (level 1: the weights to the host, the KV cache freed) room for the second engine
         share = os.path.join(cfg.output_dir, "memory_share")
         got = run_child(child_command(list(argv), bare_memory_share, share), share)
         if got is not None:

@@ -61,7 +61,7 @@ smi_stop() {
 run_bench() {  # run_bench NAME GPUS LIMIT_S BENCH_ARGS...: bench.py on GPUS ("0", or "0,1" under torchrun); its log,
   # metrics.jsonl and bench_summary.json in $OUT as NAME.log, NAME_metrics.jsonl, NAME_summary.json. A run cut by
   # its limit keeps the metrics of its finished steps. (timeout -k 20 here and in the recipes: a SIGKILL 20 s after the
-  # SIGTERM, should the run's shutdown hang; session 22's first call ran to the device's 600 s cap and returned nothing)
+  # SIGTERM, should the run's shutdown hang; a call of 2026-12-03 ran to the device's 600 s cap and returned nothing)
   local name=$1 gpus=$2 limit=$3; shift 3
   local launch=(python)
   [[ $gpus == *,* ]] && launch=(torchrun --standalone --nproc_per_node "$(tr ',' '\n' <<< "$gpus" | wc -l)")

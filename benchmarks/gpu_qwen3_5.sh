@@ -6,11 +6,11 @@
 #   matrix   the learning matrix's two Qwen3.5 rows side by side, then each row's parity check (~5 min)
 #   9b       the Qwen3.5-9B shape (9.41B, random weights), pure bf16, 16 prompts x 8 x 1024 tokens, 2 steps (~7 min)
 #   9b_bare  its generation beside bare vLLM on the same model, one call (engine-ablation rows bare, all_ours; ROWS=
-#            bare,banned,all_ours_no_lp,all_ours tells the pad tokens' ban from the log-probs: 1.163x in session 21)
+#            bare,banned,all_ours_no_lp,all_ours tells the pad tokens' ban from the log-probs: 1.163x on 2026-12-03)
 #   35b      the Qwen3.5-35B-A3B shape (35.1B, 256 experts), LoRA r64 on a bf16 base, --sleep-level 2, nothing on disk,
 #            8 prompts x 8 x 512 tokens, as the Qwen3-VL-30B-A3B row (benchmarks/gpu_moe30b.sh) but 3 GiB of KV cache (~8 min)
 #   35b_offload  the same with --offload-params (not run: the fallback if 35b does not fit)
-# Seen on the H200 (BENCHMARKS.md session 18): vLLM 0.26 needs compressed-tensors 0.17.0 and loguru for Qwen3.5
+# Seen on the H200 (2026-12-03): vLLM 0.26 needs compressed-tensors 0.17.0 and loguru for Qwen3.5
 # (in .gpu/wheels beside fetch_wheels.sh's: pip download --no-deps compressed-tensors==0.17.0 loguru).
 # Results in $OUT: each run's log, metrics, summary, and report.md / memory_table.md for the benches.
 set -u
@@ -32,7 +32,7 @@ case "${1:-}" in
     exit ;;
   9b)
     prepare qwen3_5_9b
-    # 16k-token micro-batches: with 64k ones step 2's update ran out of memory (session 21; the GDN layers' plain-torch
+    # 16k-token micro-batches: with 64k ones step 2's update ran out of memory (2026-12-03; the GDN layers' plain-torch
     # backward under the image's Triton 3.6 keeps ~365 KiB a token a layer, the memory model knows it since)
     run_bench bench9b_qwen35_bf16_1gpu_16x8 0 "${LIMIT:-480}" --preset qwen3_5_9b --precision bf16 \
       --max-steps "${STEPS:-2}" --rollout-batch-size 16 --global-batch-size 16 --gpu-memory-utilization 0.3 \
@@ -47,10 +47,10 @@ case "${1:-}" in
       "$OUT/ablation9b.json" 2> /dev/null || tail -20 "$OUT/ablation9b.log"
     exit ;;
   35b)
-    # 3 GiB of KV cache, not the 30B-A3B's 6: session 26 ran out of memory allocating 6 GiB (the trainer held 67.1 GiB
+    # 3 GiB of KV cache, not the 30B-A3B's 6: on 2026-12-04 it ran out of memory allocating 6 GiB (the trainer held 67.1 GiB
     # when the engine started, its weights 65.5, its profiling run's leftovers ~1.9 reserved and 0.6 in CUDA graphs:
     # 139.8 less those leaves ~4.7). At 6 GiB vLLM counted room for 96 sequences of 1,536 tokens; 3 GiB is about half
-    # that for the step's 64 of ~960 (any that do not fit wait for a slot: slower, not wrong). Session 27: at 3 GiB
+    # that for the step's 64 of ~960 (any that do not fit wait for a slot: slower, not wrong). 2026-12-04: at 3 GiB
     # the engine started, then ran out of memory in its first prefill (16,384 tokens a step, its activations never
     # profiled with a fixed KV cache: engine 69.7 GiB, trainer 66.4, 0.9 free); at 4,096 a step, eager (no compile, no
     # graphs: 107 s to start, not 193), generation finished (awake: engine 69.5 GiB, trainer 67.3) and the call's limit

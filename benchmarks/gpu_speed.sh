@@ -7,8 +7,8 @@
 #              image and ~100 text tokens per prompt, 3 steps (README: 56.8 and 58.6 s per step in two runs, each the
 #              mean of steps 2 and 3; 286-326 s for the call on 2026-12-02, the model built by an earlier call)
 #   realistic  (~6 min) the same prompts with seeded log-normal response lengths, padding-free training on (174 s on
-#              2026-12-02: README 28.9 s per step; 24.3 s in session 17), then off (padded rows: bench's
-#              --checkpoint-layers auto recomputes every layer there; at the packed share, 29 of 36, session 17's ran
+#              2026-12-02: README 28.9 s per step; 24.3 s on 2026-12-02's fastest machine), then off (padded rows: bench's
+#              --checkpoint-layers auto recomputes every layer there; at the packed share, 29 of 36, that machine's ran
 #              out of memory in step 1)
 #   profile    (~4 min, no engine) the trainer alone on the 3B, 16 prompts x 8, 3 steps; the last step's kernel table
 #   8b         (~5.5 min: 314 s on 2026-12-02 with the model build) the Qwen3-VL-8B shape in pure bf16, 16 prompts x 8 x
@@ -25,18 +25,18 @@
 #              already, with LIMIT=570; or with half the prompts, ARGS="--rollout-batch-size 32")
 #   knobs      (measured 2026-12-01: 449 s for three runs, the first with --profile and 3 steps) the trainer alone (--trainer-only, no engine) on the 3B, 16 prompts
 #              x 8 x 1024, 2 steps (step 1 pays torch.compile, step 2 is timed): today's defaults (64k-token
-#              micro-batches, every layer recomputed), then both issue-23 knobs in one run (they act on different
+#              micro-batches, every layer recomputed), then both trainer knobs in one run (they act on different
 #              phases: the reference pass and the update): --logprob-max-token-len-per-device 262144 (4 x 64k) with
 #              --checkpoint-layers 0.5 (the first half of the layers recompute) and 32k-token update micro-batches (at
 #              64k the kept layers would need 172 GiB by the memory model, at 32k 120 GiB); a third run,
 #              --checkpoint-layers 0.75 at 64k (127 GiB), when the call has >= 150 s left. Prints each run's reference
 #              and update seconds and MFU (report.md) and the memory model against the measured peaks. Estimate
-#              (BENCHMARKS.md session 4, trainer-only 3B 16x8 runs: ~100 s of compilation in step 1, ~14 s a step,
+#              (2026-12-01, trainer-only 3B 16x8 runs: ~100 s of compilation in step 1, ~14 s a step,
 #              <= 200 s for 3 steps): model build ~1.5 min on a fresh machine, ~2.8 min per run
 #   spread     (192 s on 2026-12-02) where the generation's time and its step-to-step spread go (19.8 and 25.1 s
 #              in two steps of one bar run): bare and all of ours at 32 prompts, 4 rounds each, the engine loop's
 #              parts timed (engine_bench.engine_loop_timers: the ablation table's loop lines) and its stack looked
-#              at every 5 ms (--sample-stacks; biased to where the loop lets go of the GIL: BENCHMARKS.md session 12).
+#              at every 5 ms (--sample-stacks; biased to where the loop lets go of the GIL: 2026-12-02).
 #              The bar's metrics carry the same loop timers (gen_loop/...) in every run.
 #   pyspy      (135 s on a warm machine, 247 s on a fresh one with the install and the model build, 2026-12-02) bare
 #              and all of ours at the bar's 64 prompts, once each, under py-spy (its wheel in .gpu/wheels: `pip
@@ -45,7 +45,7 @@
 #              reads them
 # On two H200s (`nvidia-h200-x2`):
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
-#   two_turn   (~5 min at REPEATS=3 with the model build; sessions 26-27) bench.py two-turn on the 3B shape: the bar's 64
+#   two_turn   (~5 min at REPEATS=3 with the model build; 2026-12-04) bench.py two-turn on the 3B shape: the bar's 64
 #              prompts x 8, 512 forced tokens, a tool's 512x512 picture, 512 more, against one turn of 1024 forced
 #              tokens, REPEATS=2 rounds each (benchmarks/two_turn.py; the bar: at most 1.3x); its variants with
 #              ARGS="--rows one_turn,two_turn,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_in_processes"
@@ -88,7 +88,7 @@ ablation() {  # ablation GPU
     "$OUT/$name.json" 2> /dev/null || tail -20 "$OUT/$name.log"
 }
 
-knobs() {  # knobs GPU: the issue-23 knobs against today's defaults, the trainer alone
+knobs() {  # knobs GPU: the two trainer knobs against today's defaults, the trainer alone
   prepare qwen2_5_vl_3b
   local t=(--preset qwen2_5_vl_3b --trainer-only --max-steps "${STEPS:-2}" --rollout-batch-size 16
            --global-batch-size 16)
@@ -112,7 +112,7 @@ case "$MODE" in
   ablation) ablation 0; exit ;;  # (no metrics.jsonl: no report.md)
   two_turn)
     prepare qwen2_5_vl_3b
-    smi_start two_turn3b  # (session 27: one turn took 20.1 s in round 1 and 28.8-29.3 in rounds 2-3: clocks?)
+    smi_start two_turn3b  # (2026-12-04: one turn took 20.1 s in round 1 and 28.8-29.3 in rounds 2-3: clocks?)
     timeout -k 20 "${LIMIT:-500}" python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b \
       --repeats "${REPEATS:-2}" --output-dir /tmp/two_turn ${ARGS:-} > "$OUT/two_turn3b.log" 2>&1
     rc=$?; smi_stop; echo "two_turn3b: exit $rc"; cp /tmp/two_turn/two_turn.json "$OUT/two_turn3b.json" 2> /dev/null
@@ -122,7 +122,7 @@ case "$MODE" in
   spread) REPEATS=${REPEATS:-4} ARGS="--rollout-batch-size 32 --rows bare,all_ours --sample-stacks 5 \
     --bare-memory-share 0 ${ARGS:-}" ablation 0; exit ;;
   pyspy)  # the spread's two rows at the bar's 64 prompts under py-spy (a sampler outside the process: it reads the
-    # stacks without waiting for the GIL, so no bias towards the calls that release it; --nonblocking: never pauses
+    # stacks without waiting for the GIL, so no bias towards the calls that let go of it; --nonblocking: never pauses
     # the run); $OUT/pyspy_raw.txt is the collapsed stacks of every thread, idle ones included
     prepare qwen2_5_vl_3b
     spy=/tmp/site/bin/py-spy

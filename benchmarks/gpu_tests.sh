@@ -3,7 +3,7 @@
 # a time so that each vLLM engine has the GPU to itself (they profile its memory); default: every tests/*_gpu.py. On
 # the one-H200 device, after vLLM is installed (the top of benchmarks/gpu_env.sh, from ../shared/gpu/README.md):
 #   bash benchmarks/gpu_tests.sh test_varlen_gpu.py test_vllm_gpu.py test_grpo_gpu.py
-# Seconds per file there (2026-12-01, benchmarks/h200/gpu_tests_2026-12-01_session2.log), alone / side by side:
+# Seconds per file there (2026-12-01; its log: git show 5056416 --stat), alone / side by side:
 #   test_varlen_gpu.py        - / 32   the variable-length attention kernels at the 3B's shapes
 #   test_vllm_gpu.py           - / 122  the engine: prompts, log-probs, seeds, greedy, weight sync, sleep, preemption
 #   test_grpo_gpu.py         152 / -    grpo.py with vLLM: engine and trainer agree after every sync (and with LoRA); a
@@ -14,7 +14,7 @@
 #   test_engine_growth_gpu.py  - / 77   50 steps of fresh pictures: no encoder cache left, no growth
 #   test_llama_gpu.py          - / 110  the tiny Llama with vLLM (tied embeddings)
 #   test_moe_gpu.py            - / 118  the tiny Qwen3-VL-MoE with vLLM: one expert's sync, the demo's agreement
-#   test_tools_gpu.py        ~260 / -   the zoom demo's multi-turn rollouts with vLLM, 70 steps (session 31: 40 steps
+#   test_tools_gpu.py        ~260 / -   the zoom demo's multi-turn rollouts with vLLM, 70 steps (2026-12-05: 40 steps
 #                                       124 s, 60 steps 227 s): the call learned, agreement on the model's tokens
 # Up to ~24 min one after another (the sum above), more than one call's 10. `shared` runs files side by side instead,
 # each engine with a fixed KV cache (GPU_TESTS_SHARED=1, tests/test_grpo_gpu.py engine_memory): the seven files took

@@ -381,7 +381,7 @@ def _ran(doc):
 
 def from_log(path):
     """A row's figures from its console log alone (the step lines grpo prints every step, 3 significant digits):
-    what is left of a row whose metrics.jsonl a cut call lost (session 26's Gemma 4 row, before rows' metrics were
+    what is left of a row whose metrics.jsonl a cut call lost (2026-12-04's Gemma 4 row, before rows' metrics were
     kept as they end). Validation: val/accuracy ("vacc") where the log has it, what `run` asserts; else val/mean."""
     steps = [m.group(0) for line in open(path, errors="replace").read().replace("\r", "\n").splitlines()
              if (m := re.search(r"\bstep +\d+ \|.*", line))]

@@ -1,5 +1,5 @@
-"""A two-turn rollout with a tool that returns a picture, timed beside one turn of as many generated tokens (issue:
-multi-turn tools; the bar: at most 1.3x, prefix caching making turn two's prompt cheap).
+"""A two-turn rollout with a tool that returns a picture, timed beside one turn of as many generated tokens (the bar for
+multi-turn tools: at most 1.3x, prefix caching making turn two's prompt cheap).
 
     python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b [--repeats 2] [--first 512]
         [--second 512] [--image 512]
@@ -20,7 +20,7 @@ emptied); their order alternates by round. Results: <output_dir>/two_turn.json a
   threads: do those threads slow vLLM's intake by more than they save?);
 - two_turn_pixels_in_processes: the pixels made in processes (render_answers' `pool`: pixel_pool below), which share
   no GIL with vLLM's intake and loop (on the 2-core CPU, beside vLLM 0.26's intake of 256 turn-two requests, a
-  process made it 1.06-1.15x slower, a thread 1.15-1.59x: benchmarks/vllm_intake.py, BENCHMARKS.md session 32).
+  process made it 1.06-1.15x slower, a thread 1.15-1.59x: benchmarks/vllm_intake.py, BENCHMARKS.md, 2026-12-05).
 
     python -m benchmarks.two_turn host MODEL_PATH [--samples 512] [--image 512]
 

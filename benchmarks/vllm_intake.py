@@ -1,6 +1,6 @@
 """vLLM's intake of turn two's requests, timed on the CPU: the host's work while the GPU idles between two turns of
-tools.rollout (issue: multi-turn tools; the two-turn bar's ~2.4-4.4 s on the H200's host, BENCHMARKS.md sessions
-30-31). No GPU and no engine: vLLM's input processing (InputProcessor.process_inputs: its multimodal processor and
+tools.rollout (multi-turn tools; the two-turn bar's ~2.4-4.4 s on the H200's host, BENCHMARKS.md,
+2026-12-05). No GPU and no engine: vLLM's input processing (InputProcessor.process_inputs: its multimodal processor and
 cache, the placeholders) and the engine core's Request (the prefix cache's block hashes) for `--requests` requests as
 turn two sends them (rollout.VLLMRollout._vllm_prompt): ~100 prompt tokens around the prompt's picture, the first
 turn's 512 tokens, the tool's answer with its picture, each picture one <|image_pad|> that vLLM expands. Rows:

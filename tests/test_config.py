@@ -186,6 +186,6 @@ def test_run_sh_recipes_parse_and_pass_the_option_checks(recipe, nproc, tmp_path
     want = "Qwen/Qwen3.5-9B" if recipe == "qwen35_9b" else "Qwen/Qwen2.5-VL-7B-Instruct"
     assert cfg.model_path == want and cfg.output_dir == str(tmp_path / "out")
     E.check(cfg, nproc)
-    if recipe == "lora_7b_40gb":  # the cell measured on the H200 capped to 40 GB (BENCHMARKS.md, Memory modes)
+    if recipe == "lora_7b_40gb":  # the cell measured on the H200 capped to 40 GB (BENCHMARKS.md, Memory cells)
         assert (cfg.lora_rank, cfg.precision, cfg.max_token_len_per_device, cfg.kv_cache_memory_gb) == \
             (64, "bf16", 8192, 1.5)

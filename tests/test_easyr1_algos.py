@@ -1,4 +1,4 @@
-"""EasyR1's algorithms that issue 21 (phase 2) brought here, each against EasyR1's own formula written out below as
+"""EasyR1's algorithms brought here (2026-12-01), each against EasyR1's own formula written out below as
 EasyR1 computes it, in float64: SAPO, gspo / gspo_token / cispo with EasyR1's clipping, grpo_passk, ReMax, the KL
 penalty in the reward with the adaptive controller, the cosine schedule and online filtering's rule. The references
 transcribe hiyouga/EasyR1 at commit b44b311b669bf1fd1aa2fc36f2251482ba33cb16: verl/trainer/core_algos.py

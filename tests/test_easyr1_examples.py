@@ -146,7 +146,7 @@ def test_readme_one_word_change_runs_a_script(tmp_path, monkeypatch):
 def test_the_qwen3_vl_30b_script_fits_the_computed_table(tmp_path, monkeypatch):
     """EasyR1's Qwen3-VL-30B-A3B example parses to pure bf16 (bf16 weights, bf16 AdamW) on 8 ranks, and the memory
     model for exactly that (the 30B-A3B preset, its rank count, its LoRA rank, KL coefficient and micro-batch tokens)
-    holds it on an 80 GB card beside the engine; the computed table (BENCHMARKS.md, Memory modes) shows that cell. Then the script's config goes
+    holds it on an 80 GB card beside the engine; the computed table (BENCHMARKS.md, Memory cells) shows that cell. Then the script's config goes
     through grpo.setup's own check before loading (memory.check_before_loading) on simulated cards: the hub name
     Qwen/Qwen3-VL-30B-A3B-Instruct is a known model (presets.HUB_NAMES), so it is checked without a download."""
     words = expand("examples/qwen3_vl_30b_geo3k_grpo.sh", tmp_path)

@@ -96,8 +96,8 @@ def test_a_red_and_a_blue_picture_reach_the_llm_apart(tiny):
 
 def test_gemma4s_image_tokens_reach_the_per_layer_inputs_as_vllm_sends_them(tiny):
     """vLLM's Gemma 4 gives its per-layer inputs token 0 at every image token (gemma4_mm.py), transformers the
-    config's <pad>: the tiny tokenizer puts <pad> at 0, as the hub's does, so the two forwards are one (session 24's
-    GPU row, with <pad> at 502, read 5.07e-3 a token engine against trainer: BENCHMARKS.md sessions 24-25)."""
+    config's <pad>: the tiny tokenizer puts <pad> at 0, as the hub's does, so the two forwards are one (2026-12-04's
+    GPU row, with <pad> at 502, read 5.07e-3 a token engine against trainer: benchmarks/HISTORY.md)."""
     arch, path, proc, samples = tiny
     if arch != "gemma4":
         pytest.skip("Gemma 4's per-layer inputs")
@@ -208,7 +208,7 @@ def test_a_family_neither_path_trains_gets_one_line_before_loading(tmp_path):
 
 
 def test_the_folders_written_for_gemma4_hold_a_k_norm_in_every_layer_as_vllm_loads_them(tmp_path):
-    """vLLM 0.26's Gemma 4 builds a k norm in every layer and refuses a folder without one (the H200, session 20);
+    """vLLM 0.26's Gemma 4 builds a k norm in every layer and refuses a folder without one (the H200, 2026-12-03);
     transformers has none in the KV-shared layers. The tiny model's folder, merge.py's, and a sharded save completed
     by tiny_families.complete_for_vllm carry one of each layer's head size in the files vLLM reads (the index's, or
     every .safetensors file), and transformers still loads each folder."""
@@ -292,7 +292,7 @@ def test_gemma4_e2b_in_small_trains_and_leaves_its_audio_tower_alone(tmp_path, m
 def test_the_gpu_engine_tests_weights_move_gemma4s_greedy_answers():
     """tests/test_families_gpu.py asserts that a sync of perturbed weights (all, or the vision tower's) changes vLLM's
     greedy answers. With its 10x LM head Gemma 4's soft-capped logits saturated: every prompt answered one token
-    whatever the weights, and the H200 run failed for the test's sake (session 22). The same check with the HF engine,
+    whatever the weights, and the H200 run failed for the test's sake (2026-12-03). The same check with the HF engine,
     at the GPU test's own sharpening (sharpen_for), here on the CPU."""
     from test_qwen3_gpu import vl_prompts
     from test_vllm_gpu import greedy, perturb, sharpen_for

@@ -1,4 +1,4 @@
-"""The two speed knobs of issue 23, each against its plain fallback: a token bound of its own for the no-grad log-prob
+"""The two speed knobs of the trainer, each against its plain fallback: a token bound of its own for the no-grad log-prob
 passes (--logprob-max-token-len-per-device) gives the same log-probs in fewer micro-batches, and selective activation
 checkpointing (--checkpoint-layers) gives the same loss and gradients with fewer layers recomputed; the memory model
 counts both."""
@@ -208,7 +208,7 @@ def test_checkpoint_layers_auto_keeps_what_fits_the_card():
     """--checkpoint-layers auto (bench.py's default): the fewest recomputed layers whose update, by the memory model
     grown by its 15 % error bound, fits the card. The 3B bar on one H200 (140.4 GiB, 64k-token micro-batches):
     29 of 36 layers, the setting measured at 119.8 GiB (the model: 117.4; one layer fewer, 122.4, would pass
-    140.4 with the bound: the 0.75 that ran out of memory in session 11 kept 9). Smaller cards recompute more,
+    140.4 with the bound: the 0.75 that ran out of memory on 2026-12-01 kept 9). Smaller cards recompute more,
     a card too small for any share falls back to every layer, and no card, no known model or no checkpointing
     means every layer; a number passes through."""
     dims = bench.model_dims("qwen2_5_vl_3b")
@@ -230,7 +230,7 @@ def test_checkpoint_layers_auto_keeps_what_fits_the_card():
     assert memory.resolve_checkpoint_layers(replace(cfg, model_path="/nowhere"), 1, card_gib=140.4)[0] == 1.0
     assert memory.resolve_checkpoint_layers(replace(cfg, gradient_checkpointing=False), 1, card_gib=140.4)[0] == 1.0
     assert memory.resolve_checkpoint_layers(replace(cfg, checkpoint_layers=0.5), 1, card_gib=140.4) == (0.5, "")
-    # padded rows (the padded realistic run at 29 of 36 ran out of memory: BENCHMARKS.md session 17): every layer
+    # padded rows (the padded realistic run at 29 of 36 ran out of memory: benchmarks/HISTORY.md): every layer
     for padded in (dict(padding_free="off"), dict(attn_implementation="sdpa"), dict(dtype="fp32"),
                    dict(model_path="Qwen/Qwen3-VL-30B-A3B-Instruct")):  # (the MoE packs only when asked)
         share, note = memory.resolve_checkpoint_layers(replace(cfg, **padded), 1, card_gib=140.4)

@@ -147,7 +147,7 @@ def test_benchmarks_quotes_the_generated_matrix_and_readme_links_it():
     assert text in open(os.path.join(ROOT, "benchmarks", "BENCHMARKS.md")).read(), "benchmarks/BENCHMARKS.md: " \
         "paste `python -m benchmarks.matrix table benchmarks/h200/matrix_*.json`"
     # README quotes its results through a link (tests/test_docs.py: the link reaches the table's heading)
-    assert "(benchmarks/BENCHMARKS.md#gpu-learning-matrix" in open(os.path.join(ROOT, "README.md")).read()
+    assert "(benchmarks/BENCHMARKS.md#learning-matrix" in open(os.path.join(ROOT, "README.md")).read()
     latest = {r["row"]: r for d in docs for r in d["rows"]}
     assert set(latest) <= set(matrix.ROWS)  # a kept row that failed stays, marked FAIL in the table (gemma4_colour)
     for name in set(matrix.ROWS) - set(latest):  # a row added since the last GPU run says so in the table

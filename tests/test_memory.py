@@ -290,7 +290,7 @@ def _host_check_on_two_ranks(rank, out):
         msg = str(e)
     open(os.path.join(out, f"{rank}.txt"), "w").write(msg)
     dist.barrier()
-    # and no teardown (as test_algo's two ranks): with the file store CI saw the abort once more (session 31); both
+    # and no teardown (as test_algo's two ranks): with the file store CI saw the abort once more (2026-12-05); both
     # ranks have written their messages and passed the barrier
     os._exit(0)
 

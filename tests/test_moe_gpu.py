@@ -71,7 +71,7 @@ def test_vllm_qwen3_vl_moe_engine_and_one_expert_sync(launch, tmp_path):
 
 
 def test_moe_demo_engine_agrees_with_trainer_after_every_sync(tmp_path, launch):
-    """Issue 22's agreement measure on the tiny MoE (per token, mean and max), printed for BENCHMARKS.md."""
+    """The matrix's agreement measure on the tiny MoE (per token, mean and max), printed for BENCHMARKS.md."""
     rows = run(launch, tmp_path, "--demo-model", "qwen3_vl_moe")
     diffs = [r["rollout/logprob_diff_mean"] for r in rows]
     print("MoE engine/trainer |logp diff| mean per step", diffs,

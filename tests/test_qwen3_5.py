@@ -144,7 +144,7 @@ def test_lora_adapts_the_gdn_projections_and_merges_to_a_folder_that_reproduces_
 def test_the_check_before_loading_knows_qwen3_5_by_its_hub_name(tmp_path, monkeypatch, capsys):
     """`--model-path Qwen/Qwen3.5-27B` with no download: its dimensions come from the preset of its hub name, and one
     80 GB GPU in AMP stops with one line that names how many such GPUs the memory model says it takes (its AMP
-    row in BENCHMARKS.md "Memory modes": 90.1 GiB on each of 8, so 16)."""
+    row in BENCHMARKS.md "Memory cells": 90.1 GiB on each of 8, so 16)."""
     import types
     import grpo
     from test_errors import grpo_main
@@ -216,7 +216,7 @@ def test_the_memory_model_counts_what_a_plain_path_gdn_layer_keeps_for_its_backw
 
 
 def test_the_9b_shape_that_ran_out_of_memory_is_refused_before_loading_and_fits_in_smaller_micro_batches(monkeypatch):
-    """Session 21 on one H200 (benchmarks/h200/bench9b_qwen35_s21_c_*): the 9B shape in pure bf16 with 64k-token
+    """One H200, 2026-12-03 (benchmarks/HISTORY.md): the 9B shape in pure bf16 with 64k-token
     micro-batches peaked at 109.7 GiB in step 1's update and ran out of memory in step 2's (the optimizer's state came
     at step 1's end). The memory model on the plain GDN path: step 1's update within 15 % of the measured peak, and
     the run refused before loading on a 139.8 GiB card; with 16k-token micro-batches it fits."""
@@ -229,7 +229,7 @@ def test_the_9b_shape_that_ran_out_of_memory_is_refused_before_loading_and_fits_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the plain GDN path, as under the H200's Triton
     dims = bench.model_dims("qwen3_5_9b")
     runs = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "h200")
-    step1 = json.loads(open(os.path.join(runs, "bench9b_qwen35_s21_c_oom_in_step2_metrics.jsonl")).readline())
+    step1 = json.loads(open(os.path.join(runs, "bench9b_qwen35_2026-12-03_oom_in_step2_metrics.jsonl")).readline())
     c = dict(dataclasses.asdict(bench.defaults("/tmp", "/tmp/m", "/tmp/d")), precision="bf16", rollout_batch_size=16,
              global_batch_size=16, checkpoint_layers=1.0)
     m = memory.memory_model(dims, **memory.config_mode(c, 1))
@@ -246,7 +246,7 @@ def test_the_9b_shape_that_ran_out_of_memory_is_refused_before_loading_and_fits_
 
 def test_hybrid_engine_asks_for_a_steps_sequences_only(tiny, monkeypatch):
     """vLLM keeps one recurrent-state block per running sequence of a hybrid model, and its default of 1024 sequences
-    outran the 578 blocks of the 35B-A3B's 6 GiB cache (CUDA graphs refused, BENCHMARKS.md session 25): VLLMRollout
+    outran the 578 blocks of the 35B-A3B's 6 GiB cache (CUDA graphs refused, 2026-12-04): VLLMRollout
     asks for one step's sequences on its replica (rollout_batch_size x n x TP / ranks); Qwen-VL keeps vLLM's default."""
     import dataclasses
     import sys

@@ -75,7 +75,7 @@ def test_engine_options_reach_vllm(path, monkeypatch):
 
 
 def test_an_engine_out_of_memory_at_start_is_one_line(path, monkeypatch):
-    """vLLM out of GPU memory while it starts (the 35B-A3B beside its trainer: BENCHMARKS.md session 26) is one line
+    """vLLM out of GPU memory while it starts (the 35B-A3B beside its trainer: benchmarks/HISTORY.md) is one line
     naming the options that give it room, not vLLM's traceback."""
     def oom(model_path, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 616.00 MiB.")
@@ -257,7 +257,7 @@ def test_vllm_samples_of_a_run_never_share_a_seed(monkeypatch):
 
 def test_sleep_survives_another_process_allocating(monkeypatch):
     """vLLM's sleep asserts that the device's free memory grew, which another process on the GPU can break after the
-    engine released its memory (two matrix rows died of it at steps 42 and 135); the engine must then still count as
+    engine freed its memory (two matrix rows died of it at steps 42 and 135); the engine must then still count as
     asleep, so that wake() maps its weights back, while any other assertion still stops the run."""
     import types
 
@@ -293,7 +293,7 @@ def test_sleep_survives_another_process_allocating(monkeypatch):
 
 def test_vllm_asks_each_sampled_tokens_logprob_and_forced_lengths_keep_theirs(path, monkeypatch):
     """generate asks vLLM for the sampled token's log-prob only (logprobs=0, the dict container: FlatLogprobs measured
-    slower, BENCHMARKS "Engine ablation"); the benchmarks' forced lengths return one log-prob per forced token."""
+    slower, benchmarks/HISTORY.md); the benchmarks' forced lengths return one log-prob per forced token."""
     prompts = [{"raw_prompt_ids": [3, 4, 5]}, {"raw_prompt_ids": [6, 7]}]
     kw = dict(n=3, temperature=1.0, top_p=1.0, max_tokens=5, seeds=[11, 12])
     standin_vllm(monkeypatch)
@@ -447,7 +447,7 @@ def test_tis_needs_every_samples_engine_logprobs(tmp_path):
 
 def test_vllm_generate_runs_with_the_collector_paused(path, monkeypatch):
     """VLLMRollout.generate turns Python's cyclic collector off for vLLM's engine loop and the reading of its
-    outputs (a full collection walks the trainer's whole heap: BENCHMARKS.md session 13) and back on after, also
+    outputs (a full collection walks the trainer's whole heap: benchmarks/HISTORY.md) and back on after, also
     when the engine raises; a caller that had it off keeps it off."""
     standin_vllm(monkeypatch)
     eng = rollout.make_rollout("vllm", path)

@@ -386,12 +386,12 @@ def test_the_zoom_demos_steps_see_each_colour_alike(tmp_path):
 
 
 def test_the_gpu_tests_bars_pass_a_recorded_run_that_learned_and_fail_one_that_did_not():
-    """tests/test_tools_gpu.py's bars against its two recorded H200 runs (session 31): at 60 steps the call was learned
+    """tests/test_tools_gpu.py's bars against its two recorded H200 runs (2026-12-05): at 60 steps the call was learned
     (rate past 0.5 from step 43), the agreement's mean 1.5e-3 with two steps near 1.1e-2: it passes; the 40-step run's
     call rate stayed under 0.44: it fails, as does the 60-step run with one step at a misplaced picture's 0.1."""
     from test_tools_gpu import check_zoom_run
     runs = {k: [json.loads(x) for x in open(Path(__file__).parents[1] / "benchmarks" / "h200" /
-                                             f"test_tools_gpu_s31_{k}steps_metrics.jsonl")] for k in (40, 60)}
+                                             f"test_tools_gpu_2026-12-05_{k}steps_metrics.jsonl")] for k in (40, 60)}
     check_zoom_run(runs[60])
     with pytest.raises(AssertionError):
         check_zoom_run(runs[40])

@@ -1,0 +1,186 @@
+"""The record behind benchmarks/BENCHMARKS.md: each of its tables, the command that prints it and the files it reads.
+
+From the repository root:
+    python -m benchmarks.record                 # every table: its section, its command, then what the command prints
+    python -m benchmarks.record speed           # one table, by name (names: TABLES below)
+    python -m benchmarks.record parity FILES    # the tables no other tool prints: parity, curves,
+                                                #   engine, two-turn, text
+
+BENCHMARKS.md quotes each command's output verbatim under its section, and tests/test_benchmarks_record.py holds it
+so: every file a table names exists, every run file kept in benchmarks/cpu and benchmarks/h200 is named by a table,
+and each table in BENCHMARKS.md is what its command prints now. A new measurement: keep its run files, add a Table
+here (or a file to one), paste `python -m benchmarks.record NAME`'s output into its section.
+"""
+import collections
+import glob
+import json
+import os
+import sys
+
+from benchmarks import bench, engine_bench, matrix, two_turn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name: how `python -m benchmarks.record NAME` calls it; section: the BENCHMARKS.md heading it sits under (without
+# "## "); command: the module and subcommand that print it; files: the run files it reads (paths from the repository
+# root; a pattern stands for the files it matches, sorted, as the shell gives them); args: after the files.
+Table = collections.namedtuple("Table", "name section command files args", defaults=((),))
+
+MATRIX = "Learning matrix: every demo with vLLM (H200, 2026-12-01 to 2026-12-05)"
+TWO_GPUS = "Two H200s: the colour demo at tensor parallel 1 and 2 (2 x H200, 2026-11-30)"
+PARITY = "Parity: vLLM against the HF engine (H200, 2026-12-01 to 2026-12-04)"
+SPEED = "Speed: the Qwen2.5-VL-3B step (H200, 2026-12-02)"
+MEMORY = "Memory cells: measured against the memory model (H200, 2026-12-01 to 2026-12-05)"
+SHAPES = "Model shapes: Qwen3.5-9B, Qwen3.5-35B-A3B, Gemma-4-E2B (H200, 2026-12-03 to 2026-12-05)"
+TOOLS_GPU = "The zoom demo with vLLM: the tools GPU test's two recorded runs (H200, 2026-12-05)"
+TWO_TURN = "Two-turn rollout: a tool's picture between turns (H200, 2026-12-04 to 2026-12-05; CPU, 2026-12-05)"
+CPU = "CPU demos: each built-in demo learns (2-core CPU, 2026-11-30 to 2026-12-04)"
+TOOLS = "CPU: the zoom tool demo on five seeds (2-core CPU, 2026-12-05)"
+
+H, C = "benchmarks/h200/", "benchmarks/cpu/"
+TABLES = [
+    Table("matrix", MATRIX, "benchmarks.matrix table", [H + "matrix_*.json"]),
+    Table("matrix_gemma4_log", MATRIX, "benchmarks.matrix log", [H + "matrix_2026-12-04_b_gemma4_colour.log"]),
+    Table("matrix_before_seed_fix", MATRIX, "benchmarks.bench report", [H + "demo_vllm_qwen3vl_80steps_metrics.jsonl"]),
+    Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
+                                                               H + "demo_vllm_2gpu_tp2_100steps_metrics.jsonl"]),
+    Table("parity", PARITY, "benchmarks.record parity", [H + "parity_*.json"]),
+    Table("speed", SPEED, "benchmarks.bench report", [H + "bench3b_2026-12-02_*_metrics.jsonl",
+                                                       H + "bench8b_qwen3vl_bf16_packed_shared_metrics.jsonl"]),
+    Table("engine3b", SPEED, "benchmarks.record engine", [H + "engine3b_2026-12-02_d.json"]),
+    Table("pyspy", SPEED, "benchmarks.bench pyspy", [H + "engine3b_2026-12-02_a_pyspy_raw.txt.xz"], ("top=12",)),
+    Table("memory", MEMORY, "benchmarks.bench table", [
+        H + "m3b_amp_summary.json", H + "m3b_bf16_summary.json", H + "m3b_lora_summary.json",
+        H + "m3b_offload_summary.json", H + "m3b_offopt_summary.json", H + "m7b_lora_amp_cap80_summary.json",
+        H + "m7b_lora_bf16_cap40_kv1.5_summary.json", H + "m7b_lora_bf16_cap40_oom_step2_metrics.jsonl",
+        H + "bench8b_qwen3vl_bf16_1gpu_16x8_summary.json", H + "moe30b_lora_bf16_summary.json",
+        H + "bench9b_qwen35_2026-12-04_summary.json", H + "moe35b_qwen35_2026-12-05_summary.json",
+        H + "gemma4_e2b_2026-12-04_summary.json"]),
+    Table("shapes", SHAPES, "benchmarks.bench report", [H + "bench9b_qwen35_2026-12-03_oom_in_step2_metrics.jsonl",
+                                                         H + "bench9b_qwen35_2026-12-04_metrics.jsonl",
+                                                         H + "moe35b_qwen35_2026-12-05_metrics.jsonl",
+                                                         H + "gemma4_e2b_2026-12-04_metrics.jsonl"]),
+    Table("engine9b", SHAPES, "benchmarks.record engine", [H + "engine9b_qwen35_2026-12-04.json"]),
+    Table("tools_gpu", TOOLS_GPU, "benchmarks.record curves", [H + "test_tools_gpu_2026-12-05_*steps_metrics.jsonl"]),
+    Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json"]),
+    Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-05_*.txt"]),
+    Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
+        "demo_1proc", "demo_torchrun2", "dapo", "qwen3vl_demo", "demo_qwen2vl", "demo_qwen3vl_moe", "demo_gemma4", "demo_gemma4_pad0",
+        "qwen3_largest_digit_demo", "video_demo_after_mrope_fix_60steps", "qwen3vl_video_demo", "lora_demo",
+        "lora_demo_vision_adapters", "demo_bf16_150steps", "demo_qwen3_5", "demo_qwen3_5_moe", "demo_internvl")]),
+    Table("tools", TOOLS, "benchmarks.record curves", [C + "demo_tools_balanced_*_metrics.jsonl.xz"]),
+]
+
+
+def files(t, root=ROOT):
+    """The table's files, patterns expanded (a pattern that matches nothing stays, to be reported missing)."""
+    out = []
+    for p in t.files:
+        hits = sorted(glob.glob(os.path.join(root, p))) if "*" in p else []
+        out += [os.path.relpath(x, root) for x in hits] or [p]
+    return out
+
+
+def missing(tables=TABLES, root=ROOT):
+    """The files the tables name that are not there."""
+    return sorted({f for t in tables for f in files(t, root) if not os.path.isfile(os.path.join(root, f))})
+
+
+def strays(tables=TABLES, root=ROOT, folders=("benchmarks/cpu", "benchmarks/h200")):
+    """The files kept in the run folders that no table names (scripts, *.py, aside: zoom_probe.py is a tool)."""
+    named = {f for t in tables for f in files(t, root)}
+    kept = [os.path.relpath(os.path.join(d, f), root) for folder in folders
+            for d, subs, fs in os.walk(os.path.join(root, folder)) if "__pycache__" not in d for f in fs]
+    return sorted(f for f in kept if f not in named and not f.endswith(".py"))
+
+
+def command(t):
+    """The command as BENCHMARKS.md shows it (run from the repository root; the shell expands the patterns)."""
+    return " ".join(["python -m", t.command, *t.files, *t.args])
+
+
+def parity_table(paths):
+    """One line per `python -m benchmarks.matrix parity --json` result: greedy answers equal, log-prob gap per token."""
+    out = ["| run | prompts | greedy equal | log-prob gap mean | worst class (mean) | largest token | result |",
+           "|---|---|---|---|---|---|---|"]
+    for p in paths:
+        d = json.load(open(p))
+        top = max(c["max"] for c in d["classes"].values())
+        out.append(f"| {os.path.basename(p).removesuffix('.json')} | {d['prompts']} | {d['greedy_equal']:.3f} | "
+                   f"{d['mean']:.1e} | {d['worst_class']} ({d['worst_mean']:.1e}) | {top:.2f} | "
+                   f"{'; '.join(d['failures']) or 'pass'} |")
+    return "\n".join(out)
+
+
+def curves_table(paths):
+    """One line per metrics.jsonl[.xz]: greedy validation at each validation step (val/accuracy where the run logs
+    it, the answer alone; else val/mean), runs of one value joined; where the run calls tools, the first training
+    step whose tool-call rate reached 0.5 and 0.9, and its largest."""
+    out = ["| run | steps | train reward, first 5 -> last 5 steps | greedy validation | tool-call rate: 0.5 from step, "
+           "0.9 from step, max |", "|---|---|---|---|---|"]
+    for p in paths:
+        rows = [json.loads(x) for x in bench.read_lines(p)]
+        train = [r for r in rows if "reward/mean" in r]
+        key = "val/accuracy" if any("val/accuracy" in r for r in rows) else "val/mean"
+        runs = []  # [value, first step, last step]
+        for r in (r for r in rows if key in r):
+            v = f"{r[key]:.3f}"
+            if runs and runs[-1][0] == v:
+                runs[-1][2] = r["step"]
+            else:
+                runs.append([v, r["step"], r["step"]])
+        story = ", ".join(f"{v} at {a}" if a == b else f"{v} from {a} to {b}" for v, a, b in runs)
+        rate = [(r["step"], r["tools/call_rate"]) for r in train if "tools/call_rate" in r]
+        first = lambda bar: next((str(s) for s, x in rate if x >= bar), "never")  # noqa: E731
+        calls = f"{first(0.5)}, {first(0.9)}, {max(x for _, x in rate):.3f}" if rate else "-"
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        rew = [r["reward/mean"] for r in train]
+        out.append(f"| {os.path.basename(p).split('_metrics.jsonl')[0]} | {len(train)} | "
+                   f"{mean(rew[:5]):.3f} -> {mean(rew[-5:]):.3f} | "
+                   f"{story + f' ({key})' if story else '-'} | {calls} |")
+    return "\n".join(out)
+
+
+def output(t):
+    """What the table's command prints, computed here (the same functions its module's command line calls)."""
+    paths = [os.path.join(ROOT, f) for f in files(t)]
+    named = lambda text, p: f"{os.path.basename(p)}:\n\n{text}"  # noqa: E731
+    run = {
+        "benchmarks.matrix table": lambda: matrix.table([json.load(open(p)) for p in paths]),
+        "benchmarks.matrix log": lambda: json.dumps(matrix.from_log(paths[0])),
+        "benchmarks.bench report": lambda: bench.report(paths),
+        "benchmarks.bench table": lambda: bench.table(paths),
+        "benchmarks.bench pyspy": lambda: engine_bench.pyspy_table(paths[0], "LLMEngine.step",
+                                                                   int(dict(a.split("=") for a in t.args)["top"])),
+        "benchmarks.record parity": lambda: parity_table(paths),
+        "benchmarks.record curves": lambda: curves_table(paths),
+        "benchmarks.record engine": lambda: "\n\n".join(named(engine_bench.table(json.load(open(p))), p)
+                                                        for p in paths),
+        "benchmarks.record two-turn": lambda: "\n\n".join(named(two_turn.table(json.load(open(p))), p)
+                                                          for p in paths),
+        "benchmarks.record text": lambda: "\n\n".join(named(open(p).read().strip(), p) for p in paths),
+    }
+    return run[t.command]()
+
+
+def main(argv):
+    by_name = {t.name: t for t in TABLES}
+    if argv and argv[0] in ("parity", "curves", "engine", "two-turn", "text"):  # the commands TABLES name as benchmarks.record
+        print(output(Table("-", "-", "benchmarks.record " + argv[0], argv[1:])))
+        return 0
+    unknown = [a for a in argv if a not in by_name]
+    if unknown:
+        print(f"unknown table {unknown[0]}: one of {', '.join(by_name)}, or parity/curves/engine/two-turn/text FILES",
+              file=sys.stderr)
+        return 2
+    section = None
+    for t in [by_name[a] for a in argv] or TABLES:
+        if t.section != section:
+            section = t.section
+            print(f"## {section}\n")
+        print(f"`{command(t)}`\n\n{output(t)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
