@@ -376,7 +376,7 @@ def from_words(words, config_flag=None):
     return config, path
 
 
-def cli(cls, demo, args=None, text_demo=None, video_demo=None, tools_demo=None):
+def cli(cls, demo, args=None, text_demo=None, video_demo=None, tools_demo=None, family_demo=None):
     """Parse the command line over the defaults in force: `cls`'s own (EasyR1's), or those changed by `demo` for the
     demo (no --model-path; `text_demo` on top for --demo-model qwen3, `video_demo` for --demo-task video, `tools_demo`
     for --demo-task zoom); the EasyR1 config (--config, or `config=FILE` and dotted keys) goes between the defaults
@@ -399,6 +399,8 @@ def cli(cls, demo, args=None, text_demo=None, video_demo=None, tools_demo=None):
         demo = {**demo, **video_demo}
     elif is_demo and tools_demo and getattr(first, "demo_task", "") == "zoom":  # the tool demo (tools.py)
         demo = {**demo, **tools_demo}
+    if is_demo and family_demo:  # a family's own on top (tiny_model.FAMILY_DEMO)
+        demo = {**demo, **family_demo.get(getattr(first, "demo_model", ""), {})}
     defaults = replace(cls(), **{**(demo if is_demo else {}), **from_yaml})
     cfg = tyro.cli(cls, args=args, default=defaults, description=desc)
     if os.environ.get("RANK", "0") == "0":

@@ -33,7 +33,7 @@ from algos import (adaptive_kl_coef, agg_loss, compute_advantages, correction_we
 from common import UserError, heap_freezer, one_line_errors
 from data import prefetch_prompts, take_prompts  # the prompt stream (drawn ahead on a thread)
 from config import Config, bf16_compute  # the options; their defaults are EasyR1's (examples/config.yaml)
-from tiny_model import DEMO, TEXT_DEMO, TOOLS_DEMO, VIDEO_DEMO  # the demos' defaults (no --model-path), flags win;
+from tiny_model import DEMO, FAMILY_DEMO, TEXT_DEMO, TOOLS_DEMO, VIDEO_DEMO  # the demos' (no --model-path), flags win;
 # the text, video and zoom demos' on top of DEMO
 
 
@@ -585,12 +585,12 @@ def train(cfg: Config, collect=collect_rollouts):
 
 
 def main(config_cls=Config, collect=collect_rollouts, demo=DEMO, text_demo=TEXT_DEMO, video_demo=VIDEO_DEMO,
-         tools_demo=TOOLS_DEMO):
+         tools_demo=TOOLS_DEMO, family_demo=FAMILY_DEMO):
     """The command line: defaults (EasyR1's, or the demo's), an EasyR1 --config, the flags; then train. A UserError
     (a bad option, file, row or reward) ends the run with one `error:` line and exit code 2."""
     with one_line_errors():
-        train(easyr1_config.cli(config_cls, demo, text_demo=text_demo, video_demo=video_demo, tools_demo=tools_demo),
-              collect)
+        train(easyr1_config.cli(config_cls, demo, text_demo=text_demo, video_demo=video_demo, tools_demo=tools_demo,
+                                family_demo=family_demo), collect)
     sys.stdout.flush(), sys.stderr.flush()  # every rank passed train's last barrier; the trackers are closed: then
     os._exit(0)  # no interpreter teardown, where torch 2.13's gloo at times aborts a finished run (SIGABRT, CI)
 
