@@ -327,7 +327,7 @@ def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-def table(docs):
+def table(docs, ran_only=False):
     """Markdown: one line per row, from the last of the kept runs (files in order) that ran it; earlier attempts
     at a row are listed below the table with what stopped them. Every row is judged by today's rule (regrade)."""
     latest, earlier = {}, []
@@ -351,7 +351,7 @@ def table(docs):
             f"{' (stopped at its target)' if s.get('stopped_at_target') else ''} | "
             f"{s['doc']['date']} |")
     lines += [f"| {name} | {ROWS[name][3]} | - | - | - | - | - | not yet run | - |"
-              for name in ROWS if name not in latest]
+              for name in ROWS if name not in latest and not ran_only]
     ran = sorted({_ran(s["doc"]) for s in latest.values()})
     lines.insert(0, "Ran on: " + "; ".join(ran) + ".\n")
     for s in earlier:
@@ -409,6 +409,7 @@ def main(argv=None):
                    help="end a row once its last 3 validations hold the target (a short call; no parity)")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
+    t.add_argument("--ran", action="store_true", help="only the rows the files ran (no 'not yet run' lines)")
     c = sub.add_parser("collect", help="rows from kept metrics files, when a call was cut before matrix.json")
     c.add_argument("pairs", nargs="+", metavar="ROW=METRICS_JSONL")
     c.add_argument("--out", required=True)
@@ -432,7 +433,7 @@ def main(argv=None):
         print(collect(a.pairs, a.out, a.versions_from))
         return 0
     if a.cmd == "table":
-        print(table([json.load(open(f)) for f in a.files]))
+        print(table([json.load(open(f)) for f in a.files], a.ran))
         return 0
     VARIANTS.update(v.split("=", 1) for v in a.variant)
     names = [n + (f"/s{seed}" if seed != "1" else "") for n in a.rows.split(",") if n

@@ -27,21 +27,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Table = collections.namedtuple("Table", "name section command files args", defaults=((),))
 
 MATRIX = "Learning matrix: every demo with vLLM (H200, 2026-12-01 to 2026-12-05)"
+GEMMA4 = "Gemma 4 loses a colour: what decides it (H100 and CPU, 2026-12-05)"
 TWO_GPUS = "Two H200s: the colour demo at tensor parallel 1 and 2 (2 x H200, 2026-11-30)"
 PARITY = "Parity: vLLM against the HF engine (H200, 2026-12-01 to 2026-12-04)"
 SPEED = "Speed: the Qwen2.5-VL-3B step (H200, 2026-12-02)"
 MEMORY = "Memory cells: measured against the memory model (H200, 2026-12-01 to 2026-12-05)"
 SHAPES = "Model shapes: Qwen3.5-9B, Qwen3.5-35B-A3B, Gemma-4-E2B (H200, 2026-12-03 to 2026-12-05)"
-TOOLS_GPU = "The zoom demo with vLLM: the tools GPU test's two recorded runs (H200, 2026-12-05)"
+TOOLS_GPU = "The zoom demo with vLLM: the tools GPU test (H200 and H100, 2026-12-05)"
 TWO_TURN = "Two-turn rollout: a tool's picture between turns (H200, 2026-12-04 to 2026-12-05; CPU, 2026-12-05)"
 CPU = "CPU demos: each built-in demo learns (2-core CPU, 2026-11-30 to 2026-12-04)"
 TOOLS = "CPU: the zoom tool demo on five seeds (2-core CPU, 2026-12-05)"
 
-H, C = "benchmarks/h200/", "benchmarks/cpu/"
+H, C, H1 = "benchmarks/h200/", "benchmarks/cpu/", "benchmarks/h100/"
 TABLES = [
     Table("matrix", MATRIX, "benchmarks.matrix table", [H + "matrix_*.json"]),
     Table("matrix_gemma4_log", MATRIX, "benchmarks.matrix log", [H + "matrix_2026-12-04_b_gemma4_colour.log"]),
     Table("matrix_before_seed_fix", MATRIX, "benchmarks.bench report", [H + "demo_vllm_qwen3vl_80steps_metrics.jsonl"]),
+    Table("gemma4_causes", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_gemma4_causes.json"]),
+    Table("gemma4_cpu", GEMMA4, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
+        "demo_gemma4", "demo_gemma4_bf16_kl0.01")]),
     Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
                                                                H + "demo_vllm_2gpu_tp2_100steps_metrics.jsonl"]),
     Table("parity", PARITY, "benchmarks.record parity", [H + "parity_*.json"]),
@@ -62,6 +66,7 @@ TABLES = [
                                                          H + "gemma4_e2b_2026-12-04_metrics.jsonl"]),
     Table("engine9b", SHAPES, "benchmarks.record engine", [H + "engine9b_qwen35_2026-12-04.json"]),
     Table("tools_gpu", TOOLS_GPU, "benchmarks.record curves", [H + "test_tools_gpu_2026-12-05_*steps_metrics.jsonl"]),
+    Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-05.log"]),
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json"]),
     Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-05_*.txt"]),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
@@ -86,7 +91,7 @@ def missing(tables=TABLES, root=ROOT):
     return sorted({f for t in tables for f in files(t, root) if not os.path.isfile(os.path.join(root, f))})
 
 
-def strays(tables=TABLES, root=ROOT, folders=("benchmarks/cpu", "benchmarks/h200")):
+def strays(tables=TABLES, root=ROOT, folders=("benchmarks/cpu", "benchmarks/h200", "benchmarks/h100")):
     """The files kept in the run folders that no table names (scripts, *.py, aside: zoom_probe.py is a tool)."""
     named = {f for t in tables for f in files(t, root)}
     kept = [os.path.relpath(os.path.join(d, f), root) for folder in folders
@@ -147,6 +152,7 @@ def output(t):
     named = lambda text, p: f"{os.path.basename(p)}:\n\n{text}"  # noqa: E731
     run = {
         "benchmarks.matrix table": lambda: matrix.table([json.load(open(p)) for p in paths]),
+        "benchmarks.matrix table --ran": lambda: matrix.table([json.load(open(p)) for p in paths], ran_only=True),
         "benchmarks.matrix log": lambda: json.dumps(matrix.from_log(paths[0])),
         "benchmarks.bench report": lambda: bench.report(paths),
         "benchmarks.bench table": lambda: bench.table(paths),
