@@ -6,6 +6,7 @@ Sequences are laid out as one row per sample: prompt + response, right-padded:
     input_ids  [B, T]   p p p p r r r 0 0
     resp_mask  [B, T]   0 0 0 1 1 1 0 0 0   (position t predicts token t+1: marks the positions *before* response tokens)
 Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch."""
+import functools
 import math
 import os
 import types
@@ -18,6 +19,7 @@ import torch.nn as nn
 
 import memory
 import presets
+import ulysses
 import varlen
 import video
 from common import UserError, _cpu_group, all_reduce_cpu, free_port  # noqa: F401 (all_reduce_cpu: actor.all_reduce_cpu)
@@ -93,6 +95,7 @@ class LogProbModel(nn.Module):
         self.router_logits, self.aux_loss = None, None
         self.chunk_kernels = varlen.LOGPROB_KERNELS  # build_actor: their compiled twins with --torch-compile
         self.softcap = getattr(cfg.get_text_config(), "final_logit_softcapping", None)  # Gemma: cap x tanh(z / cap)
+        self.ulysses = None  # build_actor: this rank's sequence-parallel group (--ulysses-size > 1)
 
     def forward(self, input_ids, resp_idx, targets, mm_inputs, owner=None, position_ids=None, varlen=None,
                 temperature=1.0, chunk_size=4096, entropy=True):
@@ -103,9 +106,14 @@ class LogProbModel(nn.Module):
         log-probs [n] and, with `entropy`, the entropies [n] (else None)."""
         if self.router_logits is not None:
             self.router_logits.clear()
-        hidden = self.hidden_states(input_ids, mm_inputs, owner, position_ids, varlen)  # [B, T, H]
+        hidden = self.hidden_states(input_ids, mm_inputs, owner, position_ids, varlen)  # [B, T, H] (Ulysses: [1, T/K, H])
         if self.router_logits and torch.is_grad_enabled():
             self.aux_loss = router_aux_loss(self.hf, self.router_logits, input_ids)
+        n, all_idx = input_ids.shape[1], resp_idx
+        if self.ulysses is not None:  # the targets of this rank's slice of the row; all ranks' gathered below
+            a, b = ulysses.bounds(n, self.ulysses)
+            mine = (resp_idx >= a) & (resp_idx < b)  # [n_targets]
+            resp_idx, targets = resp_idx[mine] - a, targets[mine]
         h = hidden.flatten(0, 1).index_select(0, resp_idx)  # [n, H] (an index, not a boolean mask: no host sync)
         head = self.hf.get_output_embeddings()
         logps, ents = [], []
@@ -114,7 +122,10 @@ class LogProbModel(nn.Module):
             lp, ent = ChunkLogProbs.apply(hc, tc, head.weight, temperature, self.forbidden, entropy, kernels)
             logps.append(lp)
             ents.append(ent)
-        return torch.cat(logps), torch.cat(ents) if entropy else None  # [n], [n]
+        logp, ent = torch.cat(logps), torch.cat(ents) if entropy else None  # [n], [n]
+        if self.ulysses is not None:
+            logp, ent = (None if x is None else ulysses.gather(x, all_idx, n, self.ulysses) for x in (logp, ent))
+        return logp, ent
 
     def hidden_states(self, input_ids, mm_inputs, owner, position_ids=None, varlen=None):
         # No attention mask: padded rows are right-padded and attention is causal, so no real token ever sees a pad
@@ -261,7 +272,7 @@ def recompute_first_layers(hf, share):
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
                 trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto",
                 torch_compile="off", offload=False, router_aux_loss_coef=0.0, checkpoint_layers=1.0,
-                share_prompts=True):
+                share_prompts=True, ulysses_group=None):
     """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
     in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
     policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
@@ -319,6 +330,15 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     model.rope = "mrope" if model.packed and model.rope is None else model.rope  # (Qwen3-VL: positions from collate)
     # a shared prompt's keys serve each response in attention; a recurrent layer would need its state forked instead
     model.share_prompts = model.packed and share_prompts and model.router_logits is None and gdn is None
+    if ulysses_group is not None:  # each rank's slice of the row into the language model (the one below the root)
+        K = dist.get_world_size(ulysses_group)
+        ulysses.check_model(hf.config, hf.config.get_text_config().num_attention_heads, K)
+        if not model.packed or model.router_logits is not None:
+            raise UserError(f"--ulysses-size {K}: needs padding-free rows (--padding-free on or auto where a fast "
+                            "kernel runs) and no --router-aux-loss-coef")
+        lm = getattr(hf.model, "language_model", hf.model)
+        lm.register_forward_pre_hook(functools.partial(ulysses.shard_inputs, ulysses_group), with_kwargs=True)
+        model.ulysses = ulysses_group
     # auto: on a GPU in bf16/fp16, for a model wide enough that fused kernels pay for the compilation (~100 s at
     # 3B); a tiny model's steps are launch-bound and would only wait for the compiler
     wide = getattr(getattr(hf.config, "text_config", hf.config), "hidden_size", 0) >= 1024
@@ -503,7 +523,10 @@ def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=Fal
 def plan_micro_batches(model, samples, max_tokens, max_samples):
     """make_micro_batches for `model`'s rows (padded, packed, or packed with shared prompts)."""
     lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples]
-    return make_micro_batches(lengths, max_tokens, max_samples, [id(s["prompt"]) for s in samples], model.packed,
+    first = {}  # each prompt by its first sample: the same order on every rank (Ulysses' ranks plan the same rows)
+    groups = [first.setdefault(id(s["prompt"]), i) for i, s in enumerate(samples)]
+    K = 1 if model.ulysses is None else dist.get_world_size(model.ulysses)  # a row of K ranks: K x the tokens
+    return make_micro_batches(lengths, max_tokens * K, max_samples, groups, model.packed,
                               [len(s["prompt"]["prompt_ids"]) for s in samples] if model.share_prompts else None)
 
 

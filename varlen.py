@@ -15,6 +15,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+import ulysses
+
 
 # Both speed paths hand transformers' attention modules one call over many independent sequences, described by
 # cumulative lengths cu_seqlens [S + 1] (int32) and the longest length:
@@ -198,6 +200,9 @@ def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     max_len = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, H, D]
+    sp = kwargs.get("ulysses")  # sequence parallel: my tokens, every head -> every token, my heads (and back below)
+    if sp is not None:
+        q, k, v = ulysses.to_heads(q, k, v, sp)
     kv = kwargs.get("kv_index")  # a shared-prompt row (fsdp_actor.collate): each response's keys are its prompt's
     if kv is not None:           # and its own, gathered into a sequence of their own
         k, v = k.index_select(0, kv), v.index_select(0, kv)  # [Nk, Hkv, D]
@@ -208,7 +213,7 @@ def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None
                            "version drop the keyword?); train with --no-share-prompts")
     else:
         out = varlen_attention(q, k, v, cu.to(torch.int32), int(max_len), causal, scaling)
-    return out[None], None
+    return (out if sp is None else ulysses.to_tokens(out, sp))[None], None
 
 
 def packed_layout(plens, rlens, owner, share=True):

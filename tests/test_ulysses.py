@@ -1,0 +1,95 @@
+"""Ulysses sequence parallelism (ulysses.py) under torchrun on gloo, 2 and 4 ranks: on the same packed row, K = 2
+and K = 4 give the per-token log-probs, entropies, loss and every parameter's gradient of K = 1 (fp32, 1e-5), for a
+Qwen2.5-VL row with images and a Qwen3 text row, each prompt once in the row and not. Run as a script, it is one rank."""
+import os
+import sys
+
+import pytest
+
+from common import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3"])
+def test_ulysses_equals_one_rank_per_row(arch, ranks, tmp_path, launch):
+    p = launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", ranks, "--master-port",
+                    free_port(), os.path.abspath(__file__), arch, tmp_path], tmp_path / "log", timeout=300,
+                   PYTHONPATH=ROOT)
+    for K in (2, 4) if ranks == 4 else (2,):
+        assert f"ULYSSES_OK {arch} K={K} world={ranks}" in p.out, p.out[-3000:]
+
+
+def _text_samples(path):
+    import data
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    ps = [data.encode_prompt({"problem": q, "answer": "1", "images": []}, tok)
+          for q in ("Name a colour.", "What is the largest digit of 90417? Think step by step.")]
+    return [dict(prompt=ps[i % 2], response_ids=[(7 * i + j) % 300 + 3 for j in range(3 + 11 * i % 29)])
+            for i in range(6)], tok.pad_token_id
+
+
+def _step(path, samples, pad, K, share, world):
+    """One micro-batch through the policy and grpo's loss as update_policy takes it: log-probs, entropies, loss
+    (the whole group's), every parameter's full gradient."""
+    import torch
+    import torch.distributed as dist
+    import fsdp_actor as actor
+    import grpo
+    import rundir
+    import ulysses
+    group = ulysses.make_group(K)
+    vl = "vl" in path
+    model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, padding_free="on",
+                              vision_varlen="on" if vl else "off", share_prompts=share, ulysses_group=group)
+    batch, resp_len = actor.collate(samples, pad, torch.device("cpu"), model)
+    lp, ent = model(**batch)  # [n], [n]
+    logp, mask = actor.pad_responses(lp, resp_len)
+    ent_p, _ = actor.pad_responses(ent, resp_len)
+    cfg = grpo.Config(kl_coef=0.0, entropy_coeff=0.1)
+    # update_policy's normalisers: summed over ranks, each of a Ulysses group's K ranks holding the same samples
+    tokens = float(actor.all_reduce_cpu(float(resp_len.sum()))) / K
+    norm = dict(num_tokens=tokens, num_seqs=len(samples) * world / K, max_len=64)
+    loss, _ = grpo.micro_batch_loss(cfg, logp, ent_p, mask, samples, norm, rundir.MetricSums(), first_pass=True)
+    (loss * world).backward()  # as update_policy: FSDP averages over all ranks, the normalisers are global
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    dist.barrier()
+    return lp.detach(), ent.detach(), float(loss.detach()) * world / K, grads
+
+
+def main(arch, tmp):
+    import torch
+    import torch.distributed as dist
+    import fsdp_actor as actor
+    import tiny_model
+    rank, world, _ = actor.init_distributed()
+    path = tiny_model.build_tiny_model(os.path.join(tmp, arch), arch=arch, rank=rank)
+    if arch == "qwen3":
+        samples, pad = _text_samples(path)
+    else:
+        from test_varlen import _samples  # one image, two images, none; 2 samples each
+        samples, pad = _samples(path)
+    g = torch.Generator().manual_seed(3)
+    for s in samples:
+        s["adv"] = float(torch.randn((), generator=g))
+    n_row = sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    for K in (2, 4) if world == 4 else (2,):
+        for share in (False, True):
+            torch.manual_seed(0)
+            ref = _step(path, samples, pad, 1, share, world)
+            got = _step(path, samples, pad, K, share, world)
+            for name, a, b in zip(("log-probs", "entropies"), got[:2], ref[:2]):
+                assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5), (name, (a - b).abs().max())
+            assert abs(got[2] - ref[2]) <= 1e-5 * abs(ref[2]) and ref[2] != 0, (got[2], ref[2])
+            assert got[3].keys() == ref[3].keys() and len(ref[3]) > 10
+            for n, b in ref[3].items():
+                assert b.abs().max() > 0 and (got[3][n] - b).abs().max() <= 1e-5 * b.abs().max(), (n, share)
+        if rank == 0:
+            print(f"ULYSSES_OK {arch} K={K} world={world} ({n_row} tokens in the row)", flush=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
