@@ -168,6 +168,10 @@ class Config:
     vision_varlen: Literal["auto", "on", "off"] = "auto"  # the vision tower's windows in one attention call per layer
     torch_compile: Literal["auto", "on", "off"] = "auto"  # fused norm/MLP/rotary/log-prob kernels; auto: CUDA, bf16, hidden >= 1024
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)
+    # Ulysses sequence parallelism: K ranks train each packed row together, each holding 1/K of its tokens (all-to-all
+    # around attention), a micro-batch up to K x --max-token-len-per-device; the K ranks' samples are trained together
+    # (data parallel over world / K). K divides the ranks and the attention heads; Qwen2-VL, Qwen2.5-VL, text LLMs
+    ulysses_size: int = 1
     peak_tflops: float = 989.0  # per GPU, for perf/mfu_*: H100/H200 dense bf16 (the figure veRL and EasyR1 use)
     # --- trainer ---
     max_steps: int = 0  # training steps (one rollout batch each); 0 = total_epochs passes over the training data

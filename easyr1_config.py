@@ -160,9 +160,7 @@ TABLE = {
     "worker.actor.padding_free": ("padding_free", lambda v, y: {"padding_free": "auto" if v else "off"},
                                   "true = auto (on where a fast varlen kernel runs)"),
     "worker.actor.dynamic_batching": (None, None, "always on: micro-batches by padded tokens"),
-    "worker.actor.ulysses_size": (None, _only(1, None, why="Ulysses sequence parallelism is not implemented here: "
-                                              "set it to 1 (each rank then holds whole sequences)"),
-                                  "must be 1: sequence parallelism is not implemented"),
+    "worker.actor.ulysses_size": ("ulysses_size", None, "Ulysses sequence parallelism (each packed row over K ranks)"),
     "worker.actor.use_torch_compile": ("torch_compile", lambda v, y: {"torch_compile": "auto" if v else "off"},
                                        "true = auto (on for CUDA in bf16)"),
     "worker.actor.model.model_path": ("model_path", None, None),
@@ -427,6 +425,8 @@ def check(cfg, world):
                         "--rollout-correction tis (it weights every sample by the engine's log-probs)")
     if cfg.lora_target_experts and cfg.lora_rank <= 0:
         raise UserError("--lora-target-experts puts LoRA adapters on the experts: it needs --lora-rank > 0")
+    if cfg.ulysses_size < 1 or world % cfg.ulysses_size:
+        raise UserError(f"--ulysses-size {cfg.ulysses_size}: must divide the number of ranks ({world})")
     for opt, v in {"rollout-n": cfg.n, "rollout-batch-size": cfg.rollout_batch_size,
                    "global-batch-size": cfg.global_batch_size, "ppo-epochs": cfg.ppo_epochs}.items():
         if v < 1:

@@ -106,7 +106,7 @@ class LogProbModel(nn.Module):
         log-probs [n] and, with `entropy`, the entropies [n] (else None)."""
         if self.router_logits is not None:
             self.router_logits.clear()
-        hidden = self.hidden_states(input_ids, mm_inputs, owner, position_ids, varlen)  # [B, T, H] (Ulysses: [1, T/K, H])
+        hidden = self.hidden_states(input_ids, mm_inputs, owner, position_ids, varlen)  # [B, T, H]; Ulysses [1, T/K, H]
         if self.router_logits and torch.is_grad_enabled():
             self.aux_loss = router_aux_loss(self.hf, self.router_logits, input_ids)
         n, all_idx = input_ids.shape[1], resp_idx
@@ -332,7 +332,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     model.share_prompts = model.packed and share_prompts and model.router_logits is None and gdn is None
     if ulysses_group is not None:  # each rank's slice of the row into the language model (the one below the root)
         K = dist.get_world_size(ulysses_group)
-        ulysses.check_model(hf.config, hf.config.get_text_config().num_attention_heads, K)
+        ulysses.check_model(hf.config, hf.config.get_text_config().num_attention_heads, K, gdn is not None)
         if not model.packed or model.router_logits is not None:
             raise UserError(f"--ulysses-size {K}: needs padding-free rows (--padding-free on or auto where a fast "
                             "kernel runs) and no --router-aux-loss-coef")

@@ -27,6 +27,7 @@ import rollout
 import rundir
 import tiny_model
 import tools
+import ulysses
 import video
 from algos import (adaptive_kl_coef, agg_loss, compute_advantages, correction_weights, kl_penalty,  # the formulas
                    lr_factor, policy_loss, select_groups)
@@ -73,6 +74,7 @@ class State:
     prefetch: Any = None  # the next prompts being drawn on a second thread: .cursor, .count, .thread, .box (results)
     prefetch_count: int = 0  # how many prompts the last draw asked for (the next step's first asks for as many)
     prompt_seconds: float = 0.0  # this step's main-thread seconds in take_prompts (timing/prompts)
+    sp: Any = None  # this rank's Ulysses group (--ulysses-size > 1): its K ranks train their samples together
 
     def say(self, *a):  # rank 0 prints
         rundir.log0(self, *a)
@@ -88,11 +90,12 @@ def setup(cfg: Config):
     cfg.checkpoint_layers, layers_note = memory.resolve_checkpoint_layers(cfg, ranks)
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
     rank, world, device = actor.init_distributed()
+    sp = ulysses.make_group(cfg.ulysses_size)  # (collective: before any rank can stop on its own)
     ckpt, state = rundir.find_resume(cfg)  # refuses a changed config before anything loads
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     ctx = State(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn, ckpt=ckpt,
-                model_path=cfg.model_path, kl_coef=cfg.kl_coef)
+                model_path=cfg.model_path, kl_coef=cfg.kl_coef, sp=sp)
     if not ctx.model_path:  # the demo: rank 0 builds the tiny model (cached), the others wait and read it
         ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model, rank=rank, extra_tokens=(
             [tools.ZOOM_CALL] if cfg.demo_task == "zoom" else []))  # (the zoom demo's call: one token)
@@ -122,14 +125,15 @@ def setup(cfg: Config):
                                   padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
                                   torch_compile=cfg.torch_compile, offload=cfg.offload_params,
                                   router_aux_loss_coef=cfg.router_aux_loss_coef,
-                                  checkpoint_layers=cfg.checkpoint_layers, share_prompts=cfg.share_prompts)
+                                  checkpoint_layers=cfg.checkpoint_layers, share_prompts=cfg.share_prompts,
+                                  ulysses_group=sp)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = actor.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
                                     attn_implementation=cfg.attn_implementation, trainable=False,
                                     padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
                                     torch_compile=cfg.torch_compile, offload=cfg.offload_params,
-                                    share_prompts=cfg.share_prompts)
+                                    share_prompts=cfg.share_prompts, ulysses_group=sp)
     # the schedule counts optimizer steps: rollout_batch_size / global_batch_size x ppo_epochs per training step
     total = cfg.max_steps * cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs
     warmup = cfg.lr_warmup_steps or int(cfg.lr_warmup_ratio * total)  # EasyR1's rounding of the ratio
@@ -314,10 +318,11 @@ def update_policy(ctx, samples, step):
         for m in range(n_mini):
             mini = [samples[i] for i in order[m * per_mini:(m + 1) * per_mini]]
             # global normalisers: the mini-batch's loss is the same whatever the micro-batching and rank count
-            # (a sample with loss_mask 0, e.g. DAPO's truncated ones, takes no part in the loss or its normalisers)
+            # (a sample with loss_mask 0, e.g. DAPO's truncated ones, takes no part in the loss or its normalisers;
+            # Ulysses: each sample is on the K ranks of its group)
             live = [s.get("loss_mask", 1) for s in mini]
-            num_tokens, num_seqs = actor.all_reduce_cpu([sum(tools.policy_tokens(s) * k for s, k in zip(mini, live)),
-                                                         sum(live)]).clamp(min=1).tolist()
+            num_tokens, num_seqs = (actor.all_reduce_cpu([sum(tools.policy_tokens(s) * k for s, k in zip(mini, live)),
+                                                          sum(live)]) / cfg.ulysses_size).clamp(min=1).tolist()
             norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
             for idx in actor.plan_micro_batches(ctx.model, mini, cfg.max_token_len_per_device,
                                                 cfg.micro_batch_size_per_device):
@@ -349,6 +354,8 @@ def update_policy(ctx, samples, step):
                                 f"skipped (gradient norm {grad_norm}); nothing of this step was saved. Check the data "
                                 "and reward, lower --lr, or raise --max-skipped-steps (0 = never stop)")
     out = log.reduce(dev, n_steps=n_mini * cfg.ppo_epochs)
+    for k in {"actor/pg_loss", "actor/loss"} & out.keys():  # sums, to which a Ulysses group's K ranks add the same
+        out[k] /= cfg.ulysses_size
     if out.get("rollout/logprob_tokens") == 0:  # no sample of the step had the engine's log-probs: no agreement
         del out["rollout/logprob_diff_mean"], out["rollout/logprob_diff_max"]
     ctx.skipped_total += skipped
@@ -428,6 +435,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     if step + 1 < cfg.max_steps:
         prefetch_prompts(ctx, early_requests(ctx, step, collect))  # the next step's, while the GPU computes this one's
     peaks["gen"] = memory.phase_peak_gb(ctx.rollout)
+    mine, samples = samples, ulysses.gather_samples(samples, ctx.sp)  # Ulysses: the group's samples, trained together
     # ---- 3. log-probs of the old policy (several updates follow, or the reward needs them) and of the reference ----
     mb_kw = dict(pad_id=ctx.pad_id, device=ctx.device, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
                  **logprob_bounds(cfg))
@@ -468,10 +476,10 @@ def train_step(ctx, step, collect=collect_rollouts):
         ctx.prefetch.thread.join()  # (drawn and queued long before: the update takes longer)
     T["step"] = time.time() - t_step
     # ---- metrics: rewards, lengths, seconds, throughput, MFU, memory ----
-    metrics.update(rundir.step_metrics(ctx, samples, T, peaks, metrics))
+    metrics.update(rundir.step_metrics(ctx, mine, T, peaks, metrics))
     metrics.update({f"time/{k}_start": v for k, v in start.items()})
     metrics["step"] = step + 1
-    return metrics, samples
+    return metrics, mine
 
 
 def logprob_bounds(cfg):

@@ -25,10 +25,10 @@ def make_group(K):
     return mine
 
 
-def check_model(config, heads, K):
-    """One line for a model Ulysses cannot split here, before any all-to-all runs."""
+def check_model(config, heads, K, recurrent=False):
+    """One line for a model Ulysses cannot split here (recurrent: it has Gated DeltaNet layers), before it runs."""
     mt = config.model_type
-    if getattr(config, "vision_config", None) is not None and mt not in MODEL_TYPES:
+    if recurrent or getattr(config, "vision_config", None) is not None and mt not in MODEL_TYPES:
         raise UserError(f"--ulysses-size {K}: not built for {mt} (Gated DeltaNet layers carry their state along the "
                         "whole row; Qwen3-VL's deepstack and other VLMs' own paths are not split); use --ulysses-size 1"
                         " (Qwen2-VL, Qwen2.5-VL and text LLMs split)")

@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism (ulysses.py) under torchrun on gloo, 2 and 4 ranks: on the same packed row, K = 2
-and K = 4 give the per-token log-probs, entropies, loss and every parameter's gradient of K = 1 (fp32, 1e-5), for a
-Qwen2.5-VL row with images and a Qwen3 text row, each prompt once in the row and not. Run as a script, it is one rank."""
+and K = 4 give the per-token log-probs, entropies, loss and every parameter's gradient of K = 1 (fp32, 1e-5), for
+a Qwen2.5-VL row with images and a Qwen3 text row, each prompt once in the row and not. As a script: one rank."""
 import os
 import sys
 
@@ -19,6 +19,29 @@ def test_ulysses_equals_one_rank_per_row(arch, ranks, tmp_path, launch):
                    PYTHONPATH=ROOT)
     for K in (2, 4) if ranks == 4 else (2,):
         assert f"ULYSSES_OK {arch} K={K} world={ranks}" in p.out, p.out[-3000:]
+
+
+def test_grpo_with_ulysses_on_two_ranks_takes_one_process_steps(tmp_path, launch):
+    """The trainer end to end: torchrun x2 with --ulysses-size 2 (both ranks' samples trained together, each row
+    split over the two) takes the steps one process takes: the same samples, loss, KL, entropy and gradient norm."""
+    import json
+    import tiny_model
+    from test_multirank import REWARD
+    (tmp_path / "r.py").write_text(REWARD)
+    tiny_model.make_color_dataset(str(tmp_path / "train.parquet"), 32, seed=0)
+    args = ["--format-prompt", tiny_model.DEMO_FORMAT_PROMPT, "--val-freq", "0", "--rollout-batch-size", "4",
+            "--rollout-n", "4", "--global-batch-size", "4", "--ppo-epochs", "2", "--max-response-length", "6",
+            "--max-steps", "2", "--save-freq", "-1", "--log-samples", "1", "--padding-free", "on", "--train-files",
+            tmp_path / "train.parquet", "--reward-function", f"{tmp_path / 'r.py'}:varied"]
+    launch.run([sys.executable, "grpo.py", "--output-dir", tmp_path / "one"] + args, tmp_path / "one.log")
+    launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", free_port(),
+                "grpo.py", "--output-dir", tmp_path / "two", "--ulysses-size", "2"] + args, tmp_path / "two.log")
+    one, two = ([json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")] for d in ("one", "two"))
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]
+        for k in ("actor/pg_loss", "actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm"):
+            assert abs(a[k]) > 1e-3 and a[k] == pytest.approx(b[k], rel=1e-5), k
 
 
 def _text_samples(path):
@@ -93,3 +116,20 @@ def main(arch, tmp):
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+
+
+def test_what_ulysses_cannot_split_is_one_line():
+    from types import SimpleNamespace
+    import easyr1_config
+    import grpo
+    import ulysses
+    from common import UserError
+    with pytest.raises(UserError, match=r"--ulysses-size 3: must divide the number of ranks \(4\)"):
+        easyr1_config.check(grpo.Config(ulysses_size=3), 4)
+    with pytest.raises(UserError, match=r"--ulysses-size 2: not built for qwen3_5 \(Gated DeltaNet"):
+        ulysses.check_model(SimpleNamespace(model_type="qwen3_5", vision_config={}), 16, 2, recurrent=True)
+    with pytest.raises(UserError, match=r"--ulysses-size 2: not built for qwen3_5_text \(Gated DeltaNet"):
+        ulysses.check_model(SimpleNamespace(model_type="qwen3_5_text"), 16, 2, recurrent=True)
+    with pytest.raises(UserError, match=r"--ulysses-size 8: must divide the model's 12 attention heads"):
+        ulysses.check_model(SimpleNamespace(model_type="qwen3"), 12, 8)
+    ulysses.check_model(SimpleNamespace(model_type="qwen2_5_vl", vision_config={}), 16, 4)
