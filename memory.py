@@ -286,7 +286,8 @@ def dims_from_config(cfg):
                 + getattr(t, "vocab_size_per_layer_input", 0) * t.num_hidden_layers * ple, ple=ple,
                 idle=params - presets.count_params(type(cfg).from_dict({**cfg.to_dict(), "audio_config": None}))
                 if getattr(cfg, "audio_config", None) else 0,
-                softcap=bool(getattr(t, "final_logit_softcapping", None)),
+                softcap=bool(getattr(t, "final_logit_softcapping", None)), heads=t.num_attention_heads,
+                kv_width=t.num_key_value_heads * sum(families.head_dims(t)) / t.num_hidden_layers,
                 gdn=4 * hv * (9 * (dk + dv) + dk * dv / 64 + 360))
 
 
@@ -365,14 +366,16 @@ def config_mode(c, world):
     """memory_model()'s keywords for a run's config (grpo.Config as a dict) on `world` ranks: its state, and
     micro-batches of as many bench samples (PROMPT_TOKENS + max_response_length) as its limits let a rank take."""
     tokens = PROMPT_TOKENS + c["max_response_length"]
-    per_rank = c["rollout_batch_size"] * c["n"] // world
-    fit = max(1, min(per_rank, c["micro_batch_size_per_device"], c["max_token_len_per_device"] // tokens))
+    # --ulysses-size K: a group's K ranks train their samples together, rows of K x the token bound, 1/K on each rank
+    K = c.get("ulysses_size", 1)
+    per_rank = c["rollout_batch_size"] * c["n"] // world * K
+    fit = max(1, min(per_rank, c["micro_batch_size_per_device"], K * c["max_token_len_per_device"] // tokens))
     lp = c.get("logprob_max_token_len_per_device")  # (.get: bench summaries written before these options)
-    lp_fit = max(1, min(per_rank, lp // tokens)) if lp else fit  # (no sample cap: grpo.logprob_bounds)
+    lp_fit = max(1, min(per_rank, K * lp // tokens)) if lp else fit  # (no sample cap: grpo.logprob_bounds)
     return dict(precision=c["precision"], lora_rank=c["lora_rank"], kahan=c["bf16_rounding"] == "kahan", world=world,
                 lora_experts=c.get("lora_target_experts", False),
                 offload_params=c["offload_params"], offload_optimizer=c["offload_optimizer"], kl_coef=c["kl_coef"],
-                mb_tokens=fit * tokens, chunk=c["logprob_chunk_size"], lp_tokens=lp_fit * tokens,
+                mb_tokens=fit * tokens / K, chunk=c["logprob_chunk_size"], lp_tokens=lp_fit * tokens / K,
                 recompute=0.0 if not c.get("gradient_checkpointing", True)  # auto: at most every layer recomputes
                 else 1.0 if c.get("checkpoint_layers") == "auto" else c.get("checkpoint_layers", 1.0))
 
@@ -384,7 +387,10 @@ def check_fits(c, dims, world, card_gib, what, slack=0.1):
     cell = lambda cc, w: need_gib(memory_model(dims, **config_mode(cc, w)), dims, w)  # noqa: E731
     if (need := cell(c, world)) <= (card_gib - 1) * (1 + slack):
         return
-    fits = next((w for w in (2, 4, 8, 16, 32, 64) if w > world and cell(c, w) <= card_gib - 1), None)
+    K = c.get("ulysses_size", 1)  # more GPUs, or (long responses: one sample a micro-batch) a larger --ulysses-size
+    fits = next(((w, k) for w in (world, 2, 4, 8, 16, 32, 64) for k in (1, 2, 4, 8) if w >= world and w % k == 0
+                 and (w, k) > (world, K) and (k == 1 or not dims["gdn"] and dims["heads"] % k == 0)
+                 and cell({**c, "ulysses_size": k}, w) <= card_gib - 1), None)
     mode = " ".join([f"--precision {c['precision']}"] + [f"--lora-rank {c['lora_rank']}"] * bool(c["lora_rank"])
                     + ["--offload-params"] * c["offload_params"] + ["--offload-optimizer"] * c["offload_optimizer"])
     tok = next((t for t in (c["max_token_len_per_device"] >> k for k in range(1, 7)) if t >= PROMPT_TOKENS
@@ -392,11 +398,27 @@ def check_fits(c, dims, world, card_gib, what, slack=0.1):
     less = [f"--max-token-len-per-device {tok}"] * bool(tok) + [flag for flag, on in (
         ("--lora-rank 64", c["lora_rank"]), ("--precision bf16", c["precision"] == "bf16"),
         ("--offload-params", c["offload_params"])) if not on]
-    where = "not even 64 such GPUs hold it" if fits is None else f"it takes {fits} such GPUs (" + (
-        f"torchrun --nproc_per_node {fits})" if fits <= 8 else "several nodes)")
+    w, k = fits or (0, 1)
+    where = "not even 64 such GPUs hold it" if fits is None else (f"it takes {w} such GPUs (" + (
+        f"torchrun --nproc_per_node {w})" if w <= 8 else "several nodes)") if w > world else "these GPUs hold it") + (
+        f" with --ulysses-size {k}" if k > 1 else "")
     raise UserError(f"{what} with {mode} needs about {need:.0f} GiB per GPU on {world} GPU{'s' * (world > 1)} (the "
                     f"memory model, README \"Memory modes\"), more than a {card_gib:.0f} GiB GPU holds: {where}"
                     + (f"; or less per GPU: {', '.join(less)}" if less else ""))
+
+
+def engine_max_seqs(c, dims, card_gib, long=8192):
+    """vLLM's max_num_seqs for answers of `long` tokens or more: as many whole sequences (prompt + response) as its
+    KV cache holds by the memory model (bf16 keys and values of every layer; the pool: --kv-cache-memory-gb, else its
+    share of the card less its weights and ~2 GiB of activations), so that none is preempted and recomputed halfway;
+    None where that is vLLM's default (256) or more, or nothing is known (the CPU, Gated DeltaNet's state blocks)."""
+    if dims is None or card_gib is None or dims["gdn"] or c["max_response_length"] < long:
+        return None
+    tp = c["tensor_parallel_size"]
+    pool = c["kv_cache_memory_gb"] or card_gib * c["gpu_memory_utilization"] - 2 * dims["params"] / tp / GIB - 2
+    per_seq = 2 * 2 * dims["layers"] * dims["kv_width"] * (c["max_prompt_length"] + c["max_response_length"])
+    seqs = max(1, int(pool * GIB * tp // per_seq))
+    return seqs if seqs < 256 else None
 
 
 def known_dims(model_path, config=None):

@@ -12,6 +12,7 @@ Log-probs, alike in both engines: each sampled token's under the distribution it
 "raw_logprobs" ignores T). With top_p == 1 (GRPO's default): the trainer's log_softmax(logits / T). Greedy: untempered.
 """
 import dataclasses
+from dataclasses import asdict
 import importlib.util
 import os
 import warnings
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from transformers import (AutoConfig, GenerationConfig, LogitsProcessorList,
                           SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper)
 
+import memory
 import presets
 from common import UserError, collector_paused
 from families import QWEN_VL, engine_only, special_token_ids, vllm_overrides  # noqa: F401 (rollout.special_token_ids)
@@ -581,4 +583,6 @@ def engine_options(cfg, limit_videos=0):
                 sleep_level=auto_level if cfg.sleep_level == "auto" else cfg.sleep_level, min_pixels=cfg.min_pixels,
                 max_pixels=cfg.max_pixels, video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels,
                 kv_cache_memory_gb=cfg.kv_cache_memory_gb, per_prompt_seeds=cfg.per_prompt_seeds,
-                hybrid_max_seqs=max(1, cfg.rollout_batch_size * cfg.n * cfg.tensor_parallel_size // ranks))
+                hybrid_max_seqs=max(1, cfg.rollout_batch_size * cfg.n * cfg.tensor_parallel_size // ranks),
+                **({"max_num_seqs": seqs} if (seqs := memory.engine_max_seqs(  # long answers: as many as its KV holds
+                    asdict(cfg), memory.known_dims(cfg.model_path), memory.this_gpu_gib())) else {}))
