@@ -203,9 +203,8 @@ def rollout_call(cfg, drawn, n, temperature, top_p=None, lengths=None, logprobs=
 
 
 def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None, logprobs=True):
-    """Sample n responses per prompt and score them. Returns the flat list of sample dicts (n per prompt).
-    lengths (bench.py's realistic workload): per prompt, n forced response lengths (EOS ignored). logprobs: the
-    engine's log-probs as rollout_call picks them (validation and ReMax's greedy: none)."""
+    """Sample n responses per prompt and score them -> the flat list of samples (n per prompt). lengths (bench.py):
+    per prompt, n forced response lengths. logprobs: the engine's as rollout_call picks them (none for validation)."""
     cfg = ctx.cfg
     call = rollout_call(cfg, drawn, n, temperature, top_p, lengths, logprobs)
     if getattr(ctx, "tools", None):  # multi-turn: the trajectories after the prompts, their policy_mask (tools.py)
@@ -242,10 +241,9 @@ def sample(ctx, drawn, shape=None):
 
 
 def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
-    """The step's batch: rollout_batch_size prompts x n samples; with filter_groups, DAPO's dynamic sampling (EasyR1's
-    online_filtering): generate gen_batch_size (or gen_factor x rollout_batch_size) prompts per try until every rank
-    holds its share of groups with mixed `filter_key`. All ranks make the same number of generate calls (the
-    engines of a tensor-parallel group generate together), so the loop ends on an all-reduced MIN of "I have enough"."""
+    """The step's batch: rollout_batch_size prompts x n; with filter_groups, DAPO's dynamic sampling: gen_batch_size
+    prompts per try until every rank holds its share of groups with mixed `filter_key`. Every rank makes as many
+    generate calls (a tensor-parallel group generates together): the loop ends on an all-reduced MIN of "enough"."""
     cfg = ctx.cfg
     if not cfg.filter_groups:
         return sample(ctx, take_prompts(ctx, cfg.rollout_batch_size), shape)
@@ -291,9 +289,8 @@ def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
 
 
 def early_requests(ctx, step, collect):
-    """prefetch_prompts' submit: vLLM's intake of the requests the next step's generate makes (rollout_call's, or
-    collect.requests(ctx, drawn)'s), off the critical path. None with --prefetch-requests off, with an
-    engine without an intake (HF), or a validation after this step (its generate would come first and drop them)."""
+    """prefetch_prompts' submit: vLLM's intake of the next step's requests, off the critical path. None with
+    --prefetch-requests off, an engine without an intake (HF), or a validation after this step (it comes first)."""
     cfg = ctx.cfg
     if (cfg.prefetch_requests == "off" or not hasattr(ctx.rollout, "submit")
             or (cfg.val_freq and ctx.val is not None and (step + 1) % cfg.val_freq == 0)):
@@ -317,9 +314,8 @@ def update_policy(ctx, samples, step):
         order = torch.randperm(len(samples), generator=g).tolist() if shuffle else list(range(len(samples)))
         for m in range(n_mini):
             mini = [samples[i] for i in order[m * per_mini:(m + 1) * per_mini]]
-            # global normalisers: the mini-batch's loss is the same whatever the micro-batching and rank count
-            # (a sample with loss_mask 0, e.g. DAPO's truncated ones, takes no part in the loss or its normalisers;
-            # Ulysses: each sample is on the K ranks of its group)
+            # global normalisers: the loss is the same whatever the micro-batching and rank count (loss_mask 0, e.g.
+            # DAPO's truncated samples, count in neither; Ulysses: each sample is on the K ranks of its group)
             live = [s.get("loss_mask", 1) for s in mini]
             num_tokens, num_seqs = (actor.all_reduce_cpu([sum(tools.policy_tokens(s) * k for s, k in zip(mini, live)),
                                                           sum(live)]) / cfg.ulysses_size).clamp(min=1).tolist()
@@ -483,9 +479,8 @@ def train_step(ctx, step, collect=collect_rollouts):
 
 
 def logprob_bounds(cfg):
-    """The micro-batch bounds of the no-grad log-prob passes: with --logprob-max-token-len-per-device, that many
-    tokens and no sample cap (a pass without gradient keeps no activations: tokens alone size its memory), as
-    veRL's log_prob_max_token_len_per_gpu; 0: the update's tokens and samples."""
+    """The no-grad log-prob passes' micro-batch bounds: --logprob-max-token-len-per-device tokens and no sample cap
+    (veRL's log_prob_max_token_len_per_gpu: no activations kept, tokens alone size it); 0: the update's bounds."""
     if cfg.logprob_max_token_len_per_device:
         return dict(max_tokens=cfg.logprob_max_token_len_per_device, max_samples=math.inf)
     return dict(max_tokens=cfg.max_token_len_per_device, max_samples=cfg.micro_batch_size_per_device)
@@ -497,9 +492,8 @@ def kl_in_reward(cfg):
 
 
 def reward_kl(ctx, samples, metrics):
-    """The KL penalty in the reward, as EasyR1's apply_kl_penalty: kl_coef x the per-token KL of the policy before
-    this update against the reference -> [G, n, T] (0 past each response's end). Logs the batch's KL (mean over
-    samples of each one's per-token mean, over all ranks) and the coefficient, then moves an adaptive one."""
+    """The KL penalty in the reward (EasyR1's apply_kl_penalty): kl_coef x the per-token KL of the old policy against
+    the reference -> [G, n, T]. Logs the batch's KL and the coefficient, then moves an adaptive one."""
     cfg = ctx.cfg
     kls = [kl_penalty(s["old_logp"].double(), s["ref_logp"].double(), cfg.kl_penalty) for s in samples]  # [L_i]
     T = max(1, max(len(k) for k in kls))
@@ -528,9 +522,8 @@ def sync_engine(ctx):
 
 
 def validate(ctx):
-    """val_n answers (greedy at val_temperature 0) to each validation prompt, split over ranks: the mean scores over
-    all answers and, with several, pass@val_n: the share of prompts with a right answer among their val_n (the best
-    accuracy of each prompt's answers, or the best overall score where the reward has no accuracy)."""
+    """val_n answers to each validation prompt, split over ranks: the mean scores and, with several, pass@val_n (the
+    share of prompts with a right answer: the best accuracy, or overall score, among their val_n)."""
     cfg = ctx.cfg
     rows = len(ctx.val) if not cfg.val_max_rows else min(cfg.val_max_rows, len(ctx.val))
     mine = list(range(ctx.rank, rows, ctx.world))

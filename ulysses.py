@@ -1,16 +1,15 @@
 """ulysses.py -- Ulysses sequence parallelism (--ulysses-size K; DeepSpeed-Ulysses, arXiv 2309.14509): the K ranks
-of a group train one packed row together, each holding a contiguous 1/K of its tokens. Embeddings, norms and MLPs
-run on a rank's own tokens; around attention an all-to-all trades them for every token of 1/K of the heads, and
-back. The log-probs of a rank's tokens are gathered so that every rank of the group computes the same loss; FSDP
-still shards over all ranks. Plain torch.distributed: NCCL on GPUs, gloo on the CPU."""
+of a group train one packed row together, each holding a contiguous 1/K of its tokens (the vision tower runs on all
+the row's images on each rank, which keeps the embeddings of its own positions). Around attention an all-to-all trades
+a rank's tokens for every token of 1/K of the heads, and back. Every rank gathers the row's log-probs and computes
+the same loss; FSDP shards over all ranks. Plain torch.distributed: NCCL on GPUs, gloo on the CPU."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import UserError
 
-# what a row needs here: its boundaries (padding-free rows) and positions fixed before the language model
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # and text LLMs (no vision config)
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # VLMs whose rows reach the language model whole (and text LLMs)
 
 
 def make_group(K):
@@ -48,12 +47,9 @@ def shard_inputs(group, module, args, kwargs):
     rank's slice of them; the pads that make N a multiple of K are a sequence of their own (never read)."""
     kw = dict(kwargs)
     key = "inputs_embeds" if kw.get("inputs_embeds") is not None else "input_ids"
-    if kw.get("cu_seq_lens_q") is None or kw[key].shape[0] != 1:
-        raise RuntimeError("--ulysses-size > 1 needs padding-free rows (one packed row per micro-batch)")
-    n = kw[key].shape[1]
+    x, n = kw[key], kw[key].shape[1]
     a, b = bounds(n, group)
     pad = (b - a) * dist.get_world_size(group) - n
-    x = kw[key]
     kw[key] = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))[:, a:b]  # [1, n/K, ...]
     kw["position_ids"] = F.pad(kw["position_ids"], (0, pad))[..., a:b]  # [1, n/K] or [3, 1, n/K]
     if pad:
@@ -80,16 +76,15 @@ def _all_to_all(x, group, to_heads):
     return recv.flatten(0, 1) if to_heads else recv.transpose(0, 1).flatten(1, 2)  # [K n, h, D] / [n, K h, D]
 
 
-class _AllToAll(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):  # its backward: the inverse exchange
     @staticmethod
     def forward(ctx, x, group, to_heads):
         ctx.args = group, to_heads
         return _all_to_all(x, group, to_heads)
 
     @staticmethod
-    def backward(ctx, g):  # the inverse exchange
-        group, to_heads = ctx.args
-        return _all_to_all(g, group, not to_heads), None, None
+    def backward(ctx, g):
+        return _all_to_all(g, ctx.args[0], not ctx.args[1]), None, None
 
 
 def to_heads(q, k, v, group):
@@ -101,8 +96,7 @@ def to_heads(q, k, v, group):
     return [_AllToAll.apply(x, group, True) for x in (q, k, v)]
 
 
-def to_tokens(out, group):
-    """The attention's output [N, H/K, D] -> my tokens' [n, H, D]."""
+def to_tokens(out, group):  # the attention's output [N, H/K, D] -> my tokens' [n, H, D]
     return _AllToAll.apply(out, group, False)
 
 
