@@ -1,11 +1,6 @@
-"""Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour and largest-digit tasks.
-
-Rows follow EasyR1: a `problem` text (with optional `<image>` / `<video>` placeholders), an `answer`, an
-`images` list and a `videos` list (each video a file path or a list of frames). encode_prompt turns one row into the
-prompt record: prompt_ids (pads expanded: the actor's), raw_prompt_ids (one pad per image or video: vLLM expands
-them), resized images, sampled and resized video frames with their frame rates, processor outputs (mm_inputs),
-answer, prompt_text. draw_prompts is the training stream (seeded epoch shuffles, a function of its cursor);
-take_prompts and prefetch_prompts take a step's share, drawn on a second thread while the previous step trains."""
+"""Dataset loading and prompt encoding (EasyR1's data contract: `problem` with `<image>` / `<video>` placeholders,
+`answer`, `images`, `videos`), the synthetic tasks' rows, and the prompt stream: draw_prompts (seeded epoch shuffles,
+a function of its cursor); take_prompts and prefetch_prompts (a step's share, drawn on a thread meanwhile)."""
 import collections
 import dataclasses
 import functools
@@ -138,10 +133,9 @@ def check_model_path(model_path: str):
 
 
 def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: int | None = None):
-    """AutoProcessor for VL models (a tokenizer for text-only ones). min/max_pixels, when given, replace the image
-    processor's pixel budget (give vLLM the same via mm_processor_kwargs, or its image-token counts differ from ours).
-    Without torchvision, transformers 5 builds no video processor (Qwen-VL's, Gemma 4's, ...): the processor then
-    comes without one (families.processor_without_video; video.py makes the frames itself)."""
+    """AutoProcessor for VL models (a tokenizer for text-only ones). min/max_pixels replace the image processor's pixel
+    budget (vLLM gets the same via mm_processor_kwargs). Without torchvision, transformers 5 builds no video processor:
+    the processor comes without one (families.processor_without_video; video.py makes the frames)."""
     import transformers  # slow to import (~2 s): only where a model or processor loads
     from transformers.utils import is_torchvision_available  # (likewise)
     check_model_path(model_path)
@@ -261,12 +255,9 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
 
 
 def encode_prompt(row: dict, processor_or_tokenizer, **encode_kwargs) -> dict:
-    """One dataset row -> its prompt record, shared by the n samples of the prompt (the processor runs once):
-    prompt_ids (the tokens the model reads: each <image> / <video> expanded to its pad tokens), raw_prompt_ids (the
-    chat-templated text before that expansion: vLLM expands it itself), images (PIL, resized), videos (sampled,
-    resized frames) and video_fps, mm_inputs (the processor's tensors: pixel_values [P, D], image_grid_thw [I, 3],
-    pixel_values_videos, video_grid_thw [V, 3], ...; {} for text), answer, prompt_text. encode_kwargs: the keys,
-    image_dir, format_prompt and the pixel/video options of _prompt_parts."""
+    """One dataset row -> its prompt record, shared by the prompt's n samples: prompt_ids (pads expanded: the model's
+    tokens), raw_prompt_ids (one pad per image or video: vLLM expands them), images, videos and video_fps, mm_inputs
+    (the processor's tensors; {} for text), answer, prompt_text. encode_kwargs: _prompt_parts' options."""
     proc = processor_or_tokenizer
     tok = getattr(proc, "tokenizer", proc)  # a processor wraps a tokenizer; a tokenizer is one
     templated, images, videos, fps, answer, text = _prompt_parts(row, proc, **encode_kwargs)
@@ -347,10 +338,9 @@ def row_list(problems, limit=20) -> str:
 
 
 class PromptDataset:
-    """Index-based access to encoded prompts (the trainer shuffles indices itself, so resuming
-    is exact). Every row is checked up front (check_rows): bad ones stop the run with the list of
-    them unless skip_bad_rows; rows longer than max_prompt_length are dropped when filter_overlong
-    (EasyR1's filter_overlong_prompts), bad otherwise. `notes` says what was dropped."""
+    """Index-based access to encoded prompts (the trainer shuffles indices: exact resume). Every row is checked up
+    front: bad ones stop the run with their list unless skip_bad_rows; rows over max_prompt_length are dropped when
+    filter_overlong, bad otherwise. `notes` says what was dropped."""
 
     def __init__(self, source, processor_or_tokenizer, split="train", max_prompt_length=None,
                  filter_overlong=True, skip_bad_rows=False, option="data", **encode_kwargs):
@@ -429,11 +419,9 @@ def take_prompts(ctx, count):
 
 
 def prefetch_prompts(ctx, submit=None):
-    """Start drawing the next step's prompts on a second thread: encoding them (the processor resizes and normalises
-    each image: ~20 ms a 512x512 image on one core) would otherwise run on the main thread at the start of the next
-    generation, with the GPU idle; here it runs while this step's log-prob passes and update keep the GPU busy.
-    submit(drawn), when given, then hands them to the engine (grpo.early_requests). train_step waits for the thread
-    before the step ends, so that nothing else encodes meanwhile (validation)."""
+    """Start drawing the next step's prompts on a thread (encoding, ~20 ms a 512x512 image, would otherwise idle the
+    GPU at the next generation's start); submit(drawn) then hands them to the engine (grpo.early_requests).
+    train_step waits for it before the step ends (nothing else encodes meanwhile)."""
     cursor, count, box = ctx.cursor, ctx.prefetch_count or ctx.cfg.rollout_batch_size, {}
 
     def draw():

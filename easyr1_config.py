@@ -375,11 +375,9 @@ def from_words(words, config_flag=None):
 
 
 def cli(cls, demo, args=None, text_demo=None, video_demo=None, tools_demo=None):
-    """Parse the command line over the defaults in force: `cls`'s own (EasyR1's), or those changed by `demo` for the
-    demo (no --model-path; `text_demo` on top for --demo-model qwen3, `video_demo` for --demo-task video, `tools_demo`
-    for --demo-task zoom); the EasyR1 config (--config, or `config=FILE` and dotted keys) goes between the defaults
-    and the flags. Rank 0 says which set is in force, what the config and the flags changed, and where a flag won
-    over the config."""
+    """Parse the command line over the defaults in force: `cls`'s (EasyR1's), or the demo's (`demo`; `text_demo`,
+    `video_demo`, `tools_demo` on top), the EasyR1 config between the defaults and the flags. Rank 0 says which set
+    is in force, what the config and the flags changed, and where a flag won."""
     script = sys.modules["__main__"].__doc__ or sys.modules[cls.__module__].__doc__  # grpo.py's Config is config.py's
     desc = (f"{script.splitlines()[0]} Also EasyR1's form: config=FILE and dotted keys (worker.rollout.n=8), with the "
             "flags in any order; a flag wins. Defaults shown are EasyR1's; the demo (no --model-path) uses "

@@ -265,10 +265,8 @@ def plot(files: Annotated[list[str], tyro.conf.Positional], out: str = "reward.p
 
 # ----------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
-    """Sharded model + optimizer via torch.distributed.checkpoint (every rank writes its shard: on several nodes
-    the folder must be on a shared file system). Written to `<path>.tmp` and renamed when complete, so a crash
-    mid-save never leaves a checkpoint that looks whole; then only the newest `keep` are kept (0 = all), and step
-    `protect` (the best so far) besides."""
+    """Sharded model + optimizer via torch.distributed.checkpoint (each rank its shard: several nodes need a shared
+    file system), written to `<path>.tmp` and renamed when whole; then the newest `keep` kept (0 = all), and `protect`."""
     import torch.distributed.checkpoint as dcp  # ~1 s to import: only where a checkpoint is written
     from torch.distributed.checkpoint.state_dict import get_state_dict  # (the same package)
     tmp = path + ".tmp"

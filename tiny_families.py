@@ -141,10 +141,8 @@ def build(arch, out, seed, make_tokenizer, text_config, qwen_template, qwen_spec
 
 
 def complete_for_vllm(folder):
-    """Add to a written HF folder the tensors a hub checkpoint has and vLLM requires, where transformers' model has
-    none: Gemma 4's KV-shared layers (the last num_kv_shared_layers, which read an earlier layer's keys) have no k norm
-    in transformers (it drops the hub's on load), while vLLM 0.26 builds one in every layer and refuses a folder
-    without it ("weights were not initialized", on the H200). Unused there: ones, in a file of their own."""
+    """Add to a written HF folder what vLLM requires and transformers' model lacks: the k norm of Gemma 4's KV-shared
+    layers (transformers drops the hub's; vLLM 0.26 refuses a folder without it). Unused there: ones, a file apart."""
     cfg = json.load(open(os.path.join(folder, "config.json")))
     t = cfg.get("text_config", cfg)
     n, shared = t.get("num_hidden_layers", 0), t.get("num_kv_shared_layers") or 0
