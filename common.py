@@ -95,10 +95,8 @@ def collector_paused():
 
 @contextlib.contextmanager
 def heap_freezer():
-    """Yields freeze(): collect once, then gc.freeze() every live object, as vLLM does with its own heap. grpo.train
-    calls it after the first step, when the run's long-lived objects exist (compiled graphs, the optimizer's state):
-    the full collection in every vLLM sleep then walks only what later steps made. (What is alive after one step
-    lives for the run.) On leaving, gc.unfreeze() (in-process callers: the tests, bench.py)."""
+    """Yields freeze(): collect once, then gc.freeze() every live object (as vLLM does), called by grpo.train after
+    the first step: every vLLM sleep's full collection then walks only what later steps made. On leaving, unfreeze."""
     try:
         yield lambda: (gc.collect(), gc.freeze())
     finally:

@@ -1,9 +1,7 @@
-"""What differs between model families, in one place. The Qwen-VL families (QWEN_VL) take the fast paths (M-RoPE
-positions computed on the host, packed rows, the vision tower once per distinct image); any other image-text model
-that transformers' AutoModelForImageTextToText and its processor load takes the generic path: the processor builds
-the prompt (its chat template, image tokens, pixel tensors and whatever else its forward takes), the trainer passes
-those through per row (padded rows), vLLM gets the images and the one-placeholder prompt and expands it itself.
-Proven end to end on the CPU: Gemma 4 and InternVL (tiny_families.py). Text LLMs take the text path."""
+"""What differs between model families, in one place. The Qwen-VL families (QWEN_VL) take the fast paths (M-RoPE on
+the host, packed rows, the vision tower once per distinct image); any other image-text model transformers loads takes
+the generic path: its processor builds the prompt and the inputs its forward takes, passed per row (padded rows), vLLM
+expanding the placeholders itself (proven on the CPU: Gemma 4, InternVL). Text LLMs take the text path."""
 import functools
 import inspect
 import types

@@ -1,8 +1,7 @@
-"""Real-size models with random weights (benchmarks/bench.py's presets): the dimensions of real Qwen2.5-VL, Qwen3-VL,
-Qwen3.5 and Gemma 4 checkpoints (their hub config.json files), measured without a download; and what the trainer knows
-of a model before loading it (known_config, count_params: the memory check). A preset too big for the disk is written
-without weights (RANDOM_INIT): the trainer builds the model from the config where it runs (random_model: the same
-seed, the same values), vLLM starts on placeholders (load_format="dummy") that the first weight sync replaces."""
+"""Real-size models with random weights (benchmarks/bench.py's presets): real Qwen2.5-VL, Qwen3-VL, Qwen3.5, Qwen3 and
+Gemma 4 checkpoints' dimensions, without a download; what the trainer knows of a model before loading it (the memory
+check). A preset too big for the disk has no weights written (RANDOM_INIT): the trainer builds it from the config and
+seed where it runs, vLLM starts on placeholders that the first weight sync replaces."""
 import json
 import os
 

@@ -7,12 +7,9 @@ from types import SimpleNamespace
 
 from safetensors.torch import load_file, save_file
 
-# The tiny MoE (tiny_model.build_tiny_model(arch="qwen3_vl_moe")): Qwen3-VL's tiny model with every dense MLP replaced
-# by 4 experts of width 96 (2 x 96 != 128 = hidden, so no expert matrix is square and a transposed copy could not
-# load unnoticed), 2 routed per token. The load-balancing coefficient is the checkpoints' own (pretraining's);
-# grpo's --router-aux-loss-coef defaults to 0, i.e. the loss is off in RL.
-# norm_topk_prob: transformers' Qwen3-VL-MoE always renormalises the top-k router weights and its config has no such
-# field, but vLLM builds the layers with Qwen3-MoE's code, which reads it (the hub checkpoints' config.json carry it).
+# The tiny MoE: Qwen3-VL's tiny model with every dense MLP replaced by 4 experts of width 96 (no square expert matrix:
+# a transposed copy could not load unnoticed), 2 routed per token; the balancing coefficient the checkpoints' own
+# (grpo's --router-aux-loss-coef: 0). norm_topk_prob: vLLM builds the layers with Qwen3-MoE's code, which reads it.
 TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[],
             router_aux_loss_coef=0.001, norm_topk_prob=True)
 

@@ -51,11 +51,9 @@ def _pil_reason(e):
 
 
 # ----------------------------------------------------------------------------- videos
-# A video reaches the model as frames sampled here (a file at --video-fps frames per second, at most --max-frames;
-# a list of frames as it is, taken to be --video-fps apart), resized here to the size the Qwen-VL video processor
-# would pick (sides multiples of patch x merge, pixels within the video bounds) and padded to an even count by
-# repeating the last frame. Both engines and the trainer then get these exact frames: the processors' own resize
-# leaves them as they are and nothing samples them again, so vLLM's video tokens and positions are the trainer's.
+# A video reaches the model as frames sampled here (a file at --video-fps, at most --max-frames), resized to the size
+# the Qwen-VL video processor would pick and padded to an even count: both engines and the trainer get these exact
+# frames (the processors' own resize leaves them), so vLLM's video tokens and positions are the trainer's.
 MIN_FRAMES = 4  # qwen-vl-utils' FPS_MIN_FRAMES: a short file still gives 4 frames when it has them
 
 
@@ -215,10 +213,9 @@ def expand_video_pads(ids, grids, fps, proc):
 def qwen2_vl_rope_index(self, input_ids, mm_token_type_ids=None, image_grid_thw=None, video_grid_thw=None,
                         second_per_grid_ts=None, attention_mask=None, **kwargs):
     """Qwen2-VL / Qwen2.5-VL M-RoPE positions ([3, B, T] and [B, 1] deltas) by the Qwen team's rule, which vLLM
-    follows: the text after an image or video goes on from the largest position so far + 1, and a video's time
-    positions are int(t * second_per_grid_ts * tokens_per_second) (Qwen2-VL: t). transformers 5.x restarts the text
-    at max(h, w) after a block (below the time positions of a video longer than it is wide: seen on 5.17 and 5.24),
-    so the trainer would not score the positions the engine sampled at. Images come out the same either way."""
+    follows: text after an image or video goes on from the largest position + 1; a video's time positions are
+    int(t * second_per_grid_ts * tokens_per_second). transformers 5.x restarts the text at max(h, w) after a block
+    (seen on 5.17, 5.24): the trainer would not score the engine's positions. Images come out the same either way."""
     cfg = self.config
     merge, tps = cfg.vision_config.spatial_merge_size, getattr(cfg.vision_config, "tokens_per_second", None)
     grids = {cfg.image_token_id: iter(image_grid_thw if image_grid_thw is not None else []),
