@@ -49,9 +49,8 @@ BAD_VIDEO, VIDEO_PLACEHOLDERS = "bad video", "placeholders != videos"
 
 # ----------------------------------------------------------------------------- loading
 def load_rows(source: str, split: str = "train"):
-    """Rows from a hub dataset ("name" or "name@split"), a .parquet/.json/.jsonl file, or a
-    folder of such files (split inferred from file names, like EasyR1). Images stay undecoded
-    ({"bytes", "path"}) until encode_prompt: a bad one is then a row's error, not the loader's."""
+    """Rows from a hub dataset ("name" or "name@split"), a .parquet/.json/.jsonl file, or a folder of such files (the
+    split from file names, as EasyR1). Images stay undecoded until encode_prompt: a bad one is a row's error."""
     import datasets  # slow to import (~2 s): only where data are read or written
     source, split = _split_source(source, split)
     path = os.path.expanduser(source)
@@ -211,9 +210,8 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
                   image_dir=None, format_prompt: str | None = None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
                   video_key="videos", video_fps=2.0, max_frames=768, video_min_pixels=None, video_max_pixels=None,
                   tools=None):
-    """Everything a row must pass, then (chat text with one pad per image and video, resized images, prepared videos
-    [T, H, W, 3], their frame rates, answer, prompt text). A bad row raises BadRow; a mistake that no row can pass
-    (a text model given images) a plain UserError."""
+    """Everything a row must pass, then (chat text with one pad per image and video, resized images, prepared videos,
+    their frame rates, answer, prompt text). A bad row raises BadRow; what no row can pass a plain UserError."""
     prompt, answer = row.get(prompt_key), row.get(answer_key)
     if prompt is None or not str(prompt).strip():
         raise BadRow(NO_PROMPT, f"{prompt_key!r} is {prompt!r}")
@@ -282,9 +280,8 @@ def encode_prompt(row: dict, processor_or_tokenizer, **encode_kwargs) -> dict:
 
 
 def prompt_length(row: dict, proc, **encode_kwargs) -> int:
-    """len(encode_prompt(row)["prompt_ids"]) at a third of the cost: each image's one pad becomes the number of
-    tokens the image processor gives an image of its size, without processing its pixels (videos: from their
-    frame counts and sizes)."""
+    """len(encode_prompt(row)["prompt_ids"]) at a third of the cost: each image's pad becomes the count of tokens the
+    image processor gives an image of its size, without its pixels (videos: from their frame counts and sizes)."""
     templated, images, videos, fps, _, _ = _prompt_parts(row, proc, **encode_kwargs)
     n = len(getattr(proc, "tokenizer", proc).encode(templated, add_special_tokens=False))
     if videos:
@@ -387,9 +384,8 @@ class PromptDataset:
 
 
 def draw_prompts(dataset, cursor, count, rank, world, seed, shuffle=True):
-    """`count` prompts (all ranks together) from an endless stream of seeded epoch shuffles of `dataset`, starting at
-    `cursor` (not shuffled: the file's order). Returns this rank's share as (stream position, record): a pure function
-    of the cursor, so resume is exact and the seed of each prompt does not depend on the number of ranks."""
+    """`count` prompts (all ranks together) from an endless stream of seeded epoch shuffles of `dataset` at `cursor`
+    -> this rank's share as (stream position, record): a function of the cursor (exact resume, any rank count)."""
     N, per = len(dataset), count // world
     out = []
     for pos in range(cursor + rank * per, cursor + (rank + 1) * per):
@@ -400,8 +396,7 @@ def draw_prompts(dataset, cursor, count, rank, world, seed, shuffle=True):
 
 def take_prompts(ctx, count):
     """This rank's share of the `count` prompts at the stream's cursor (ctx: grpo's State), which then moves past
-    them: from prefetch_prompts' thread when it drew these, else drawn here. The same records either way:
-    draw_prompts is a function of the cursor (exact resume)."""
+    them: prefetch_prompts' when it drew these, else drawn here (the same records: exact resume)."""
     t = time.time()
     ahead, ctx.prefetch = ctx.prefetch, None
     if ahead is not None:
@@ -463,9 +458,8 @@ def data_files(cfg):
 
 
 def load_datasets(cfg, model_path, say=print, tools=None):
-    """grpo.py's data: the processor (or tokenizer) of model_path and the train and validation PromptDatasets of
-    cfg's data options (data_files: rank 0 writes a demo's task, the others wait). Every row is checked here,
-    before the model loads; the same on every rank, so all raise together."""
+    """grpo.py's data: the processor (or tokenizer) of model_path and the train and validation PromptDatasets (rank 0
+    writes a demo's task, the others wait); every row checked here, before the model loads, alike on every rank."""
     if dist.get_rank() == 0:
         data_files(cfg)
     dist.barrier()
@@ -494,9 +488,8 @@ DATA_OPTIONS = ("model_path", "train_files", "val_files", "prompt_key", "answer_
 
 
 def check_main(argv) -> int:
-    """`python data.py check [grpo.py's data options]`: reads every row of --train-files and --val-files (the demo's
-    colour task when empty) and prints each bad one with its row number in the source and the reason, then the
-    counts. Returns 2 when a row is bad, 0 otherwise; --model-path's tokenizer counts the prompt tokens."""
+    """`python data.py check [grpo.py's data options]`: every row of --train-files and --val-files, each bad one
+    printed with its row number and reason, then the counts. Returns 2 when a row is bad, else 0."""
     def field(f, marker):  # grpo's option as it is there; the help text grpo.py --help shows (tyro reads comments)
         try:
             marker = marker or tyro.conf.arg(help=tyro._docstrings.get_field_docstring(Config, f.name, ()))

@@ -1,9 +1,7 @@
-"""easyr1_config.py -- the command line in EasyR1's terms: its defaults (or the demo's), its nested YAML config read
-unchanged (`grpo.py --config examples/config.yaml`, or EasyR1's own form `grpo.py config=examples/config.yaml
-worker.rollout.n=8 ...`: dotted keys merged over the file as OmegaConf merges them), then the flags; and the checks
-of the values (`check`). TABLE holds every EasyR1 key: the option it sets here, or none and why (docs/easyr1.md
-shows it; a test keeps the two equal). A key that cannot be honoured, or an unknown one, stops the run; a key with no
-effect here is listed at start. Keys absent from the file keep this project's defaults (EasyR1's example values)."""
+"""easyr1_config.py -- the command line in EasyR1's terms: its defaults (or the demo's), its YAML config read unchanged
+(`--config FILE`, or EasyR1's `config=FILE worker.rollout.n=8 ...`: dotted keys merged as OmegaConf does), then the
+flags; and the checks of the values (`check`). TABLE holds every EasyR1 key: the option it sets, or none and why
+(docs/easyr1.md). A key that cannot be honoured, or an unknown one, stops the run; one with no effect is listed."""
 import json
 import os
 import re
@@ -93,9 +91,8 @@ def _torch_dtype(v, y):  # EasyR1's actor storage dtype: null = fp32 master weig
 
 
 def _world(v, y):
-    """EasyR1 starts n_gpus_per_node x nnodes workers itself; here the launcher does, so the two must agree when
-    several processes run (WORLD_SIZE > 1). One process is the one-GPU try of an EasyR1 script (whose config.yaml
-    says 8 GPUs): not stopped."""
+    """EasyR1 starts n_gpus_per_node x nnodes workers itself, here the launcher: with several processes the two must
+    agree. One process is the one-GPU try of an EasyR1 script: not stopped."""
     gpus, nodes = y.get("trainer.n_gpus_per_node", 8), y.get("trainer.nnodes", 1)  # EasyR1's defaults
     world = os.environ.get("WORLD_SIZE", "1")
     if int(world) > 1 and int(world) != gpus * nodes:
@@ -281,9 +278,8 @@ def _coerce(v, tp):
 
 
 def translate(config, cls, sources=None):
-    """A nested EasyR1 config (dict) -> ({option: value} for `cls`, notes on the keys without effect here). Raises
-    one ValueError listing every key that cannot be honoured, with the reason. `sources`, a dict, gets the EasyR1
-    key that set each option."""
+    """A nested EasyR1 config -> ({option: value} for `cls`, notes on the keys without effect here); one ValueError
+    lists every key that cannot be honoured. `sources` gets the EasyR1 key that set each option."""
     y = dict(_leaves(config))
     y.setdefault("trainer.save_checkpoint_path", None)  # EasyR1 derives it when absent, so do we
     hints = typing.get_type_hints(cls)
@@ -339,9 +335,8 @@ def _merge(old, new):  # OmegaConf's merge: mappings key by key, anything else r
 
 
 def from_words(words, config_flag=None):
-    """EasyR1's command line -> (its nested config, the file it read or None): the `config=` file (or --config),
-    then every dotted key merged over it whatever its place, as EasyR1's main does. Values are YAML, as
-    OmegaConf's dotlist reads them: `[a,b]` a list, `{"n":16}` a mapping, true, 1e-6, null."""
+    """EasyR1's command line -> (its nested config, the file read or None): the `config=` file (or --config), then
+    every dotted key merged over it, as EasyR1's main. Values are YAML (OmegaConf's dotlist): `[a,b]`, `{"n":16}`, true."""
     files = [w.partition("=")[2] for w in words if w.startswith("config=")]
     given = files + ([config_flag] if config_flag else [])
     if len(given) > 1:

@@ -164,14 +164,13 @@ def setup(cfg: Config):
 # A sample is one response to one prompt, a dict that the stages below fill in as the step goes:
 #   prompt         the prompt record (data.encode_prompt), shared by the n samples of the prompt
 #   response_ids   the generated tokens (cut after EOS); finished: stopped by EOS rather than by the length cap
-#   policy_mask    (--tools) 1 on each token of response_ids the engine sampled, 0 on the tools' answers and the
-#                  template's tokens between turns: the loss, KL, entropy and agreement cover the 1s only
-#                  (tools.rollout also adds last_turn, trajectory (messages, tool_calls) and tool_stats)
+#   policy_mask    (--tools) 1 on the tokens the engine sampled, 0 on the tools' answers and the template's between
+#                  turns: the loss, KL, entropy and agreement cover the 1s only (tools.rollout adds its own keys too)
 #   rollout_logp   the engine's log-prob of each sampled token (None when the engine gives none)
 #   text, scores, reward   the decoded response, the reward function's dict for it and its "overall" value
 #   adv            the advantage (one number for every token of the response)
-#   old_logp, ref_logp     per-token log-probs of the policy before this step's update (only when it takes several
-#                  optimizer steps) and of the reference (kl_coef > 0), both 1-D like response_ids
+#   old_logp, ref_logp     per-token log-probs of the policy before this step's update (when it takes several
+#                  optimizer steps) and of the reference (kl_coef > 0)
 #   loss_mask      0 leaves the sample out of the loss and its normalisers (DAPO's overlong filtering sets it)
 # Samples travel as a flat list, n per prompt in prompt order: by_prompt() gives the groups.
 def by_prompt(samples, n):

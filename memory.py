@@ -251,10 +251,9 @@ def dims_from_config(cfg):
     params = presets.count_params(cfg)
     H, kv = t.hidden_size, t.num_key_value_heads / t.num_attention_heads
     E = getattr(t, "num_experts", 0) or 0
-    # MoE: a layer (one FSDP unit, gathered whole) holds all E experts (3 x H x I' each) and the router (E x H);
-    # a token's MLP intermediates are those of its k routed experts, k x I' wide. Gemma 4: the layers reusing keys and
-    # values have a double-wide MLP; per-layer inputs (ple wide) from a [vocab, L x ple] table in the root unit; an
-    # audio tower the trainer never runs (`idle`: weights, no gradient or optimizer state)
+    # MoE: a layer (one FSDP unit) holds all E experts (3 x H x I') and the router (E x H); a token's MLP intermediates
+    # are its k experts', k x I' wide. Gemma 4: double-wide MLPs in the KV-sharing layers; per-layer inputs (ple wide)
+    # from a [vocab, L x ple] table in the root unit; an audio tower never run (`idle`: weights only)
     wide = 2 if getattr(t, "use_double_wide_mlp", False) and getattr(t, "num_kv_shared_layers", 0) else 1
     inter = t.num_experts_per_tok * t.moe_intermediate_size if E else t.intermediate_size * wide
     mlp = 3 * H * t.moe_intermediate_size * E + H * E if E else 3 * H * inter
@@ -300,11 +299,9 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     ref = 2 * P if kl_coef > 0 and not lora_rank else 0
     on_gpu = lambda x, off: 0 if off else x / world  # noqa: E731
     gathered = 2 * (dims["root_params"] + 2 * dims["layer_params"])  # bf16 all-gathered units
-    # The update: gradient checkpointing keeps each layer's bf16 input, and on top of them either one layer
-    # recomputed with its gradient (during the layers' backward) or a chunk of fp32 logits with its softmax and
-    # gradient (at the head): the two are never alive together (summing them overshot the 3B's update by 47 %).
-    # Gemma 4: each layer's per-layer input too, and the table's projection before its norm, as wide; its soft-capped
-    # logits take one more fp32 chunk (`head`)
+    # The update: checkpointing keeps each layer's bf16 input, and on top either one layer recomputed with its
+    # gradient or a chunk of fp32 logits with its softmax and gradient (never alive together: summing them overshot
+    # the 3B's update by 47 %). Gemma 4: each layer's per-layer input too; soft-capped logits one more chunk (`head`)
     ckpt, head = mb_tokens * 2 * L * (H + 2 * dims.get("ple", 0)), 4 * chunk * dims["vocab"]
     # --checkpoint-layers: a layer that does not recompute keeps its activations (`layer` bytes a token: a GDN layer's
     # where larger, on the plain path) from forward to backward; all of them are alive when the backward starts
@@ -547,9 +544,8 @@ def adapters_disabled(model):
     from peft.tuners.lora import LoraLayer  # peft: slow to import (~3 s)
     from peft.utils.other import ModulesToSaveWrapper  # (likewise)
     layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
-    # the flag peft's own enable_adapters(False) sets, without its requires_grad switch: FSDP2 fixes each unit's
-    # gradient dtypes at its first forward, and the reference pass is often the first (seen on GPU: a bf16
-    # gradient then met fp32 master weights)
+    # the flag peft's own enable_adapters(False) sets, without its requires_grad switch: FSDP2 fixes a unit's gradient
+    # dtypes at its first forward, often the reference pass (seen on GPU: bf16 gradients met fp32 master weights)
     for m in layers:
         m._disable_adapters = True
     try:

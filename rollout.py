@@ -278,9 +278,8 @@ class VLLMRollout:
     per_prompt_seeds, v1_runner, unused_params = True, False, ()  # (make_rollout, __init__ set them) _requests
 
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True):
-        """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j`, so
-        requests need seeds `rows` apart (request_seed). logprobs: the sampled token's (processed; vLLM's
-        FlatLogprobs measured slower on an H200, BENCHMARKS "Engine ablation"); ban: pad tokens."""
+        """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j` (hence
+        request_seed). logprobs: the sampled token's (processed; FlatLogprobs measured slower); ban: pad tokens."""
         from vllm import SamplingParams  # optional: the GPU engine
         greedy = temperature == 0
         # logit_bias is clamped to [-100, 100] by vLLM: -100 is probability ~e-44, i.e. forbidden
@@ -312,9 +311,8 @@ class VLLMRollout:
         return out
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
-        """lengths (benchmarks): per prompt, n forced response lengths, each sample its own request (EOS ignored).
-        logprobs: per prompt, how many of its samples (the first) return their log-probs: True or None all, False
-        or 0 none. The requests submit() queued for the same call are run, not made again."""
+        """lengths (benchmarks): per prompt, n forced response lengths (each sample its own request, EOS ignored).
+        logprobs: per prompt, how many of its samples return log-probs (True/None all). submit()'s requests are run."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if self.weights_lost:
@@ -468,9 +466,8 @@ class VLLMRollout:
         try:
             self.llm.sleep(level=self.sleep_level)
         except AssertionError as e:
-            # vLLM's worker checks the whole device's free memory grew: another process allocating meanwhile
-            # (matrix.py's side-by-side rows) fails it after the release, before the executor marks itself asleep,
-            # and wake_up would then leave the weights unmapped (v1/worker/gpu_worker.py, v1/executor/abstract.py)
+            # vLLM's worker checks the device's free memory grew: another process allocating meanwhile (matrix.py's
+            # side-by-side rows) fails it, and wake_up would then leave the weights unmapped
             if "Memory usage increased after sleeping" not in str(e):
                 raise
             executor = self.llm.llm_engine.model_executor
@@ -534,9 +531,8 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
     if kv_cache_memory_gb:  # vLLM then skips its memory profile, which assumes no other process allocates meanwhile
         kw["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
     if lo and hi:
-        # vLLM runs the HF image processor itself: give it the trainer's pixel bounds so both make the same grid.
-        # (They reach its video processor too; the trainer's frames already have a size within the video bounds
-        # that the processor keeps, as long as those lie within these: checked above.)
+        # vLLM runs the HF image processor itself: the trainer's pixel bounds, so both make the same grid (its video
+        # processor too: the trainer's frames lie within the video bounds, which lie within these: checked above)
         kw["mm_processor_kwargs"] = {"min_pixels": lo, "max_pixels": hi}
     kw.update(overrides)
     try:

@@ -1,7 +1,6 @@
-"""rundir.py -- the output folder of a run (docs/options.md lists what it holds): checkpoints (sharded, atomic),
-resume or refuse (a folder holds one run: every way of resuming refuses a changed config, so two runs never mix), logs
-cut back to the resumed step, the best checkpoint, a step's metrics, metrics.jsonl, samples.jsonl, val_samples.jsonl,
-experiment trackers, the console line, reward.png."""
+"""rundir.py -- the output folder of a run (docs/options.md): checkpoints (sharded, atomic), resume or refuse (every
+way of resuming refuses a changed config: two runs never mix), logs cut back to the resumed step, the best checkpoint,
+a step's metrics, metrics.jsonl, samples.jsonl, val_samples.jsonl, trackers, the console line, reward.png."""
 import importlib
 import json
 import os
@@ -54,8 +53,7 @@ def config_diff(saved, cfg):
 
 def find_resume(cfg):
     """The checkpoint to continue from and its trainer state, or (None, None) for a fresh start. Refuses (ValueError)
-    whatever would mix two runs: a changed config, --resume never over a folder that holds a run, a PATH that is
-    not a checkpoint."""
+    what would mix two runs: a changed config, --resume never over a run, a PATH that is not a checkpoint."""
     ckpts = os.path.join(cfg.output_dir, "checkpoints")
     logs = [f for f in ("config.json", "metrics.jsonl") if os.path.isfile(os.path.join(cfg.output_dir, f))]
     if cfg.resume == "never":
@@ -204,9 +202,8 @@ def _mlflow(cfg):
     _optional("mlflow")
     from mlflow.entities import Metric, Param  # optional tracker (installed: checked above)
     from mlflow.tracking import MlflowClient  # (likewise)
-    # MLFLOW_TRACKING_URI names a server (or store) when set; otherwise one SQLite file in the output folder: a file
-    # store MLflow still writes (its ./mlruns folder store is refused by MLflow 3), read with `mlflow ui
-    # --backend-store-uri sqlite:///<output_dir>/mlflow.db`
+    # MLFLOW_TRACKING_URI names a server when set; else one SQLite file in the output folder (MLflow 3 refuses its
+    # ./mlruns store): `mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`
     uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(os.path.join(cfg.output_dir,
                                                                                               "mlflow.db"))
     client = MlflowClient(tracking_uri=uri)
@@ -343,9 +340,8 @@ def print_batch_arithmetic(ctx):
 
 
 def step_metrics(ctx, samples, T, peaks, so_far):
-    """A training step's metrics beside the update's: rewards and lengths, seconds per phase (T), tokens per second,
-    MFU (model FLOPs of the step's real tokens, veRL's convention in flops.py, over the phase's seconds x peak) and
-    memory (memory.metrics: peaks per phase, the engine's share; so_far: the step's metrics until now)."""
+    """A training step's metrics beside the update's: rewards, lengths, seconds per phase (T), tokens per second, MFU
+    (flops.py, veRL's convention) and memory (memory.metrics; so_far: the step's metrics until now)."""
     cfg, out = ctx.cfg, sample_metrics(ctx, samples, "reward")
     n_tok = float(actor.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
     out.update({f"timing/{k}": v for k, v in T.items()})

@@ -16,9 +16,8 @@ TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, deco
 
 def hub_layout(out):
     """Qwen3-VL-MoE's expert tensors on disk as the hub checkpoints hold them, gate_up_proj [E, H, 2I] and down_proj
-    [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory and saves that back): a file written here loads
-    like the real one in transformers and in vLLM (both transpose by the dimensions). The config names the expert
-    count num_experts, as the hub's (transformers 5.24 writes num_local_experts, older versions may not read it)."""
+    [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory): a file written here loads like the real one in
+    transformers and vLLM. The config names the count num_experts, as the hub's."""
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     text = cfg.get("text_config", cfg)
@@ -50,10 +49,9 @@ def router_aux_loss(hf, logits, input_ids):
     return load_balancing_loss_func(tuple(logits), cfg.num_experts, cfg.num_experts_per_tok, real)
 
 
-# LoRA on the experts (--lora-target-experts): peft's target_parameters wraps each fused 3-D expert tensor in a
-# ParamWrapper (two on one experts module: nested, the outer on the second tensor), whose adapters are per expert:
-# lora_A [E x r, in], lora_B [out, E x r]. The forward adds the delta to the tensor in place of the weight, so the
-# fused layout (and the engine's names) stay as they are.
+# LoRA on the experts (--lora-target-experts): peft's target_parameters wraps each fused 3-D tensor in a ParamWrapper
+# (nested for two), its adapters per expert: lora_A [E x r, in], lora_B [out, E x r]; the forward adds the delta to
+# the tensor, so the fused layout (and the engine's names) stay.
 def expert_parameters(hf):
     """peft's target_parameters for a model's fused expert tensors (`experts.gate_up_proj`, `experts.down_proj`:
     the 3-D parameters of modules named experts, outside the vision tower); [] for a dense model."""
@@ -88,9 +86,8 @@ def merged_expert(wrapper, w, a, b):
 
 
 def per_expert(named_tensors):
-    """(name, tensor) pairs with transformers' fused experts ([E, 2I, H] gate|up, [E, H, I] down) split into the
-    hub's per-expert tensors (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`: Qwen3.5-MoE's checkpoints hold
-    them so, and vLLM's Qwen3.5 loader reads them so); every other pair as it comes. Views, no copies."""
+    """(name, tensor) pairs with transformers' fused experts ([E, 2I, H] gate|up, [E, H, I] down) split into the hub's
+    per-expert tensors (Qwen3.5-MoE's checkpoints, vLLM's Qwen3.5 loader); every other pair as it comes. Views."""
     for name, t in named_tensors:
         base, _, kind = name.rpartition(".")
         if not base.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj"):

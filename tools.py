@@ -84,8 +84,8 @@ XML_PARAM = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
 
 def parse_calls(text):
     """The tool calls of a turn in Qwen's formats: <tool_call>{"name": ..., "arguments": {...}}</tool_call> (hermes
-    JSON: Qwen2.5-VL, Qwen3-VL) or <tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>
-    (the XML form of Qwen3.5 / Qwen3-Coder). Each is (name, arguments) or, malformed, (None, its error answer)."""
+    JSON) or <tool_call><function=NAME><parameter=K>V</parameter></function></tool_call> (Qwen3.5's XML form).
+    Each is (name, arguments) or, malformed, (None, its error answer)."""
     out = []
     for body in CALL.findall(text):
         if m := XML_CALL.search(body):
@@ -235,10 +235,9 @@ def continuation(t, expand=True):
 # ------------------------------------------------------------------------------------------------ the turn loop
 def rollout(ctx, call):
     """generate_and_score's samples with tools (`call`: grpo.rollout_call's). Turn 1 is that call; each later turn one
-    engine call with every active trajectory of this rank (n=1, its own seed). --max-response-length bounds the whole
-    trajectory after the prompt, --max-turn-tokens a turn, --limit-images its pictures. Under torchrun every rank
-    joins each turn's all-reduce of the active counts until all are 0; a rank generates when its TP group has work
-    (each sample's tools run once, on its own rank), so no rank leaves another waiting."""
+    engine call with this rank's active trajectories (n=1, own seeds). --max-response-length bounds the trajectory
+    after the prompt, --max-turn-tokens a turn, --limit-images its pictures. Every rank joins each turn's all-reduce
+    of the active counts until all are 0 (a TP group generates together; a sample's tools run on its own rank)."""
     cfg, tok, eng = ctx.cfg, ctx.tokenizer, ctx.rollout
     budget = cfg.max_response_length
     per_turn = call["max_tokens"]  # (rollout_call's: --max-turn-tokens, within the budget)

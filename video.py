@@ -1,8 +1,7 @@
 """video.py -- video inputs for data.py: a video file (PyAV, optional) or a list of frames -> sampled, resized frames
--> the Qwen-VL processor's video outputs and the prompt's video tokens (Qwen3-VL: with "<t seconds>" timestamps); and
-the decoding of any image form (to_pil). transformers' Qwen-VL video processors need torchvision (not on the CPU box)
-and vLLM runs them itself from frames: so the trainer's side is done here, in their layout, on frames that those
-processors then leave unchanged (see the note below)."""
+-> the Qwen-VL processor's video outputs and the prompt's video tokens; and the decoding of any image form (to_pil).
+The Qwen-VL video processors need torchvision (not on the CPU box) and vLLM runs them itself from frames: the
+trainer's side is done here, in their layout, on frames those processors leave unchanged."""
 import io
 import math
 import os
@@ -185,8 +184,7 @@ def _arch(proc):
 
 def expand_video_pads(ids, grids, fps, proc):
     """Each video's one <|video_pad|> in `ids` -> its tokens. Qwen2(.5)-VL: one pad per merged patch. Qwen3-VL: per
-    temporal patch "<t seconds>" (its mid time), vision start, the pads, vision end (Qwen3VLProcessor's and vLLM's
-    text; the timestamps tokenised one by one, as vLLM does)."""
+    temporal patch "<t seconds>" (its mid time, tokenised digit by digit as vLLM does), vision start, pads, end."""
     tok = getattr(proc, "tokenizer", proc)
     pad = tok.convert_tokens_to_ids("<|video_pad|>")
     _, tps, merge, _, _ = vision_params(proc)
