@@ -301,8 +301,9 @@ def early_requests(ctx, step, collect):
 def update_policy(ctx, samples, step):
     """rollout_batch_size/global_batch_size mini-batches x ppo_epochs optimizer steps over this rank's samples."""
     cfg, dev = ctx.cfg, ctx.device
-    n_mini = cfg.rollout_batch_size // cfg.global_batch_size
-    per_mini = len(samples) // n_mini
+    # Ulysses: samples are the K ranks' shares of S, each cut into mini-batches as its rank alone would (as K = 1)
+    n_mini, K, S = cfg.rollout_batch_size // cfg.global_batch_size, cfg.ulysses_size, len(samples) // cfg.ulysses_size
+    per_mini = S // n_mini
     log, skipped = rundir.MetricSums(), 0
     if cfg.rollout_correction == "tis" and any(s.get("rollout_logp") is None for s in samples):
         raise ValueError("--rollout-correction tis needs the engine's log-probs of its samples, and this rollout "
@@ -310,9 +311,9 @@ def update_policy(ctx, samples, step):
     g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     for epoch in range(cfg.ppo_epochs):
         shuffle = n_mini > 1 or epoch > 0  # mini-batches see a fresh mix of samples
-        order = torch.randperm(len(samples), generator=g).tolist() if shuffle else list(range(len(samples)))
+        order = torch.randperm(S, generator=g).tolist() if shuffle else list(range(S))
         for m in range(n_mini):
-            mini = [samples[i] for i in order[m * per_mini:(m + 1) * per_mini]]
+            mini = [samples[p * S + i] for p in range(K) for i in order[m * per_mini:(m + 1) * per_mini]]
             # global normalisers: the loss is the same whatever the micro-batching and rank count (loss_mask 0, e.g.
             # DAPO's truncated samples, count in neither; Ulysses: each sample is on the K ranks of its group)
             live = [s.get("loss_mask", 1) for s in mini]
@@ -350,7 +351,7 @@ def update_policy(ctx, samples, step):
                                 "and reward, lower --lr, or raise --max-skipped-steps (0 = never stop)")
     out = log.reduce(dev, n_steps=n_mini * cfg.ppo_epochs)
     for k in {"actor/pg_loss", "actor/loss"} & out.keys():  # sums, to which a Ulysses group's K ranks add the same
-        out[k] /= cfg.ulysses_size
+        out[k] /= K
     if out.get("rollout/logprob_tokens") == 0:  # no sample of the step had the engine's log-probs: no agreement
         del out["rollout/logprob_diff_mean"], out["rollout/logprob_diff_max"]
     ctx.skipped_total += skipped

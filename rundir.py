@@ -26,8 +26,7 @@ RESUMABLE_CHANGES = {
     "max_steps", "total_epochs", "val_freq", "val_before_train", "save_freq", "save_limit", "output_dir", "resume",
     "config", "log_samples", "logger", "project_name", "experiment_name",
     "micro_batch_size_per_device", "max_token_len_per_device", "logprob_chunk_size", "gradient_checkpointing",
-    "logprob_max_token_len_per_device", "checkpoint_layers", "share_prompts",  # how the work is cut, not what is
-    # computed
+    "logprob_max_token_len_per_device", "checkpoint_layers", "share_prompts", "ulysses_size",  # how the work is cut
     "attn_implementation", "gpu_memory_utilization", "kv_cache_memory_gb", "max_num_batched_tokens", "enforce_eager",
     "sleep_level", "tensor_parallel_size", "torch_compile", "offload_params", "offload_optimizer", "prefetch_requests"}
 

@@ -21,22 +21,24 @@ def test_ulysses_equals_one_rank_per_row(arch, ranks, tmp_path, launch):
         assert f"ULYSSES_OK {arch} K={K} world={ranks}" in p.out, p.out[-3000:]
 
 
-def test_grpo_with_ulysses_on_two_ranks_takes_one_process_steps(tmp_path, launch):
-    """The trainer end to end: torchrun x2 with --ulysses-size 2 (both ranks' samples trained together, each row
-    split over the two) takes the steps one process takes: the same samples, loss, KL, entropy and gradient norm."""
+def test_grpo_with_ulysses_size_2_takes_the_steps_of_size_1(tmp_path, launch):
+    """The trainer end to end on two ranks: --ulysses-size 2 (both ranks' samples trained together, each row split
+    over the two) takes the steps of --ulysses-size 1: the same samples, loss, KL, entropy and gradient norms, over
+    two mini-batches and two epochs (each rank's share cut into mini-batches as that rank alone cuts it)."""
     import json
     import tiny_model
     from test_multirank import REWARD
     (tmp_path / "r.py").write_text(REWARD)
     tiny_model.make_color_dataset(str(tmp_path / "train.parquet"), 32, seed=0)
     args = ["--format-prompt", tiny_model.DEMO_FORMAT_PROMPT, "--val-freq", "0", "--rollout-batch-size", "4",
-            "--rollout-n", "4", "--global-batch-size", "4", "--ppo-epochs", "2", "--max-response-length", "6",
+            "--rollout-n", "4", "--global-batch-size", "2", "--ppo-epochs", "2", "--max-response-length", "6",
             "--max-steps", "2", "--save-freq", "-1", "--log-samples", "1", "--padding-free", "on", "--train-files",
             tmp_path / "train.parquet", "--reward-function", f"{tmp_path / 'r.py'}:varied"]
-    launch.run([sys.executable, "grpo.py", "--output-dir", tmp_path / "one"] + args, tmp_path / "one.log")
-    launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", free_port(),
-                "grpo.py", "--output-dir", tmp_path / "two", "--ulysses-size", "2"] + args, tmp_path / "two.log")
-    one, two = ([json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")] for d in ("one", "two"))
+    for K in (1, 2):
+        launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port",
+                    free_port(), "grpo.py", "--output-dir", tmp_path / f"k{K}", "--ulysses-size", K] + args,
+                   tmp_path / f"k{K}.log")
+    one, two = ([json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")] for d in ("k1", "k2"))
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
         assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]
