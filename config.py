@@ -162,7 +162,7 @@ class Config:
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)
     # Ulysses sequence parallelism: K ranks train each packed row together (each 1/K of its tokens; all-to-all around
     # attention), micro-batches of up to K x --max-token-len-per-device; data parallel over world / K. K divides the
-    # ranks and the attention heads; Qwen2-VL, Qwen2.5-VL and text LLMs
+    # ranks and the attention heads; Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text LLMs
     ulysses_size: int = 1
     peak_tflops: float = 989.0  # per GPU, for perf/mfu_*: H100/H200 dense bf16 (the figure veRL and EasyR1 use)
     # --- trainer ---

@@ -240,9 +240,8 @@ def sample(ctx, drawn, shape=None):
 
 
 def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
-    """The step's batch: rollout_batch_size prompts x n; with filter_groups, DAPO's dynamic sampling: gen_batch_size
-    prompts per try until every rank holds its share of groups with mixed `filter_key`. Every rank makes as many
-    generate calls (a tensor-parallel group generates together): the loop ends on an all-reduced MIN of "enough"."""
+    """The step's batch: rollout_batch_size prompts x n; with filter_groups, DAPO's dynamic sampling: tries until every
+    rank holds its share of mixed groups, each rank making as many generate calls (all-reduced MIN of "enough")."""
     cfg = ctx.cfg
     if not cfg.filter_groups:
         return sample(ctx, take_prompts(ctx, cfg.rollout_batch_size), shape)
@@ -361,9 +360,8 @@ def update_policy(ctx, samples, step):
 
 # ------------------------------------------------------------------------------------------ the loss (algorithm)
 def micro_batch_loss(cfg, logp, ent, mask, mb, norm, log, first_pass):
-    """One micro-batch's loss: logp and ent [b, R] the policy's log-probs of the sampled tokens and their entropies,
-    now (with gradient); mask [b, R] its response tokens; mb its samples (advantage; old, reference and engine log-probs
-    where taken); norm the mini-batch's global normalisers. -> (its share of the loss, the mask of the tokens used)"""
+    """One micro-batch's loss: logp and ent [b, R] the policy's log-probs and entropies (with gradient); mask [b, R]
+    its response tokens; mb its samples; norm the global normalisers. -> (its share of the loss, the mask used)"""
     dev, R = logp.device, logp.shape[1]
     mask = mask & actor.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]  # [b, R]
     if "policy_mask" in mb[0]:  # multi-turn: the tokens the policy sampled only, not the tools' answers

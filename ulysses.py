@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from common import UserError
 
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # VLMs whose rows reach the language model whole (and text LLMs)
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # the VLMs split here (and text LLMs)
 
 
 def make_group(K):
@@ -17,11 +17,8 @@ def make_group(K):
     world = dist.get_world_size()
     if K < 1 or world % K:
         raise UserError(f"--ulysses-size {K}: must divide the number of ranks ({world})")
-    mine = None
-    for start in range(0, world, K) if K > 1 else ():
-        g = dist.new_group(list(range(start, start + K)))
-        mine = g if start <= dist.get_rank() < start + K else mine
-    return mine
+    groups = [dist.new_group(list(range(start, start + K))) for start in range(0, world, K)] if K > 1 else None
+    return groups and groups[dist.get_rank() // K]
 
 
 def check_model(config, heads, K, recurrent=False):
@@ -29,8 +26,8 @@ def check_model(config, heads, K, recurrent=False):
     mt = config.model_type
     if recurrent or getattr(config, "vision_config", None) is not None and mt not in MODEL_TYPES:
         raise UserError(f"--ulysses-size {K}: not built for {mt} (Gated DeltaNet layers carry their state along the "
-                        "whole row; Qwen3-VL's deepstack and other VLMs' own paths are not split); use --ulysses-size 1"
-                        " (Qwen2-VL, Qwen2.5-VL and text LLMs split)")
+                        "whole row; other VLMs' own paths are not split); use --ulysses-size 1 (Qwen2-VL, Qwen2.5-VL, "
+                        "Qwen3-VL and text LLMs split)")
     if heads % K:
         raise UserError(f"--ulysses-size {K}: must divide the model's {heads} attention heads")
 
@@ -52,6 +49,10 @@ def shard_inputs(group, module, args, kwargs):
     pad = (b - a) * dist.get_world_size(group) - n
     kw[key] = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))[:, a:b]  # [1, n/K, ...]
     kw["position_ids"] = F.pad(kw["position_ids"], (0, pad))[..., a:b]  # [1, n/K] or [3, 1, n/K]
+    if (vis := kw.get("visual_pos_masks")) is not None:  # Qwen3-VL's deepstack: my vision tokens' features
+        first, kw["visual_pos_masks"] = int(vis[:, :a].sum()), F.pad(vis.long(), (0, pad)).bool()[:, a:b]  # [1, n/K]
+        mine = int(kw["visual_pos_masks"].sum())
+        kw["deepstack_visual_embeds"] = [d[first:first + mine] for d in kw["deepstack_visual_embeds"]]
     if pad:
         cu, cu_k = kw["cu_seq_lens_q"], kw["cu_seq_lens_k"]
         kw["cu_seq_lens_q"] = torch.cat([cu, cu[-1:] + pad])

@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism (ulysses.py) under torchrun on gloo, 2 and 4 ranks: on the same packed row, K = 2
 and K = 4 give the per-token log-probs, entropies, loss and every parameter's gradient of K = 1 (fp32, 1e-5), for
-a Qwen2.5-VL row with images and a Qwen3 text row, each prompt once in the row and not. As a script: one rank."""
+a Qwen2.5-VL and a Qwen3-VL (deepstack) row with images and a Qwen3 text row, each prompt once in the row and not.
+As a script: one rank."""
 import os
 import sys
 
@@ -12,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3"])
 def test_ulysses_equals_one_rank_per_row(arch, ranks, tmp_path, launch):
     p = launch.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", ranks, "--master-port",
                     free_port(), os.path.abspath(__file__), arch, tmp_path], tmp_path / "log", timeout=300,
@@ -66,9 +67,9 @@ def _step(path, samples, pad, K, share, world):
     import rundir
     import ulysses
     group = ulysses.make_group(K)
-    vl = "vl" in path
     model = actor.build_actor(path, torch.device("cpu"), torch.float32, torch.float32, padding_free="on",
-                              vision_varlen="on" if vl else "off", share_prompts=share, ulysses_group=group)
+                              vision_varlen="on" if "qwen2_5_vl" in path else "off", share_prompts=share,
+                              ulysses_group=group)
     batch, resp_len = actor.collate(samples, pad, torch.device("cpu"), model)
     lp, ent = model(**batch)  # [n], [n]
     logp, mask = actor.pad_responses(lp, resp_len)
@@ -108,9 +109,9 @@ def main(arch, tmp):
             for name, a, b in zip(("log-probs", "entropies"), got[:2], ref[:2]):
                 assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5), (name, (a - b).abs().max())
             assert abs(got[2] - ref[2]) <= 1e-5 * abs(ref[2]) and ref[2] != 0, (got[2], ref[2])
-            assert got[3].keys() == ref[3].keys() and len(ref[3]) > 10
-            for n, b in ref[3].items():
-                assert b.abs().max() > 0 and (got[3][n] - b).abs().max() <= 1e-5 * b.abs().max(), (n, share)
+            assert got[3].keys() == ref[3].keys() and sum(bool(b.abs().max() > 0) for b in ref[3].values()) > 10
+            for n, b in ref[3].items():  # (Qwen3-VL's last deepstack merger: 0 in both, the tiny LLM has 2 layers)
+                assert (got[3][n] - b).abs().max() <= 1e-5 * b.abs().max(), (n, share)
         if rank == 0:
             print(f"ULYSSES_OK {arch} K={K} world={world} ({n_row} tokens in the row)", flush=True)
     dist.barrier()
