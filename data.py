@@ -335,9 +335,8 @@ def row_list(problems, limit=20) -> str:
 
 
 class PromptDataset:
-    """Index-based access to encoded prompts (the trainer shuffles indices: exact resume). Every row is checked up
-    front: bad ones stop the run with their list unless skip_bad_rows; rows over max_prompt_length are dropped when
-    filter_overlong, bad otherwise. `notes` says what was dropped."""
+    """Index-based access to encoded prompts (exact resume). Every row is checked up front: bad ones stop the run
+    unless skip_bad_rows; rows over max_prompt_length dropped when filter_overlong, else bad. `notes`: what dropped."""
 
     def __init__(self, source, processor_or_tokenizer, split="train", max_prompt_length=None,
                  filter_overlong=True, skip_bad_rows=False, option="data", **encode_kwargs):
@@ -414,9 +413,8 @@ def take_prompts(ctx, count):
 
 
 def prefetch_prompts(ctx, submit=None):
-    """Start drawing the next step's prompts on a thread (encoding, ~20 ms a 512x512 image, would otherwise idle the
-    GPU at the next generation's start); submit(drawn) then hands them to the engine (grpo.early_requests).
-    train_step waits for it before the step ends (nothing else encodes meanwhile)."""
+    """Start drawing the next step's prompts on a thread (encoding would otherwise idle the GPU at the next generation's
+    start); submit(drawn) hands them to the engine. train_step waits for it before the step ends."""
     cursor, count, box = ctx.cursor, ctx.prefetch_count or ctx.cfg.rollout_batch_size, {}
 
     def draw():

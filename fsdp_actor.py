@@ -313,7 +313,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     model.share_prompts = model.packed and share_prompts and model.router_logits is None and gdn is None
     if ulysses_group is not None:  # each rank's slice of the row into the language model (the one below the root)
         K = dist.get_world_size(ulysses_group)
-        ulysses.check_model(hf.config, hf.config.get_text_config().num_attention_heads, K, gdn is not None)
+        ulysses.check_model(hf.config, K)
         if not model.packed or model.router_logits is not None:
             raise UserError(f"--ulysses-size {K}: needs padding-free rows (--padding-free on or auto where a fast "
                             "kernel runs) and no --router-aux-loss-coef")

@@ -22,6 +22,7 @@ import easyr1_config
 import families
 import fsdp_actor as actor
 import memory
+import presets
 import rewards
 import rollout
 import rundir
@@ -87,6 +88,7 @@ def setup(cfg: Config):
     families.check_family(cfg.model_path, cfg.rollout_engine)  # a model neither path trains: one line, now
     # can these GPUs hold it (memory model)? one line now, not out of memory after minutes of loading
     memory.check_before_loading(cfg, ranks)
+    ulysses.check_model(presets.known_config(cfg.model_path), cfg.ulysses_size)  # (a model known before loading)
     cfg.checkpoint_layers, layers_note = memory.resolve_checkpoint_layers(cfg, ranks)
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
     rank, world, device = actor.init_distributed()

@@ -21,9 +21,12 @@ def make_group(K):
     return groups and groups[dist.get_rank() // K]
 
 
-def check_model(config, heads, K, recurrent=False):
-    """One line for a model Ulysses cannot split here (recurrent: it has Gated DeltaNet layers), before it runs."""
-    mt = config.model_type
+def check_model(config, K):
+    """One line for a model (its config; None: not known yet) that Ulysses cannot split here, before it runs."""
+    if config is None or K == 1:
+        return
+    mt, text = config.model_type, config.get_text_config()
+    heads, recurrent = text.num_attention_heads, "linear_attention" in (getattr(text, "layer_types", None) or [])
     if recurrent or getattr(config, "vision_config", None) is not None and mt not in MODEL_TYPES:
         raise UserError(f"--ulysses-size {K}: not built for {mt} (Gated DeltaNet layers carry their state along the "
                         "whole row; other VLMs' own paths are not split); use --ulysses-size 1 (Qwen2-VL, Qwen2.5-VL, "

@@ -111,9 +111,8 @@ def vision_params(proc):
 
 
 def smart_resize(h, w, factor, min_pixels, max_pixels, frames=1):
-    """transformers' smart_resize of the Qwen-VL video processors: sides multiples of `factor`, aspect kept, and
-    frames x height x width within the bounds: Qwen2(.5)-VL's bound one frame (frames=1), Qwen3-VL's the whole clip
-    (frames: its count, already a multiple of the temporal patch), as Qwen3VLVideoProcessor counts them."""
+    """transformers' smart_resize of the Qwen-VL video processors: sides multiples of `factor`, aspect kept, frames x
+    height x width within the bounds (Qwen2(.5)-VL's bound one frame, frames=1; Qwen3-VL's the whole clip)."""
     if frames > 1 and (h < factor or w < factor):  # (Qwen3-VL's first scales a frame smaller than a patch up)
         scale = max(factor / h, factor / w)
         h, w = int(h * scale), int(w * scale)
@@ -142,9 +141,8 @@ def prepare_video(frames, proc, min_pixels, max_pixels):
 
 
 def video_inputs(videos, fps, proc):
-    """The processor's video outputs for prepared videos ([T, H, W, 3] uint8 each): pixel_values_videos
-    [P, C * t * p * p] in the Qwen-VL patch order, video_grid_thw [V, 3], and for Qwen2.5-VL second_per_grid_ts [V]
-    (the seconds one temporal patch spans, which its M-RoPE time axis counts in)."""
+    """The processor's video outputs for prepared videos ([T, H, W, 3] uint8 each): pixel_values_videos [P, C*t*p*p]
+    in the Qwen-VL patch order, video_grid_thw [V, 3], and Qwen2.5-VL's second_per_grid_ts [V] (its M-RoPE time)."""
     patch, tps, merge, mean, std = vision_params(proc)
     pixels, grids = [], []
     for v in videos:

@@ -121,18 +121,22 @@ if __name__ == "__main__":
     main(*sys.argv[1:])
 
 
-def test_what_ulysses_cannot_split_is_one_line():
-    from types import SimpleNamespace
+def test_what_ulysses_cannot_split_is_one_line(tmp_path, launch):
+    """Known before loading (presets.known_config): Qwen3.5's Gated DeltaNet layers, and heads K does not divide,
+    stop grpo.py with one line naming the option; Qwen2.5-VL-7B's 28 heads split over 4 ranks."""
     import easyr1_config
     import grpo
+    import presets
     import ulysses
     from common import UserError
     with pytest.raises(UserError, match=r"--ulysses-size 3: must divide the number of ranks \(4\)"):
         easyr1_config.check(grpo.Config(ulysses_size=3), 4)
     with pytest.raises(UserError, match=r"--ulysses-size 2: not built for qwen3_5 \(Gated DeltaNet"):
-        ulysses.check_model(SimpleNamespace(model_type="qwen3_5", vision_config={}), 16, 2, recurrent=True)
-    with pytest.raises(UserError, match=r"--ulysses-size 2: not built for qwen3_5_text \(Gated DeltaNet"):
-        ulysses.check_model(SimpleNamespace(model_type="qwen3_5_text"), 16, 2, recurrent=True)
-    with pytest.raises(UserError, match=r"--ulysses-size 8: must divide the model's 12 attention heads"):
-        ulysses.check_model(SimpleNamespace(model_type="qwen3"), 12, 8)
-    ulysses.check_model(SimpleNamespace(model_type="qwen2_5_vl", vision_config={}), 16, 4)
+        ulysses.check_model(presets.known_config("Qwen/Qwen3.5-9B"), 2)
+    with pytest.raises(UserError, match=r"--ulysses-size 8: must divide the model's 28 attention heads"):
+        ulysses.check_model(presets.known_config("Qwen/Qwen2.5-VL-7B-Instruct"), 8)
+    ulysses.check_model(presets.known_config("Qwen/Qwen2.5-VL-7B-Instruct"), 4)
+    ulysses.check_model(presets.known_config("Qwen/Qwen3-4B"), 8)
+    p = launch.run([sys.executable, "grpo.py", "--model-path", "Qwen/Qwen3.5-9B", "--ulysses-size", "2",
+                    "--output-dir", tmp_path], tmp_path / "log", expect=2, timeout=120, WORLD_SIZE="2")
+    assert p.out.count("error: ") == 1 and "--ulysses-size 2: not built for qwen3_5" in p.out, p.out[-2000:]
