@@ -47,11 +47,9 @@ def compute_advantages(rewards, estimator="grpo", lengths=None, eps=1e-6, token_
 
 
 def _reinforce_plus_plus(rewards, estimator, lengths, token_kl):
-    # veRL's compute_reinforce_plus_plus(_baseline)_outcome_advantage. With one outcome reward and gamma 1 every
-    # response token's return is its sample's reward (the baseline variant first removes the group mean; a lone
-    # sample keeps its reward, as veRL's mean of 0); a KL penalty in the reward takes off, at each token, the penalty
-    # of that token and all after it. Then masked_whiten over all response tokens of the global batch: a token-
-    # weighted mean and unbiased variance, summed over ranks.
+    # veRL's compute_reinforce_plus_plus(_baseline)_outcome_advantage: with one outcome reward and gamma 1 each token's
+    # return is its sample's reward (the baseline variant less the group mean), less, with the KL in the reward, the
+    # penalty of that token and all after it; then masked_whiten over the global batch's response tokens.
     G, n = rewards.shape
     x = rewards.double()
     if estimator == "reinforce_plus_plus_baseline" and n > 1:
@@ -184,10 +182,9 @@ def select_groups(samples, n, key="accuracy", limit=None, bounds=None):
 
 # ------------------------------------------------------------------------------------------------ rollout correction
 def correction_weights(old_logp, rollout_logp, mask, level="token", cap=2.0):
-    """Truncated importance sampling (TIS) for the trainer/engine mismatch: the engine sampled from pi_rollout, the
-    loss assumes pi_old. Weights pi_old / pi_rollout per token (or their product per sequence), truncated at `cap`,
-    detached, multiply the per-token loss: veRL's compute_rollout_correction_weights and TRL's token_truncate /
-    sequence_truncate. Returns (weights [B, R], stats: sums and counts)."""
+    """Truncated importance sampling (TIS) for the trainer/engine mismatch: weights pi_old / pi_rollout per token (or
+    their product per sequence), truncated at `cap`, detached, times the per-token loss (veRL's and TRL's). Returns
+    (weights [B, R], stats: sums and counts)."""
     log_ratio = (old_logp - rollout_logp) * mask  # [B, R]
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True)  # [B, 1]

@@ -19,9 +19,8 @@ LORA_EXCLUDE = r".*(visual|vision_tower|audio_tower|embed_vision|embed_audio|mul
 
 
 class UserError(ValueError):
-    """A mistake in what the user gave (an option, a file, a data row, a reward file). grpo.py and dapo.py print
-    its message as one `error:` line (rank 0 only, unless rank_local: only the rank that raised it saw it) and exit
-    with code 2, no traceback."""
+    """A mistake in what the user gave (an option, a file, a data row, a reward file): grpo.py and dapo.py print it as
+    one `error:` line (rank 0, unless rank_local) and exit with code 2, no traceback."""
 
     def __init__(self, message, rank_local=False):
         super().__init__(message)
@@ -36,8 +35,7 @@ def first_line(e: BaseException) -> str:
 @contextlib.contextmanager
 def one_line_errors():
     """Around a command line's work: a UserError ends the process with `error: <message>` and exit code 2, no
-    traceback. The checks are deterministic, so every rank raises the same one and rank 0 speaks for them all;
-    a rank_local one (a reward only this rank computed) is printed by the rank that raised it."""
+    traceback; every rank raises the same one and rank 0 speaks (a rank_local one: the rank that raised it)."""
     try:
         yield
     except UserError as e:
@@ -81,9 +79,8 @@ def all_reduce_cpu(x, op=dist.ReduceOp.SUM):
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's cyclic garbage collector off while the block runs (vLLM's engine loop: Python on one core with the
-    GPU waiting on it, where a full collection walks every object made since vLLM's start). Nothing leaks: reference
-    counting frees all but cycles, and the collector, back on after the block, takes those."""
+    """Python's cyclic garbage collector off while the block runs (vLLM's engine loop: Python on one core, the GPU
+    waiting); reference counting frees all but cycles, which the collector takes once back on."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -95,10 +92,8 @@ def collector_paused():
 
 @contextlib.contextmanager
 def heap_freezer():
-    """Yields freeze(): collect once, then gc.freeze() every live object, as vLLM does with its own heap. grpo.train
-    calls it after the first step, when the run's long-lived objects exist (compiled graphs, the optimizer's state):
-    the full collection in every vLLM sleep then walks only what later steps made. (What is alive after one step
-    lives for the run.) On leaving, gc.unfreeze() (in-process callers: the tests, bench.py)."""
+    """Yields freeze(): collect once, then gc.freeze() every live object (as vLLM does), called by grpo.train after
+    the first step: every vLLM sleep's full collection then walks only what later steps made. On leaving, unfreeze."""
     try:
         yield lambda: (gc.collect(), gc.freeze())
     finally:

@@ -1,8 +1,6 @@
-"""config.py -- the options of grpo.py (and of dapo.py, whose DAPOConfig adds its own): one tyro dataclass, its
-comments the --help text. The defaults are EasyR1's (examples/config.yaml); the demos (no --model-path) have their
-own over them, where a flag does not say otherwise: tiny_model.DEMO, and TEXT_DEMO / VIDEO_DEMO on top for the text
-and the video demo. easyr1_config.py reads EasyR1's YAML into these options and checks their values; `python data.py
-check` takes their data options."""
+"""config.py -- the options of grpo.py (dapo.py's DAPOConfig adds its own): one tyro dataclass, its comments the
+--help text. The defaults are EasyR1's (examples/config.yaml); the demos' (tiny_model.DEMO, TEXT_DEMO, VIDEO_DEMO)
+go over them where a flag does not say otherwise. easyr1_config.py reads EasyR1's YAML into these and checks them."""
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -62,18 +60,16 @@ class Config:
     kv_cache_memory_gb: float = 0.0  # vLLM's KV cache (GiB) set, not profiled: runs can share a GPU; 0 = measured
     max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step
     enforce_eager: bool = False  # vLLM without CUDA graphs (slower, starts faster)
-    # 1: the engine's weights wait in CPU memory while training; 2: dropped, re-sent before generating; auto: 2 for
-    # full fine-tuning (every weight is re-sent each step anyway: level 1's copy out and back is pure cost), 1 with LoRA
-    # (and --debug-skip-sync)
+    # 1: the engine's weights wait in host memory while training; 2: dropped, re-sent before generating; auto: 2 for
+    # full fine-tuning (every weight is re-sent anyway), 1 with LoRA (and --debug-skip-sync)
     sleep_level: int | Literal["auto"] = "auto"
     # each prompt's samples seeded from its place in the data: a run is the same on any layout and on resume (vLLM's
     # V1 runner, Qwen3.5's and MoE models': each call seeded from its prompts' seeds, the same on resume and layout
     # only); off: vLLM seeds each request itself (BENCHMARKS Speed)
     per_prompt_seeds: bool = True
     # vLLM's intake of the next step's requests (its processor on every image) on the prefetch thread while this step
-    # trains, not at the start of generating (never before a validation). auto: where it can (vLLM at tensor parallel
-    # 1: a TP group gathers its prompts on the main thread); on: the same, and one line where it cannot; off: at the
-    # start of generating (the 3B bar's generation 17.4 s against 18.2 s: BENCHMARKS.md, 2026-12-02)
+    # trains. auto: where it can (tensor parallel 1); on: the same, and one line where it cannot; off: at the start of
+    # generating (the 3B bar: generation 17.4 s against 18.2 s, BENCHMARKS.md, 2026-12-02)
     prefetch_requests: Literal["auto", "on", "off"] = "auto"
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
     limit_videos: int = 0  # videos per prompt the engine accepts; 0 = the most any training or validation row has
@@ -83,9 +79,8 @@ class Config:
     ppo_epochs: int = 1  # passes over each rollout batch
     micro_batch_size_per_device: int = 64  # samples per forward/backward, at most
     max_token_len_per_device: int = 16384  # padded tokens per forward/backward, at most
-    # the old/reference log-prob passes keep no activations for a backward, so they can take larger micro-batches:
-    # padded tokens per forward there, at most, with no sample cap (veRL's log_prob_max_token_len_per_gpu);
-    # 0 = the update's bounds (--max-token-len-per-device, --micro-batch-size-per-device)
+    # the no-grad old/reference log-prob passes' tokens per forward, no sample cap (veRL's
+    # log_prob_max_token_len_per_gpu); 0 = the update's bounds
     logprob_max_token_len_per_device: int = 0
     # --- optimisation ---
     lr: float = 1e-6  # AdamW learning rate; the demo's tiny model, trained from scratch, uses 1e-3
@@ -113,9 +108,8 @@ class Config:
     cispo_clip_low: bool = False  # bound CISPO's weight below by 1 - clip_ratio_low, as EasyR1/veRL (the paper: none)
     tau_positive: float = 1.0  # SAPO's gate temperature for positive advantages (EasyR1's default)
     tau_negative: float = 1.05  # SAPO's for negative advantages: a steeper fade
-    # MoE: weight of the router's load-balancing loss (the name and formula of the model config's own
-    # router_aux_loss_coef); 0 = off, the default for RL: a balancing pull on the router moves the policy for a reason
-    # other than the reward (the checkpoint's 0.001 was for pretraining)
+    # MoE: weight of the router's load-balancing loss (the config's router_aux_loss_coef formula); 0 = off, RL's
+    # default: a balancing pull moves the policy for a reason other than the reward
     router_aux_loss_coef: float = 0.0
     kl_coef: float = 1e-2  # weight of the KL-to-reference loss term; 0 drops the reference model entirely
     entropy_coeff: float = 0.0  # veRL's: the loss minus this x the policy's tokens' mean entropy (a bonus)
@@ -135,9 +129,8 @@ class Config:
     rollout_correction: Literal["none", "tis"] = "none"  # tis: weight each token's loss by pi_old / pi_engine, capped
     rollout_correction_level: Literal["token", "sequence"] = "token"  # one weight per token, or per sequence
     rollout_correction_cap: float = 2.0  # weights above it are truncated to it (veRL's rollout_is_threshold)
-    # the engine returns its log-probs for one training prompt in K (its first sample; all n with tis): the agreement
-    # metric (rollout/logprob_diff_*) needs a sample of them, tis every one, and each token that returns one costs
-    # vLLM's engine loop ~7 us of Python (BENCHMARKS.md, 2026-12-02); 0 = auto: 1 with --rollout-correction tis, else 8
+    # the engine returns log-probs for one training prompt in K (all with tis): the agreement metric needs a sample,
+    # each token costs vLLM's loop ~7 us (BENCHMARKS.md, 2026-12-02); 0 = auto: 1 with --rollout-correction tis, else 8
     rollout_logprobs_every: int = 0
     # --- engineering ---
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # compute dtype; auto = bf16 on GPU, fp32 on CPU
@@ -155,10 +148,9 @@ class Config:
     # (the experts are not nn.Linear, so all-linear leaves them frozen). An error on a model without experts
     lora_target_experts: bool = False
     gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~1/3 more compute
-    # with gradient checkpointing: the share of the language model's decoder layers that recompute (the first ones,
-    # rounded up); the others keep their activations for backward: less compute, more memory. 1 = all; auto: as few
-    # as fit this GPU by the memory model with its 15 % error bound (memory.auto_checkpoint_layers; 1 where it
-    # does not know the model, or on the CPU)
+    # with gradient checkpointing: the share of decoder layers that recompute (the first ones, rounded up); the others
+    # keep their activations. 1 = all; auto: as few as fit this GPU by the memory model with its 15 % error bound
+    # (1 where it does not know the model, or on the CPU)
     checkpoint_layers: float | Literal["auto"] = 1.0
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     padding_free: Literal["auto", "on", "off"] = "auto"  # one packed row per micro-batch (varlen attention); auto: where a fast kernel runs
@@ -168,6 +160,10 @@ class Config:
     vision_varlen: Literal["auto", "on", "off"] = "auto"  # the vision tower's windows in one attention call per layer
     torch_compile: Literal["auto", "on", "off"] = "auto"  # fused norm/MLP/rotary/log-prob kernels; auto: CUDA, bf16, hidden >= 1024
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocabulary projection (memory vs speed)
+    # Ulysses sequence parallelism: K ranks train each packed row together (each 1/K of its tokens; all-to-all around
+    # attention), micro-batches of up to K x --max-token-len-per-device; data parallel over world / K. K divides the
+    # ranks and the attention heads; Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text LLMs
+    ulysses_size: int = 1
     peak_tflops: float = 989.0  # per GPU, for perf/mfu_*: H100/H200 dense bf16 (the figure veRL and EasyR1 use)
     # --- trainer ---
     max_steps: int = 0  # training steps (one rollout batch each); 0 = total_epochs passes over the training data

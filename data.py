@@ -1,11 +1,6 @@
-"""Dataset loading and prompt encoding (EasyR1 data contract) + the synthetic colour and largest-digit tasks.
-
-Rows follow EasyR1: a `problem` text (with optional `<image>` / `<video>` placeholders), an `answer`, an
-`images` list and a `videos` list (each video a file path or a list of frames). encode_prompt turns one row into the
-prompt record: prompt_ids (pads expanded: the actor's), raw_prompt_ids (one pad per image or video: vLLM expands
-them), resized images, sampled and resized video frames with their frame rates, processor outputs (mm_inputs),
-answer, prompt_text. draw_prompts is the training stream (seeded epoch shuffles, a function of its cursor);
-take_prompts and prefetch_prompts take a step's share, drawn on a second thread while the previous step trains."""
+"""Dataset loading and prompt encoding (EasyR1's data contract: `problem` with `<image>` / `<video>` placeholders,
+`answer`, `images`, `videos`), the synthetic tasks' rows, and the prompt stream: draw_prompts (seeded epoch shuffles,
+a function of its cursor); take_prompts and prefetch_prompts (a step's share, drawn on a thread meanwhile)."""
 import collections
 import dataclasses
 import functools
@@ -54,9 +49,8 @@ BAD_VIDEO, VIDEO_PLACEHOLDERS = "bad video", "placeholders != videos"
 
 # ----------------------------------------------------------------------------- loading
 def load_rows(source: str, split: str = "train"):
-    """Rows from a hub dataset ("name" or "name@split"), a .parquet/.json/.jsonl file, or a
-    folder of such files (split inferred from file names, like EasyR1). Images stay undecoded
-    ({"bytes", "path"}) until encode_prompt: a bad one is then a row's error, not the loader's."""
+    """Rows from a hub dataset ("name" or "name@split"), a .parquet/.json/.jsonl file, or a folder of such files (the
+    split from file names, as EasyR1). Images stay undecoded until encode_prompt: a bad one is a row's error."""
     import datasets  # slow to import (~2 s): only where data are read or written
     source, split = _split_source(source, split)
     path = os.path.expanduser(source)
@@ -138,10 +132,9 @@ def check_model_path(model_path: str):
 
 
 def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: int | None = None):
-    """AutoProcessor for VL models (a tokenizer for text-only ones). min/max_pixels, when given, replace the image
-    processor's pixel budget (give vLLM the same via mm_processor_kwargs, or its image-token counts differ from ours).
-    Without torchvision, transformers 5 builds no video processor (Qwen-VL's, Gemma 4's, ...): the processor then
-    comes without one (families.processor_without_video; video.py makes the frames itself)."""
+    """AutoProcessor for VL models (a tokenizer for text-only ones). min/max_pixels replace the image processor's pixel
+    budget (vLLM gets the same via mm_processor_kwargs). Without torchvision, transformers 5 builds no video processor:
+    the processor comes without one (families.processor_without_video; video.py makes the frames)."""
     import transformers  # slow to import (~2 s): only where a model or processor loads
     from transformers.utils import is_torchvision_available  # (likewise)
     check_model_path(model_path)
@@ -217,9 +210,8 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
                   image_dir=None, format_prompt: str | None = None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
                   video_key="videos", video_fps=2.0, max_frames=768, video_min_pixels=None, video_max_pixels=None,
                   tools=None):
-    """Everything a row must pass, then (chat text with one pad per image and video, resized images, prepared videos
-    [T, H, W, 3], their frame rates, answer, prompt text). A bad row raises BadRow; a mistake that no row can pass
-    (a text model given images) a plain UserError."""
+    """Everything a row must pass, then (chat text with one pad per image and video, resized images, prepared videos,
+    their frame rates, answer, prompt text). A bad row raises BadRow; what no row can pass a plain UserError."""
     prompt, answer = row.get(prompt_key), row.get(answer_key)
     if prompt is None or not str(prompt).strip():
         raise BadRow(NO_PROMPT, f"{prompt_key!r} is {prompt!r}")
@@ -261,12 +253,9 @@ def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", im
 
 
 def encode_prompt(row: dict, processor_or_tokenizer, **encode_kwargs) -> dict:
-    """One dataset row -> its prompt record, shared by the n samples of the prompt (the processor runs once):
-    prompt_ids (the tokens the model reads: each <image> / <video> expanded to its pad tokens), raw_prompt_ids (the
-    chat-templated text before that expansion: vLLM expands it itself), images (PIL, resized), videos (sampled,
-    resized frames) and video_fps, mm_inputs (the processor's tensors: pixel_values [P, D], image_grid_thw [I, 3],
-    pixel_values_videos, video_grid_thw [V, 3], ...; {} for text), answer, prompt_text. encode_kwargs: the keys,
-    image_dir, format_prompt and the pixel/video options of _prompt_parts."""
+    """One dataset row -> its prompt record, shared by the prompt's n samples: prompt_ids (pads expanded: the model's
+    tokens), raw_prompt_ids (one pad per image or video: vLLM expands them), images, videos and video_fps, mm_inputs
+    (the processor's tensors; {} for text), answer, prompt_text. encode_kwargs: _prompt_parts' options."""
     proc = processor_or_tokenizer
     tok = getattr(proc, "tokenizer", proc)  # a processor wraps a tokenizer; a tokenizer is one
     templated, images, videos, fps, answer, text = _prompt_parts(row, proc, **encode_kwargs)
@@ -291,9 +280,8 @@ def encode_prompt(row: dict, processor_or_tokenizer, **encode_kwargs) -> dict:
 
 
 def prompt_length(row: dict, proc, **encode_kwargs) -> int:
-    """len(encode_prompt(row)["prompt_ids"]) at a third of the cost: each image's one pad becomes the number of
-    tokens the image processor gives an image of its size, without processing its pixels (videos: from their
-    frame counts and sizes)."""
+    """len(encode_prompt(row)["prompt_ids"]) at a third of the cost: each image's pad becomes the count of tokens the
+    image processor gives an image of its size, without its pixels (videos: from their frame counts and sizes)."""
     templated, images, videos, fps, _, _ = _prompt_parts(row, proc, **encode_kwargs)
     n = len(getattr(proc, "tokenizer", proc).encode(templated, add_special_tokens=False))
     if videos:
@@ -347,10 +335,8 @@ def row_list(problems, limit=20) -> str:
 
 
 class PromptDataset:
-    """Index-based access to encoded prompts (the trainer shuffles indices itself, so resuming
-    is exact). Every row is checked up front (check_rows): bad ones stop the run with the list of
-    them unless skip_bad_rows; rows longer than max_prompt_length are dropped when filter_overlong
-    (EasyR1's filter_overlong_prompts), bad otherwise. `notes` says what was dropped."""
+    """Index-based access to encoded prompts (exact resume). Every row is checked up front: bad ones stop the run
+    unless skip_bad_rows; rows over max_prompt_length dropped when filter_overlong, else bad. `notes`: what dropped."""
 
     def __init__(self, source, processor_or_tokenizer, split="train", max_prompt_length=None,
                  filter_overlong=True, skip_bad_rows=False, option="data", **encode_kwargs):
@@ -397,9 +383,8 @@ class PromptDataset:
 
 
 def draw_prompts(dataset, cursor, count, rank, world, seed, shuffle=True):
-    """`count` prompts (all ranks together) from an endless stream of seeded epoch shuffles of `dataset`, starting at
-    `cursor` (not shuffled: the file's order). Returns this rank's share as (stream position, record): a pure function
-    of the cursor, so resume is exact and the seed of each prompt does not depend on the number of ranks."""
+    """`count` prompts (all ranks together) from an endless stream of seeded epoch shuffles of `dataset` at `cursor`
+    -> this rank's share as (stream position, record): a function of the cursor (exact resume, any rank count)."""
     N, per = len(dataset), count // world
     out = []
     for pos in range(cursor + rank * per, cursor + (rank + 1) * per):
@@ -410,8 +395,7 @@ def draw_prompts(dataset, cursor, count, rank, world, seed, shuffle=True):
 
 def take_prompts(ctx, count):
     """This rank's share of the `count` prompts at the stream's cursor (ctx: grpo's State), which then moves past
-    them: from prefetch_prompts' thread when it drew these, else drawn here. The same records either way:
-    draw_prompts is a function of the cursor (exact resume)."""
+    them: prefetch_prompts' when it drew these, else drawn here (the same records: exact resume)."""
     t = time.time()
     ahead, ctx.prefetch = ctx.prefetch, None
     if ahead is not None:
@@ -429,11 +413,8 @@ def take_prompts(ctx, count):
 
 
 def prefetch_prompts(ctx, submit=None):
-    """Start drawing the next step's prompts on a second thread: encoding them (the processor resizes and normalises
-    each image: ~20 ms a 512x512 image on one core) would otherwise run on the main thread at the start of the next
-    generation, with the GPU idle; here it runs while this step's log-prob passes and update keep the GPU busy.
-    submit(drawn), when given, then hands them to the engine (grpo.early_requests). train_step waits for the thread
-    before the step ends, so that nothing else encodes meanwhile (validation)."""
+    """Start drawing the next step's prompts on a thread (encoding would otherwise idle the GPU at the next generation's
+    start); submit(drawn) hands them to the engine. train_step waits for it before the step ends."""
     cursor, count, box = ctx.cursor, ctx.prefetch_count or ctx.cfg.rollout_batch_size, {}
 
     def draw():
@@ -475,9 +456,8 @@ def data_files(cfg):
 
 
 def load_datasets(cfg, model_path, say=print, tools=None):
-    """grpo.py's data: the processor (or tokenizer) of model_path and the train and validation PromptDatasets of
-    cfg's data options (data_files: rank 0 writes a demo's task, the others wait). Every row is checked here,
-    before the model loads; the same on every rank, so all raise together."""
+    """grpo.py's data: the processor (or tokenizer) of model_path and the train and validation PromptDatasets (rank 0
+    writes a demo's task, the others wait); every row checked here, before the model loads, alike on every rank."""
     if dist.get_rank() == 0:
         data_files(cfg)
     dist.barrier()
@@ -506,9 +486,8 @@ DATA_OPTIONS = ("model_path", "train_files", "val_files", "prompt_key", "answer_
 
 
 def check_main(argv) -> int:
-    """`python data.py check [grpo.py's data options]`: reads every row of --train-files and --val-files (the demo's
-    colour task when empty) and prints each bad one with its row number in the source and the reason, then the
-    counts. Returns 2 when a row is bad, 0 otherwise; --model-path's tokenizer counts the prompt tokens."""
+    """`python data.py check [grpo.py's data options]`: every row of --train-files and --val-files, each bad one
+    printed with its row number and reason, then the counts. Returns 2 when a row is bad, else 0."""
     def field(f, marker):  # grpo's option as it is there; the help text grpo.py --help shows (tyro reads comments)
         try:
             marker = marker or tyro.conf.arg(help=tyro._docstrings.get_field_docstring(Config, f.name, ()))

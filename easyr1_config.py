@@ -1,9 +1,7 @@
-"""easyr1_config.py -- the command line in EasyR1's terms: its defaults (or the demo's), its nested YAML config read
-unchanged (`grpo.py --config examples/config.yaml`, or EasyR1's own form `grpo.py config=examples/config.yaml
-worker.rollout.n=8 ...`: dotted keys merged over the file as OmegaConf merges them), then the flags; and the checks
-of the values (`check`). TABLE holds every EasyR1 key: the option it sets here, or none and why (docs/easyr1.md
-shows it; a test keeps the two equal). A key that cannot be honoured, or an unknown one, stops the run; a key with no
-effect here is listed at start. Keys absent from the file keep this project's defaults (EasyR1's example values)."""
+"""easyr1_config.py -- the command line in EasyR1's terms: its defaults (or the demo's), its YAML config read unchanged
+(`--config FILE`, or EasyR1's `config=FILE worker.rollout.n=8 ...`: dotted keys merged as OmegaConf does), then the
+flags; and the checks of the values (`check`). TABLE holds every EasyR1 key: the option it sets, or none and why
+(docs/easyr1.md). A key that cannot be honoured, or an unknown one, stops the run; one with no effect is listed."""
 import json
 import os
 import re
@@ -93,9 +91,8 @@ def _torch_dtype(v, y):  # EasyR1's actor storage dtype: null = fp32 master weig
 
 
 def _world(v, y):
-    """EasyR1 starts n_gpus_per_node x nnodes workers itself; here the launcher does, so the two must agree when
-    several processes run (WORLD_SIZE > 1). One process is the one-GPU try of an EasyR1 script (whose config.yaml
-    says 8 GPUs): not stopped."""
+    """EasyR1 starts n_gpus_per_node x nnodes workers itself, here the launcher: with several processes the two must
+    agree. One process is the one-GPU try of an EasyR1 script: not stopped."""
     gpus, nodes = y.get("trainer.n_gpus_per_node", 8), y.get("trainer.nnodes", 1)  # EasyR1's defaults
     world = os.environ.get("WORLD_SIZE", "1")
     if int(world) > 1 and int(world) != gpus * nodes:
@@ -160,9 +157,7 @@ TABLE = {
     "worker.actor.padding_free": ("padding_free", lambda v, y: {"padding_free": "auto" if v else "off"},
                                   "true = auto (on where a fast varlen kernel runs)"),
     "worker.actor.dynamic_batching": (None, None, "always on: micro-batches by padded tokens"),
-    "worker.actor.ulysses_size": (None, _only(1, None, why="Ulysses sequence parallelism is not implemented here: "
-                                              "set it to 1 (each rank then holds whole sequences)"),
-                                  "must be 1: sequence parallelism is not implemented"),
+    "worker.actor.ulysses_size": ("ulysses_size", None, "Ulysses sequence parallelism (each packed row over K ranks)"),
     "worker.actor.use_torch_compile": ("torch_compile", lambda v, y: {"torch_compile": "auto" if v else "off"},
                                        "true = auto (on for CUDA in bf16)"),
     "worker.actor.model.model_path": ("model_path", None, None),
@@ -283,9 +278,8 @@ def _coerce(v, tp):
 
 
 def translate(config, cls, sources=None):
-    """A nested EasyR1 config (dict) -> ({option: value} for `cls`, notes on the keys without effect here). Raises
-    one ValueError listing every key that cannot be honoured, with the reason. `sources`, a dict, gets the EasyR1
-    key that set each option."""
+    """A nested EasyR1 config -> ({option: value} for `cls`, notes on the keys without effect here); one ValueError
+    lists every key that cannot be honoured. `sources` gets the EasyR1 key that set each option."""
     y = dict(_leaves(config))
     y.setdefault("trainer.save_checkpoint_path", None)  # EasyR1 derives it when absent, so do we
     hints = typing.get_type_hints(cls)
@@ -341,9 +335,8 @@ def _merge(old, new):  # OmegaConf's merge: mappings key by key, anything else r
 
 
 def from_words(words, config_flag=None):
-    """EasyR1's command line -> (its nested config, the file it read or None): the `config=` file (or --config),
-    then every dotted key merged over it whatever its place, as EasyR1's main does. Values are YAML, as
-    OmegaConf's dotlist reads them: `[a,b]` a list, `{"n":16}` a mapping, true, 1e-6, null."""
+    """EasyR1's command line -> (its nested config, the file read or None): the `config=` file (or --config), then
+    every dotted key merged over it, as EasyR1's main. Values are YAML (OmegaConf's dotlist): `[a,b]`, `{"n":16}`, true."""
     files = [w.partition("=")[2] for w in words if w.startswith("config=")]
     given = files + ([config_flag] if config_flag else [])
     if len(given) > 1:
@@ -377,11 +370,9 @@ def from_words(words, config_flag=None):
 
 
 def cli(cls, demo, args=None, text_demo=None, video_demo=None, tools_demo=None, family_demo=None):
-    """Parse the command line over the defaults in force: `cls`'s own (EasyR1's), or those changed by `demo` for the
-    demo (no --model-path; `text_demo` on top for --demo-model qwen3, `video_demo` for --demo-task video, `tools_demo`
-    for --demo-task zoom); the EasyR1 config (--config, or `config=FILE` and dotted keys) goes between the defaults
-    and the flags. Rank 0 says which set is in force, what the config and the flags changed, and where a flag won
-    over the config."""
+    """Parse the command line over the defaults in force: `cls`'s (EasyR1's), or the demo's (`demo`; `text_demo`,
+    `video_demo`, `tools_demo`, then `family_demo` on top), the EasyR1 config between the defaults and the flags. Rank
+    0 says which set is in force, what the config and the flags changed, and where a flag won."""
     script = sys.modules["__main__"].__doc__ or sys.modules[cls.__module__].__doc__  # grpo.py's Config is config.py's
     desc = (f"{script.splitlines()[0]} Also EasyR1's form: config=FILE and dotted keys (worker.rollout.n=8), with the "
             "flags in any order; a flag wins. Defaults shown are EasyR1's; the demo (no --model-path) uses "
@@ -399,8 +390,7 @@ def cli(cls, demo, args=None, text_demo=None, video_demo=None, tools_demo=None, 
         demo = {**demo, **video_demo}
     elif is_demo and tools_demo and getattr(first, "demo_task", "") == "zoom":  # the tool demo (tools.py)
         demo = {**demo, **tools_demo}
-    if is_demo and family_demo:  # a family's own on top (tiny_model.FAMILY_DEMO)
-        demo = {**demo, **family_demo.get(getattr(first, "demo_model", ""), {})}
+    demo = {**demo, **(family_demo or {}).get(getattr(first, "demo_model", ""), {})}  # a family's (FAMILY_DEMO)
     defaults = replace(cls(), **{**(demo if is_demo else {}), **from_yaml})
     cfg = tyro.cli(cls, args=args, default=defaults, description=desc)
     if os.environ.get("RANK", "0") == "0":
@@ -429,6 +419,8 @@ def check(cfg, world):
                         "--rollout-correction tis (it weights every sample by the engine's log-probs)")
     if cfg.lora_target_experts and cfg.lora_rank <= 0:
         raise UserError("--lora-target-experts puts LoRA adapters on the experts: it needs --lora-rank > 0")
+    if cfg.ulysses_size < 1 or world % cfg.ulysses_size:
+        raise UserError(f"--ulysses-size {cfg.ulysses_size}: must divide the number of ranks ({world})")
     for opt, v in {"rollout-n": cfg.n, "rollout-batch-size": cfg.rollout_batch_size,
                    "global-batch-size": cfg.global_batch_size, "ppo-epochs": cfg.ppo_epochs}.items():
         if v < 1:

@@ -1,9 +1,7 @@
-"""What differs between model families, in one place. The Qwen-VL families (QWEN_VL) take the fast paths (M-RoPE
-positions computed on the host, packed rows, the vision tower once per distinct image); any other image-text model
-that transformers' AutoModelForImageTextToText and its processor load takes the generic path: the processor builds
-the prompt (its chat template, image tokens, pixel tensors and whatever else its forward takes), the trainer passes
-those through per row (padded rows), vLLM gets the images and the one-placeholder prompt and expands it itself.
-Proven end to end on the CPU: Gemma 4 and InternVL (tiny_families.py). Text LLMs take the text path."""
+"""What differs between model families, in one place. The Qwen-VL families (QWEN_VL) take the fast paths (M-RoPE on
+the host, packed rows, the vision tower once per distinct image); any other image-text model transformers loads takes
+the generic path: its processor builds the prompt and the inputs its forward takes, passed per row (padded rows), vLLM
+expanding the placeholders itself (proven on the CPU: Gemma 4, InternVL). Text LLMs take the text path."""
 import functools
 import inspect
 import types
@@ -45,9 +43,8 @@ def check_family(model_path, engine="auto"):
 
 
 def own_config(path):
-    """transformers' own config class for the checkpoint: once a vLLM engine starts, vLLM has registered its own
-    classes for some model types (Qwen3.5) in AutoConfig, process-wide, and a model built from one of those fails
-    (its vision config lacks num_attention_heads: seen on the H200, an HF load after the engine's start)."""
+    """transformers' own config class for the checkpoint: a started vLLM registers its own classes for some types
+    (Qwen3.5) in AutoConfig, and a model built from one fails (seen on the H200)."""
     import transformers  # slow to import (~2 s)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # (register() leaves it alone)
     kind = transformers.PretrainedConfig.get_config_dict(path)[0].get("model_type")
@@ -56,9 +53,8 @@ def own_config(path):
 
 
 def special_token_ids(model_path):
-    """(eos_ids, forbidden_ids) of a checkpoint folder, read the same way by both engines so they stop alike.
-    eos: generation_config's eos list (Qwen lists <|im_end|> and <|endoftext|>) plus the tokenizer's eos.
-    forbidden: the image/video pad ids; sampling one would corrupt the next forward's vision placement."""
+    """(eos_ids, forbidden_ids) of a checkpoint folder, read alike by both engines so they stop alike: eos from
+    generation_config's list plus the tokenizer's; forbidden: the image/video pads (one sampled corrupts the next)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # slow to import (~2 s)
     eos = []
 
@@ -94,9 +90,8 @@ def head_dims(t):
 
 
 def vllm_overrides(cfg):
-    """hf_overrides that vLLM needs under the names it reads: Gemma 4's full-attention layers' head size (and key/value
-    heads), which transformers >= 5.17 keeps per layer (per_layer_config) while vLLM 0.26 reads global_head_dim from
-    the text config, and else builds those layers with the sliding ones' head size."""
+    """hf_overrides vLLM needs under the names it reads: Gemma 4's full-attention head size (and kv heads), which
+    transformers >= 5.17 keeps per layer while vLLM 0.26 reads global_head_dim from the text config."""
     t = cfg.get_text_config()
     layers = getattr(t, "per_layer_config", None)
     if cfg.model_type != "gemma4" or layers is None or "full_attention" not in t.layer_types:
@@ -131,8 +126,7 @@ def processor_without_video(model_path):
 
 def mm_token_types(hf, input_ids, mm_inputs):
     """Which tokens are image (1) and video (2) pads, for a model whose forward takes mm_token_type_ids: transformers
-    >= 5 builds Qwen-VL's 3-D (M-RoPE) positions only when told (else it silently falls back to 1-D positions and
-    disagrees with vLLM); Gemma 4 marks its images' soft tokens so (as its processor does)."""
+    >= 5 builds Qwen-VL's M-RoPE positions only when told (else 1-D ones, unlike vLLM's); Gemma 4's soft tokens too."""
     cfg = hf.config
     if not mm_inputs or not _takes_mm_token_types(type(hf.model)):
         return {}

@@ -1,9 +1,7 @@
 """flops.py -- model FLOPs of a step's real tokens, for MFU (`perf/mfu_update`, `perf/mfu_ref`), by veRL's convention
-(verl/utils/flops_counter.py, which EasyR1 reuses), so the figures compare: 2 FLOPs per weight per token (every
-layer's projections, the embedding *and* the LM head), causal attention 2 x s^2 x head_dim x heads per layer over each
-sample's own length s; training = 3 x forward (no recompute counted), a log-prob pass 1 x. Qwen2(.5)-VL's vision
-tower, which veRL leaves out, is counted as veRL counts Qwen3-VL's ViT (2% at 3B with one 512x512 image per prompt),
-each distinct image once per pass."""
+(verl/utils/flops_counter.py, EasyR1's too): 2 FLOPs per weight per token (the embedding and LM head included), causal
+attention 2 x s^2 x head_dim x heads per layer over each sample's length s; training 3 x forward (no recompute), a
+log-prob pass 1 x. Qwen2(.5)-VL's vision tower counted as veRL counts Qwen3-VL's ViT, each distinct image once."""
 import families
 
 

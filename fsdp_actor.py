@@ -1,11 +1,8 @@
 """fsdp_actor.py -- the policy side of RL: load the model, shard it with FSDP2, compute per-token log-probs,
-take optimizer steps, stream full weights out to the rollout engine, save and load checkpoints.
-
-Everything here works the same with one process (CPU or GPU), with `torchrun` on CPU (gloo) and on GPU (NCCL).
-Sequences are laid out as one row per sample: prompt + response, right-padded:
-    input_ids  [B, T]   p p p p r r r 0 0
-    resp_mask  [B, T]   0 0 0 1 1 1 0 0 0   (position t predicts token t+1: marks the positions *before* response tokens)
-Log-probs come back response-aligned and padded: [B, R] with R = the longest response of the micro-batch."""
+take optimizer steps, stream full weights out to the rollout engine. The same with one process (CPU or GPU) and
+under torchrun (gloo, NCCL). Rows: one per sample, right-padded (position t predicts token t+1), or one packed row
+per micro-batch; log-probs come back flat per target token [n], pad_responses lays them out [B, R]."""
+import functools
 import math
 import os
 import types
@@ -18,6 +15,7 @@ import torch.nn as nn
 
 import memory
 import presets
+import ulysses
 import varlen
 import video
 from common import UserError, _cpu_group, all_reduce_cpu, free_port  # noqa: F401 (all_reduce_cpu: actor.all_reduce_cpu)
@@ -93,19 +91,23 @@ class LogProbModel(nn.Module):
         self.router_logits, self.aux_loss = None, None
         self.chunk_kernels = varlen.LOGPROB_KERNELS  # build_actor: their compiled twins with --torch-compile
         self.softcap = getattr(cfg.get_text_config(), "final_logit_softcapping", None)  # Gemma: cap x tanh(z / cap)
+        self.ulysses = None  # build_actor: this rank's sequence-parallel group (--ulysses-size > 1)
 
     def forward(self, input_ids, resp_idx, targets, mm_inputs, owner=None, position_ids=None, varlen=None,
                 temperature=1.0, chunk_size=4096, entropy=True):
-        """As collate() builds them: input_ids [B, T] (or [1, N] packed), resp_idx [n] the flat positions that
-        predict response tokens, targets [n] those tokens, mm_inputs the processor outputs of the *distinct*
-        prompts of the batch, owner (for each row the distinct prompt it shows, for each distinct prompt its number
-        of images), position_ids the rotary positions, varlen the packed row's sequence boundaries. Returns the
-        log-probs [n] and, with `entropy`, the entropies [n] (else None)."""
+        """collate()'s rows: input_ids [B, T] (packed [1, N]), resp_idx [n] the positions that predict response
+        tokens, targets [n], mm_inputs of the distinct prompts, owner, position_ids, varlen (the packed row's
+        boundaries). -> log-probs [n] and, with `entropy`, entropies [n] (else None)."""
         if self.router_logits is not None:
             self.router_logits.clear()
-        hidden = self.hidden_states(input_ids, mm_inputs, owner, position_ids, varlen)  # [B, T, H]
+        hidden = self.hidden_states(input_ids, mm_inputs, owner, position_ids, varlen)  # [B, T, H]; Ulysses [1, T/K, H]
         if self.router_logits and torch.is_grad_enabled():
             self.aux_loss = router_aux_loss(self.hf, self.router_logits, input_ids)
+        n, all_idx = input_ids.shape[1], resp_idx
+        if self.ulysses is not None:  # the targets of this rank's slice of the row; all ranks' gathered below
+            a, b = ulysses.bounds(n, self.ulysses)
+            mine = (resp_idx >= a) & (resp_idx < b)  # [n_targets]
+            resp_idx, targets = resp_idx[mine] - a, targets[mine]
         h = hidden.flatten(0, 1).index_select(0, resp_idx)  # [n, H] (an index, not a boolean mask: no host sync)
         head = self.hf.get_output_embeddings()
         logps, ents = [], []
@@ -114,13 +116,14 @@ class LogProbModel(nn.Module):
             lp, ent = ChunkLogProbs.apply(hc, tc, head.weight, temperature, self.forbidden, entropy, kernels)
             logps.append(lp)
             ents.append(ent)
-        return torch.cat(logps), torch.cat(ents) if entropy else None  # [n], [n]
+        logp, ent = torch.cat(logps), torch.cat(ents) if entropy else None  # [n], [n]
+        if self.ulysses is not None:
+            logp, ent = (None if x is None else ulysses.gather(x, all_idx, n, self.ulysses) for x in (logp, ent))
+        return logp, ent
 
     def hidden_states(self, input_ids, mm_inputs, owner, position_ids=None, varlen=None):
-        # No attention mask: padded rows are right-padded and attention is causal, so no real token ever sees a pad
-        # (the pads' own outputs are never read); a padding mask would also keep SDPA off its flash kernel (and,
-        # with grouped-query attention, on the slow O(T^2)-memory math path). A packed row has no pads: `varlen`
-        # (cu_seq_lens_q/k, max_length_q/k) keeps each sample's attention inside the sample.
+        # No attention mask: rows are right-padded and attention causal, so no real token sees a pad; a mask would
+        # keep SDPA off its flash kernel. A packed row has no pads: `varlen` keeps each sample's attention inside it.
         kw = dict(attention_mask=None, use_cache=False, position_ids=position_ids, **(varlen or {}))
         if not mm_inputs and not self.has_vision:
             if self.generic and dist.get_world_size() > 1:  # the other ranks' vision blocks would wait for this one
@@ -128,9 +131,8 @@ class LogProbModel(nn.Module):
                                 "(the generic path runs the vision tower only on images): train on one GPU")
             return self.hf.model(input_ids=input_ids, **kw).last_hidden_state
         if not mm_inputs:
-            # Every rank must run the same sharded modules in the same order (each vision block is an FSDP unit
-            # whose weights are all-gathered collectively): a text-only micro-batch still runs the vision tower
-            # first, on one blank image, and adds 0 x its output so that backward reaches its blocks too.
+            # Every rank runs the same sharded modules in the same order (each vision block all-gathers
+            # collectively): a text-only micro-batch runs the tower on one blank image, adding 0 x its output.
             embeds = self.hf.model.get_input_embeddings()(input_ids)  # [B, T, H]
             embeds = embeds + self._idle_vision(embeds)
             if position_ids is None and self.rope == "mrope":  # plain text positions; left to itself, the model
@@ -169,11 +171,9 @@ class LogProbModel(nn.Module):
         return self.hf.model(pixel_values=torch.cat([pixels[i] for i in owner]), **kw).last_hidden_state
 
     def _vision_once(self, mm_inputs):
-        """The vision tower in ONE call over the micro-batch's distinct images, then its distinct videos (each item
-        is attended to on its own, so one call equals one per item). One call whatever the micro-batch holds keeps
-        every rank running the same sharded vision blocks the same number of times: a rank with images and videos
-        next to one with only one kind (or text only: _idle_vision) never mismatches the all-gathers. Returns (per
-        item [tokens, H], the output (for Qwen3-VL's deepstack features))."""
+        """The vision tower in ONE call over the micro-batch's distinct images, then videos (each item attends to
+        itself alone): every rank runs the same vision blocks as often, whatever its micro-batch holds (text only:
+        _idle_vision). Returns (per item [tokens, H], the output (Qwen3-VL's deepstack features))."""
         keys = [(p, g) for p, g in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
                 if g in mm_inputs]
         grid = torch.cat([mm_inputs[g] for _, g in keys])  # [items, 3]
@@ -195,10 +195,9 @@ class LogProbModel(nn.Module):
         return out
 
     def _deepstack_hidden(self, input_ids, mm_inputs, owner, counts, vcounts, row_grids, types, kw):
-        """Qwen3-VL: the vision tower once per distinct image and video, as for Qwen2.5-VL. Its deepstack features (the
-        outputs of a few vision blocks, each added to one of the first LLM layers' outputs at the vision positions)
-        are scattered per row the same way and handed to the language model, whose forward takes them as arguments;
-        the full model's forward would instead rerun the tower on every row's copy of the pixels."""
+        """Qwen3-VL: the tower once per distinct item, as for Qwen2.5-VL; its deepstack features (a few blocks'
+        outputs, added to the first LLM layers at the vision positions) scattered per row the same way and handed to
+        the language model (the full model's forward would rerun the tower on every row's copy of the pixels)."""
         m = self.hf.model
         feats, out = self._vision_once(mm_inputs)
         sizes = [len(f) for f in feats]  # tokens per distinct item
@@ -246,9 +245,8 @@ def _tensors(x):
 
 
 def recompute_first_layers(hf, share):
-    """Only the first ceil(share x L) of the language model's L decoder layers recompute (vision blocks all do: a
-    small share of the compute), the rest keep their activations. The first, not every k-th (Megatron's "block"
-    method): backward frees the last layers' kept activations before any recomputation starts. Returns the count."""
+    """Only the first ceil(share x L) decoder layers recompute (vision blocks all do), the rest keep their
+    activations; the first, not every k-th: backward frees the last layers' before recomputing. Returns the count."""
     from transformers.modeling_layers import GradientCheckpointingLayer  # (transformers: slow to import, ~2 s)
     layers = [m for n, m in hf.named_modules()
               if isinstance(m, GradientCheckpointingLayer) and ".visual." not in f".{n}."]
@@ -261,21 +259,15 @@ def recompute_first_layers(hf, share):
 def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
                 trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto",
                 torch_compile="off", offload=False, router_aux_loss_coef=0.0, checkpoint_layers=1.0,
-                share_prompts=True):
-    """Load and shard with FSDP2: every decoder layer and vision block is its own unit (weights all-gathered just
-    in time, freed after use), the root holds the rest. `dtype` is the storage (fp32 master weights for the
-    policy, bf16 for a frozen reference); `param_dtype` is what the matmuls run in. `lora`: None, or a dict with
-    r, alpha, target_modules, exclude_modules, modules_to_save (see memory.add_lora). padding_free / vision_varlen:
-    "auto" (on where a fast variable-length kernel runs: CUDA, bf16/fp16), "on" (also on CPU, the plain reference
-    path: tests) or "off" (transformers' attention). torch_compile: fused elementwise kernels, "auto" = on for CUDA
-    in bf16/fp16 and a hidden size >= 1024. offload: FSDP2's CPUOffloadPolicy: the sharded weights, their gradients,
-    the optimizer state and step on the host (FSDP2 offers them only together), each unit's shard copied in before
-    its all-gather; a frozen model stays on the host whole. router_aux_loss_coef > 0 (MoE): every forward keeps its
-    router logits and sets model.aux_loss (the caller adds coef x it); 0 = off. checkpoint_layers: above.
-    share_prompts: packed rows hold each prompt once (collate); not with the MoE balancing loss (its token counts).
-    MoE decoder layers are units like the dense ones (their _no_split_modules), so each layer's experts (the fused
-    [experts, 2 x width, hidden] tensors) shard and all-gather with their layer; routers run in the model's own
-    precision: logits in the compute dtype, their softmax and top-k in fp32, as transformers and vLLM have it."""
+                share_prompts=True, ulysses_group=None):
+    """Load and shard with FSDP2: every decoder layer and vision block its own unit (all-gathered just in time),
+    the root the rest. `dtype`: the storage (fp32 master weights; bf16 for a frozen reference); `param_dtype`: the
+    matmuls'. `lora`: memory.add_lora's keywords, or None. padding_free / vision_varlen / torch_compile: "auto" (a
+    fast kernel on CUDA in bf16), "on" (also the CPU's reference path) or "off". offload: FSDP2's CPUOffloadPolicy
+    (weights, gradients, optimizer state and step on the host, together); a frozen model waits on the host whole.
+    router_aux_loss_coef > 0 (MoE): model.aux_loss each forward. share_prompts: each prompt once in a packed row.
+    ulysses_group: this rank's sequence-parallel group (ulysses.py). MoE layers shard like dense ones (each layer's
+    fused experts with it); routers: logits in the compute dtype, softmax and top-k in fp32, as transformers/vLLM."""
     from torch.distributed.device_mesh import init_device_mesh  # (FSDP2's modules: ~1 s to import)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # (likewise)
     hf = load_hf_model(path, dtype=dtype, attn_implementation=attn_implementation)
@@ -319,6 +311,15 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     model.rope = "mrope" if model.packed and model.rope is None else model.rope  # (Qwen3-VL: positions from collate)
     # a shared prompt's keys serve each response in attention; a recurrent layer would need its state forked instead
     model.share_prompts = model.packed and share_prompts and model.router_logits is None and gdn is None
+    if ulysses_group is not None:  # each rank's slice of the row into the language model (the one below the root)
+        K = dist.get_world_size(ulysses_group)
+        ulysses.check_model(hf.config, K)
+        if not model.packed or model.router_logits is not None:
+            raise UserError(f"--ulysses-size {K}: needs padding-free rows (--padding-free on or auto where a fast "
+                            "kernel runs) and no --router-aux-loss-coef")
+        lm = getattr(hf.model, "language_model", hf.model)
+        lm.register_forward_pre_hook(functools.partial(ulysses.shard_inputs, ulysses_group), with_kwargs=True)
+        model.ulysses = ulysses_group
     # auto: on a GPU in bf16/fp16, for a model wide enough that fused kernels pay for the compilation (~100 s at
     # 3B); a tiny model's steps are launch-bound and would only wait for the compiler
     wide = getattr(getattr(hf.config, "text_config", hf.config), "hidden_size", 0) >= 1024
@@ -350,13 +351,10 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
 
 # ----------------------------------------------------------------------------------------------- batches
 def collate(samples, pad_id, device, model=None):
-    """samples: dicts with prompt (a data.py prompt record) and response_ids. Returns (the model's inputs, resp_len).
-    Padded (default): one row per sample, right-padded; packed (a `model` that trains padding-free): one row, no
-    pads, with the boundaries for the variable-length attention; `model.share_prompts`: each prompt once in it:
-
-        padded [B, T]  p p p r r 0 0 / p p p r r r 0    packed [1, N]  p p p r r p p p r r r    shared  p p p r r r r r
-    Position t predicts token t+1; resp_idx lists the flat positions that predict response tokens. With `model`,
-    the rotary positions are computed here on the CPU (once per distinct prompt) instead of inside the forward."""
+    """samples: dicts with prompt (a data.py record) and response_ids -> (the model's inputs, resp_len). Padded: a
+    row per sample; packed (model.packed): one row, no pads, the boundaries for varlen attention; shared: each prompt
+    once.    padded  p p p r r 0 0 / p p p r r r 0    packed  p p p r r p p p r r r    shared  p p p r r r r r
+    With `model`, the rotary positions are computed here on the CPU (once per distinct prompt)."""
     packed = model is not None and model.packed
     shared = packed and model.share_prompts
     seqs = [s["prompt"]["prompt_ids"] + list(s["response_ids"]) for s in samples]
@@ -410,9 +408,8 @@ def collate(samples, pad_id, device, model=None):
 
 
 def _positions(hf, samples, prompts, owner, rope):
-    """Rotary positions of each sample (CPU). Text LLMs: 0..L-1. Qwen-VL's M-RoPE: the model's own get_rope_index
-    on each distinct prompt; the response continues the prompt's last (text) position on all three axes, which is
-    what get_rope_index gives for a trailing text run (a prompt that ends on an image token gets the full call)."""
+    """Rotary positions of each sample (CPU). Text LLMs: 0..L-1. M-RoPE: get_rope_index on each distinct prompt,
+    the response continuing its last position on all three axes (a prompt ending on an image token: the full call)."""
     if rope == "1d":
         return [torch.arange(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"])) for s in samples]
     per_prompt = [_rope_index(hf, p["prompt_ids"], p["mm_inputs"]) for p in prompts]  # [3, Lp] each
@@ -464,12 +461,10 @@ def stack_padded(rows, R, device):
 
 
 def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=False, prompt_lens=None):
-    """Group sample indices so that each micro-batch holds at most `max_tokens` tokens (padded: samples x the longest;
-    packed: the real lengths, with `prompt_lens` each prompt once) and `max_samples` samples. Sorting by length keeps
-    padding small; with `groups` (the prompt of each sample) the samples of a prompt stay together, so its image goes
-    through the vision tower (and, shared, its tokens through the model) once per micro-batch. Every rank runs the
-    same number of micro-batches (each forward all-gathers weights collectively): the count is agreed on and the
-    largest micro-batches split to match."""
+    """Sample indices in micro-batches of at most `max_tokens` tokens (padded: samples x the longest; packed: the
+    real lengths, with `prompt_lens` each prompt once) and `max_samples` samples, longest first; with `groups` (each
+    sample's prompt) a prompt's samples stay together (its image through the vision tower once). Every rank runs
+    as many micro-batches (each forward all-gathers collectively): the largest are split to the agreed count."""
     groups = groups if groups is not None else list(range(len(lengths)))
     top = {}
     for g, n in zip(groups, lengths):
@@ -503,7 +498,10 @@ def make_micro_batches(lengths, max_tokens, max_samples, groups=None, packed=Fal
 def plan_micro_batches(model, samples, max_tokens, max_samples):
     """make_micro_batches for `model`'s rows (padded, packed, or packed with shared prompts)."""
     lengths = [len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples]
-    return make_micro_batches(lengths, max_tokens, max_samples, [id(s["prompt"]) for s in samples], model.packed,
+    first = {}  # each prompt by its first sample: the same order on every rank (Ulysses' ranks plan the same rows)
+    groups = [first.setdefault(id(s["prompt"]), i) for i, s in enumerate(samples)]
+    K = 1 if model.ulysses is None else dist.get_world_size(model.ulysses)  # a row of K ranks: K x the tokens
+    return make_micro_batches(lengths, max_tokens * K, max_samples, groups, model.packed,
                               [len(s["prompt"]["prompt_ids"]) for s in samples] if model.share_prompts else None)
 
 
@@ -543,9 +541,8 @@ def build_optimizer(model, lr, weight_decay, betas, warmup_steps, device, bf16_r
 
 
 def optimizer_step(model, opt, sched, max_grad_norm, offload_state=False):
-    """Clip, step, and skip the step when the gradient norm is not finite (a NaN/inf batch must not poison the
-    weights). offload_state: the optimizer state lives on the host between steps (--offload-optimizer): in for
-    the step, out after it. Returns the pre-clip grad norm (float)."""
+    """Clip, step, and skip the step when the gradient norm is not finite (a NaN batch must not poison the weights).
+    offload_state (--offload-optimizer): the state in for the step, out after it. -> the pre-clip norm (float)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -564,9 +561,8 @@ def optimizer_step(model, opt, sched, max_grad_norm, offload_state=False):
 
 # ----------------------------------------------------------------------------------------------- weights out
 def iter_full_params(model, dtype=None, lora_only=False):
-    """Yield (hf_name, full tensor) one parameter at a time (each DTensor all-gathered, handed over, dropped: the
-    peak extra memory is one tensor). Every rank must iterate. LoRA: the merged W + scale * B @ A under the base
-    name (MoE experts: + peft's per-expert delta, tiny_moe.merged_expert); `lora_only` yields only those."""
+    """Yield (hf_name, full tensor) one parameter at a time (peak: one tensor); every rank must iterate. LoRA: the
+    merged W + scale * B @ A under the base name (MoE experts: tiny_moe.merged_expert); `lora_only`: those only."""
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
     scales, experts = memory.lora_layers(model), expert_wrappers(model)
     sd = getattr(model, "hf", model).state_dict()

@@ -22,26 +22,26 @@ import easyr1_config
 import families
 import fsdp_actor as actor
 import memory
+import presets
 import rewards
 import rollout
 import rundir
 import tiny_model
 import tools
+import ulysses
 import video
 from algos import (adaptive_kl_coef, agg_loss, compute_advantages, correction_weights, kl_penalty,  # the formulas
                    lr_factor, policy_loss, select_groups)
 from common import UserError, heap_freezer, one_line_errors
 from data import prefetch_prompts, take_prompts  # the prompt stream (drawn ahead on a thread)
 from config import Config, bf16_compute  # the options; their defaults are EasyR1's (examples/config.yaml)
-from tiny_model import DEMO, FAMILY_DEMO, TEXT_DEMO, TOOLS_DEMO, VIDEO_DEMO  # the demos' (no --model-path), flags win;
-# the text, video and zoom demos' on top of DEMO
+from tiny_model import DEMO, FAMILY_DEMO, TEXT_DEMO, TOOLS_DEMO, VIDEO_DEMO  # the demos' defaults; flags win
 
 
 # ================================================================================================ setup
 @dataclass
 class State:
-    """What one run holds: set up by setup(), read by every stage. cursor, engine_stale and the skip counters
-    change as it trains; the rest stays."""
+    """What one run holds: set up by setup(), read by every stage; cursor, engine_stale, the skip counters change."""
     cfg: Config
     rank: int
     world: int
@@ -73,6 +73,7 @@ class State:
     prefetch: Any = None  # the next prompts being drawn on a second thread: .cursor, .count, .thread, .box (results)
     prefetch_count: int = 0  # how many prompts the last draw asked for (the next step's first asks for as many)
     prompt_seconds: float = 0.0  # this step's main-thread seconds in take_prompts (timing/prompts)
+    sp: Any = None  # this rank's Ulysses group (--ulysses-size > 1): its K ranks train their samples together
 
     def say(self, *a):  # rank 0 prints
         rundir.log0(self, *a)
@@ -85,14 +86,16 @@ def setup(cfg: Config):
     families.check_family(cfg.model_path, cfg.rollout_engine)  # a model neither path trains: one line, now
     # can these GPUs hold it (memory model)? one line now, not out of memory after minutes of loading
     memory.check_before_loading(cfg, ranks)
+    ulysses.check_model(presets.known_config(cfg.model_path), cfg.ulysses_size)  # (a model known before loading)
     cfg.checkpoint_layers, layers_note = memory.resolve_checkpoint_layers(cfg, ranks)
     reward_fn = rewards.get_reward_fn(cfg.reward_function, cfg.reward_function_kwargs)
     rank, world, device = actor.init_distributed()
+    sp = ulysses.make_group(cfg.ulysses_size)  # (collective: before any rank can stop on its own)
     ckpt, state = rundir.find_resume(cfg)  # refuses a changed config before anything loads
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     ctx = State(cfg=cfg, rank=rank, world=world, device=device, reward_fn=reward_fn, ckpt=ckpt,
-                model_path=cfg.model_path, kl_coef=cfg.kl_coef)
+                model_path=cfg.model_path, kl_coef=cfg.kl_coef, sp=sp)
     if not ctx.model_path:  # the demo: rank 0 builds the tiny model (cached), the others wait and read it
         ctx.model_path = tiny_model.build_tiny_model(arch=cfg.demo_model, rank=rank, extra_tokens=(
             [tools.ZOOM_CALL] if cfg.demo_task == "zoom" else []))  # (the zoom demo's call: one token)
@@ -122,14 +125,15 @@ def setup(cfg: Config):
                                   padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
                                   torch_compile=cfg.torch_compile, offload=cfg.offload_params,
                                   router_aux_loss_coef=cfg.router_aux_loss_coef,
-                                  checkpoint_layers=cfg.checkpoint_layers, share_prompts=cfg.share_prompts)
+                                  checkpoint_layers=cfg.checkpoint_layers, share_prompts=cfg.share_prompts,
+                                  ulysses_group=sp)
     ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = actor.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
                                     attn_implementation=cfg.attn_implementation, trainable=False,
                                     padding_free=cfg.padding_free, vision_varlen=cfg.vision_varlen,
                                     torch_compile=cfg.torch_compile, offload=cfg.offload_params,
-                                    share_prompts=cfg.share_prompts)
+                                    share_prompts=cfg.share_prompts, ulysses_group=sp)
     # the schedule counts optimizer steps: rollout_batch_size / global_batch_size x ppo_epochs per training step
     total = cfg.max_steps * cfg.rollout_batch_size // cfg.global_batch_size * cfg.ppo_epochs
     warmup = cfg.lr_warmup_steps or int(cfg.lr_warmup_ratio * total)  # EasyR1's rounding of the ratio
@@ -160,14 +164,13 @@ def setup(cfg: Config):
 # A sample is one response to one prompt, a dict that the stages below fill in as the step goes:
 #   prompt         the prompt record (data.encode_prompt), shared by the n samples of the prompt
 #   response_ids   the generated tokens (cut after EOS); finished: stopped by EOS rather than by the length cap
-#   policy_mask    (--tools) 1 on each token of response_ids the engine sampled, 0 on the tools' answers and the
-#                  template's tokens between turns: the loss, KL, entropy and agreement cover the 1s only
-#                  (tools.rollout also adds last_turn, trajectory (messages, tool_calls) and tool_stats)
+#   policy_mask    (--tools) 1 on the tokens the engine sampled, 0 on the tools' answers and the template's between
+#                  turns: the loss, KL, entropy and agreement cover the 1s only (tools.rollout adds its own keys too)
 #   rollout_logp   the engine's log-prob of each sampled token (None when the engine gives none)
 #   text, scores, reward   the decoded response, the reward function's dict for it and its "overall" value
 #   adv            the advantage (one number for every token of the response)
-#   old_logp, ref_logp     per-token log-probs of the policy before this step's update (only when it takes several
-#                  optimizer steps) and of the reference (kl_coef > 0), both 1-D like response_ids
+#   old_logp, ref_logp     per-token log-probs of the policy before this step's update (when it takes several
+#                  optimizer steps) and of the reference (kl_coef > 0)
 #   loss_mask      0 leaves the sample out of the loss and its normalisers (DAPO's overlong filtering sets it)
 # Samples travel as a flat list, n per prompt in prompt order: by_prompt() gives the groups.
 def by_prompt(samples, n):
@@ -199,9 +202,8 @@ def rollout_call(cfg, drawn, n, temperature, top_p=None, lengths=None, logprobs=
 
 
 def generate_and_score(ctx, drawn, n, temperature, top_p=None, lengths=None, logprobs=True):
-    """Sample n responses per prompt and score them. Returns the flat list of sample dicts (n per prompt).
-    lengths (bench.py's realistic workload): per prompt, n forced response lengths (EOS ignored). logprobs: the
-    engine's log-probs as rollout_call picks them (validation and ReMax's greedy: none)."""
+    """Sample n responses per prompt and score them -> the flat list of samples (n per prompt). lengths (bench.py):
+    per prompt, n forced response lengths. logprobs: the engine's as rollout_call picks them (none for validation)."""
     cfg = ctx.cfg
     call = rollout_call(cfg, drawn, n, temperature, top_p, lengths, logprobs)
     if getattr(ctx, "tools", None):  # multi-turn: the trajectories after the prompts, their policy_mask (tools.py)
@@ -238,10 +240,8 @@ def sample(ctx, drawn, shape=None):
 
 
 def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
-    """The step's batch: rollout_batch_size prompts x n samples; with filter_groups, DAPO's dynamic sampling (EasyR1's
-    online_filtering): generate gen_batch_size (or gen_factor x rollout_batch_size) prompts per try until every rank
-    holds its share of groups with mixed `filter_key`. All ranks make the same number of generate calls (the
-    engines of a tensor-parallel group generate together), so the loop ends on an all-reduced MIN of "I have enough"."""
+    """The step's batch: rollout_batch_size prompts x n; with filter_groups, DAPO's dynamic sampling: tries until every
+    rank holds its share of mixed groups, each rank making as many generate calls (all-reduced MIN of "enough")."""
     cfg = ctx.cfg
     if not cfg.filter_groups:
         return sample(ctx, take_prompts(ctx, cfg.rollout_batch_size), shape)
@@ -287,9 +287,8 @@ def collect_rollouts(ctx, step, metrics, shape=None, gen_factor=1):
 
 
 def early_requests(ctx, step, collect):
-    """prefetch_prompts' submit: vLLM's intake of the requests the next step's generate makes (rollout_call's, or
-    collect.requests(ctx, drawn)'s), off the critical path. None with --prefetch-requests off, with an
-    engine without an intake (HF), or a validation after this step (its generate would come first and drop them)."""
+    """prefetch_prompts' submit: vLLM's intake of the next step's requests, off the critical path. None with
+    --prefetch-requests off, an engine without an intake (HF), or a validation after this step (it comes first)."""
     cfg = ctx.cfg
     if (cfg.prefetch_requests == "off" or not hasattr(ctx.rollout, "submit")
             or (cfg.val_freq and ctx.val is not None and (step + 1) % cfg.val_freq == 0)):
@@ -301,8 +300,9 @@ def early_requests(ctx, step, collect):
 def update_policy(ctx, samples, step):
     """rollout_batch_size/global_batch_size mini-batches x ppo_epochs optimizer steps over this rank's samples."""
     cfg, dev = ctx.cfg, ctx.device
-    n_mini = cfg.rollout_batch_size // cfg.global_batch_size
-    per_mini = len(samples) // n_mini
+    # Ulysses: samples are the K ranks' shares of S, each cut into mini-batches as its rank alone would (as K = 1)
+    n_mini, K, S = cfg.rollout_batch_size // cfg.global_batch_size, cfg.ulysses_size, len(samples) // cfg.ulysses_size
+    per_mini = S // n_mini
     log, skipped = rundir.MetricSums(), 0
     if cfg.rollout_correction == "tis" and any(s.get("rollout_logp") is None for s in samples):
         raise ValueError("--rollout-correction tis needs the engine's log-probs of its samples, and this rollout "
@@ -310,14 +310,14 @@ def update_policy(ctx, samples, step):
     g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     for epoch in range(cfg.ppo_epochs):
         shuffle = n_mini > 1 or epoch > 0  # mini-batches see a fresh mix of samples
-        order = torch.randperm(len(samples), generator=g).tolist() if shuffle else list(range(len(samples)))
+        order = torch.randperm(S, generator=g).tolist() if shuffle else list(range(S))
         for m in range(n_mini):
-            mini = [samples[i] for i in order[m * per_mini:(m + 1) * per_mini]]
-            # global normalisers: the mini-batch's loss is the same whatever the micro-batching and rank count
-            # (a sample with loss_mask 0, e.g. DAPO's truncated ones, takes no part in the loss or its normalisers)
+            mini = [samples[p * S + i] for p in range(K) for i in order[m * per_mini:(m + 1) * per_mini]]
+            # global normalisers: the loss is the same whatever the micro-batching and rank count (loss_mask 0, e.g.
+            # DAPO's truncated samples, count in neither; Ulysses: each sample is on the K ranks of its group)
             live = [s.get("loss_mask", 1) for s in mini]
-            num_tokens, num_seqs = actor.all_reduce_cpu([sum(tools.policy_tokens(s) * k for s, k in zip(mini, live)),
-                                                         sum(live)]).clamp(min=1).tolist()
+            num_tokens, num_seqs = (actor.all_reduce_cpu([sum(tools.policy_tokens(s) * k for s, k in zip(mini, live)),
+                                                          sum(live)]) / cfg.ulysses_size).clamp(min=1).tolist()
             norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_response_length)
             for idx in actor.plan_micro_batches(ctx.model, mini, cfg.max_token_len_per_device,
                                                 cfg.micro_batch_size_per_device):
@@ -349,6 +349,8 @@ def update_policy(ctx, samples, step):
                                 f"skipped (gradient norm {grad_norm}); nothing of this step was saved. Check the data "
                                 "and reward, lower --lr, or raise --max-skipped-steps (0 = never stop)")
     out = log.reduce(dev, n_steps=n_mini * cfg.ppo_epochs)
+    for k in {"actor/pg_loss", "actor/loss"} & out.keys():  # sums, to which a Ulysses group's K ranks add the same
+        out[k] /= K
     if out.get("rollout/logprob_tokens") == 0:  # no sample of the step had the engine's log-probs: no agreement
         del out["rollout/logprob_diff_mean"], out["rollout/logprob_diff_max"]
     ctx.skipped_total += skipped
@@ -358,9 +360,8 @@ def update_policy(ctx, samples, step):
 
 # ------------------------------------------------------------------------------------------ the loss (algorithm)
 def micro_batch_loss(cfg, logp, ent, mask, mb, norm, log, first_pass):
-    """One micro-batch's loss: logp and ent [b, R] the policy's log-probs of the sampled tokens and their entropies,
-    now (with gradient); mask [b, R] its response tokens; mb its samples (advantage; old, reference and engine log-probs
-    where taken); norm the mini-batch's global normalisers. -> (its share of the loss, the mask of the tokens used)"""
+    """One micro-batch's loss: logp and ent [b, R] the policy's log-probs and entropies (with gradient); mask [b, R]
+    its response tokens; mb its samples; norm the global normalisers. -> (its share of the loss, the mask used)"""
     dev, R = logp.device, logp.shape[1]
     mask = mask & actor.to_device(torch.tensor([s.get("loss_mask", 1) > 0 for s in mb]), dev)[:, None]  # [b, R]
     if "policy_mask" in mb[0]:  # multi-turn: the tokens the policy sampled only, not the tools' answers
@@ -428,6 +429,7 @@ def train_step(ctx, step, collect=collect_rollouts):
     if step + 1 < cfg.max_steps:
         prefetch_prompts(ctx, early_requests(ctx, step, collect))  # the next step's, while the GPU computes this one's
     peaks["gen"] = memory.phase_peak_gb(ctx.rollout)
+    mine, samples = samples, ulysses.gather_samples(samples, ctx.sp)  # Ulysses: the group's samples, trained together
     # ---- 3. log-probs of the old policy (several updates follow, or the reward needs them) and of the reference ----
     mb_kw = dict(pad_id=ctx.pad_id, device=ctx.device, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
                  **logprob_bounds(cfg))
@@ -468,16 +470,15 @@ def train_step(ctx, step, collect=collect_rollouts):
         ctx.prefetch.thread.join()  # (drawn and queued long before: the update takes longer)
     T["step"] = time.time() - t_step
     # ---- metrics: rewards, lengths, seconds, throughput, MFU, memory ----
-    metrics.update(rundir.step_metrics(ctx, samples, T, peaks, metrics))
+    metrics.update(rundir.step_metrics(ctx, mine, T, peaks, metrics))
     metrics.update({f"time/{k}_start": v for k, v in start.items()})
     metrics["step"] = step + 1
-    return metrics, samples
+    return metrics, mine
 
 
 def logprob_bounds(cfg):
-    """The micro-batch bounds of the no-grad log-prob passes: with --logprob-max-token-len-per-device, that many
-    tokens and no sample cap (a pass without gradient keeps no activations: tokens alone size its memory), as
-    veRL's log_prob_max_token_len_per_gpu; 0: the update's tokens and samples."""
+    """The no-grad log-prob passes' micro-batch bounds: --logprob-max-token-len-per-device tokens and no sample cap
+    (veRL's log_prob_max_token_len_per_gpu: no activations kept, tokens alone size it); 0: the update's bounds."""
     if cfg.logprob_max_token_len_per_device:
         return dict(max_tokens=cfg.logprob_max_token_len_per_device, max_samples=math.inf)
     return dict(max_tokens=cfg.max_token_len_per_device, max_samples=cfg.micro_batch_size_per_device)
@@ -489,9 +490,8 @@ def kl_in_reward(cfg):
 
 
 def reward_kl(ctx, samples, metrics):
-    """The KL penalty in the reward, as EasyR1's apply_kl_penalty: kl_coef x the per-token KL of the policy before
-    this update against the reference -> [G, n, T] (0 past each response's end). Logs the batch's KL (mean over
-    samples of each one's per-token mean, over all ranks) and the coefficient, then moves an adaptive one."""
+    """The KL penalty in the reward (EasyR1's apply_kl_penalty): kl_coef x the per-token KL of the old policy against
+    the reference -> [G, n, T]. Logs the batch's KL and the coefficient, then moves an adaptive one."""
     cfg = ctx.cfg
     kls = [kl_penalty(s["old_logp"].double(), s["ref_logp"].double(), cfg.kl_penalty) for s in samples]  # [L_i]
     T = max(1, max(len(k) for k in kls))
@@ -520,9 +520,8 @@ def sync_engine(ctx):
 
 
 def validate(ctx):
-    """val_n answers (greedy at val_temperature 0) to each validation prompt, split over ranks: the mean scores over
-    all answers and, with several, pass@val_n: the share of prompts with a right answer among their val_n (the best
-    accuracy of each prompt's answers, or the best overall score where the reward has no accuracy)."""
+    """val_n answers to each validation prompt, split over ranks: the mean scores and, with several, pass@val_n (the
+    share of prompts with a right answer: the best accuracy, or overall score, among their val_n)."""
     cfg = ctx.cfg
     rows = len(ctx.val) if not cfg.val_max_rows else min(cfg.val_max_rows, len(ctx.val))
     mine = list(range(ctx.rank, rows, ctx.world))

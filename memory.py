@@ -1,19 +1,11 @@
 """memory.py -- the memory modes: pure-bf16 training (--precision bf16), host offload of the optimizer state and of
-the reference model (--offload-optimizer, --offload-params), LoRA; where the GPU memory goes (the trainer's peak per
-phase, the engine's share); the memory model (what a run needs of each GPU: bench.py's table, and the check before
-anything loads); and out of memory told in one line.
+the reference model, LoRA; where the GPU memory goes; the memory model (what a run needs of each GPU: bench.py's
+table, the check before loading); out of memory told in one line.
 
-Pure bf16: weights, gradients and AdamW state in bf16 (8 bytes per parameter, 10 with Kahan's buffer; AMP: 16). The
-trap: a bf16 weight w moves only by more than half an ulp (~|w| 2^-9); at RL's lr ~1e-6 an AdamW update is ~lr, and a
-weight of 0.02 (half-ulp 6e-5) rounded to nearest never moves: the model never trains. Two ways out (`rounding`):
-  stochastic: the new fp32 weight rounded up or down at random, up with probability equal to how far it lies
-      towards the next bf16 value: the expected weight follows the fp32 path. No extra memory; the noise is seeded
-      per (seed, step, parameter, rank), so resume is exact without RNG state.
-  kahan: what the bf16 weight could not absorb is kept in a bf16 compensation buffer and added to the next update
-      (Kahan summation). Deterministic; 2 more bytes per parameter. The default (README "Memory modes" says why).
-  nearest: the trap itself, for the comparisons.
-The moments meet the same trap (v * 0.999 rounds back to v): rounded stochastically but in `nearest`. Under FSDP2
-the step works on each rank's own shard (`local`), element by element: no communication."""
+Pure bf16 (README "Memory modes"): a bf16 weight moves only by more than half an ulp, and RL's ~1e-6 updates are
+smaller: rounded to nearest (`nearest`) the model never trains. `stochastic` rounds up or down at random (seeded per
+seed, step, parameter, rank: exact resume); `kahan` keeps the remainder in a bf16 buffer for the next update (the
+default). The moments meet the same trap. Each rank steps its own shard (`local`): no communication."""
 import contextlib
 import hashlib
 import math
@@ -45,10 +37,9 @@ def local(t):
 
 
 def stochastic_round_(dst, src, generator):
-    """dst (bf16) <- src (fp32) rounded stochastically. A bf16 value is an fp32 value whose low 16 bits are 0: add
-    uniform random bits to those low 16 bits, then clear them. The carry into bit 16 happens with probability
-    (low bits) / 2^16, i.e. the fraction of the way src lies towards the next bf16 value away from 0; the sign bit
-    sits above, so negative values round symmetrically. E[dst] = src."""
+    """dst (bf16) <- src (fp32) rounded stochastically: add random bits to src's low 16 bits (a bf16 value is an
+    fp32 one with them 0), then clear them; the carry happens with the probability of src's way to the next bf16
+    value, symmetric in sign. E[dst] = src."""
     bits = src.view(torch.int32)  # same memory, the fp32 bit pattern
     noise = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=generator)
     dst.copy_((bits + noise).bitwise_and_(-65536).view(torch.float32))  # exact: the low bits are zero
@@ -63,11 +54,8 @@ def _store(dst, src, rounding, generator):
 
 @torch.no_grad()
 def adamw_bf16_update(p, g, m, v, comp, step, lr, beta1, beta2, eps, weight_decay, rounding, generator):
-    """One AdamW step on flat bf16 tensors p, g, m, v (and comp, the Kahan buffer, or None), in place. The math is
-    torch.optim.AdamW's, in fp32 scratch, one chunk at a time:
-        m <- b1 m + (1 - b1) g;   v <- b2 v + (1 - b2) g^2
-        w <- w (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
-    and the new w is stored into bf16 by `rounding`."""
+    """One AdamW step on flat bf16 tensors p, g, m, v (and comp, the Kahan buffer, or None), in place: the math of
+    torch.optim.AdamW in fp32 scratch, a chunk at a time, the new w stored into bf16 by `rounding`."""
     bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
     for sl in [slice(i, i + CHUNK) for i in range(0, p.numel(), CHUNK)]:
         g32 = g[sl].float()  # [c]
@@ -94,10 +82,8 @@ def _generator(seed, step, index, device):
 
 
 class BF16AdamW(torch.optim.Optimizer):
-    """AdamW on bf16 parameters with bf16 state, stepping through adamw_bf16_update. A torch Optimizer (not a bare
-    function) only so that the LR scheduler, clip_grad_norm_ and torch.distributed.checkpoint's optimizer state
-    dicts work unchanged: the state (step, exp_avg, exp_avg_sq, and comp for Kahan) is keyed and named like
-    torch.optim.AdamW's, and sharded like the parameters."""
+    """AdamW on bf16 parameters and state (adamw_bf16_update). An Optimizer so that the LR scheduler, clipping and
+    torch.distributed.checkpoint work unchanged: its state is keyed and named like torch.optim.AdamW's."""
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, rounding="stochastic", seed=0):
         if rounding not in ("stochastic", "kahan", "nearest"):
@@ -157,9 +143,8 @@ def resident(model, device, offload):
 
 
 # ----------------------------------------------------------------------------------------------- accounting
-# vLLM's sleep-mode pool (CuMemAllocator: the engine's weights and KV cache) is a torch MemPool; asleep, its physical
-# memory is freed but its tensors still exist, so torch.cuda.max_memory_allocated() includes the whole pool, awake
-# or not. The trainer's own peak (weights, gradients, optimizer state, activations) is that less the pool's bytes.
+# vLLM's sleep-mode pool (a torch MemPool) keeps its tensors while asleep, so max_memory_allocated() counts the whole
+# pool, awake or not: the trainer's own peak is that less the pool's bytes.
 BALLAST = []  # benchmarks/bench.py --gpu-memory-cap-gb: memory taken away to emulate a smaller card (not the trainer's)
 
 def sleep(engine):
@@ -192,9 +177,8 @@ def phase_peak_gb(engine=None):
 
 
 def metrics(engine, peaks, step_metrics):
-    """memory/* of one step. peaks: phase -> phase_peak_gb (gen: sync and generation; ref: the log-prob passes;
-    update). The engine: its pool (weights + KV cache), what else it keeps allocated (engine_built), and what it took
-    from the driver on waking (free memory asleep - awake). On CPU: the host's peak RSS only."""
+    """memory/* of one step. peaks: phase -> phase_peak_gb (gen, ref, update). The engine: its pool, what else it
+    keeps (engine_built), and what it took on waking. On CPU: the host's peak RSS only."""
     out = {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     if not torch.cuda.is_available():
         return out
@@ -267,10 +251,9 @@ def dims_from_config(cfg):
     params = presets.count_params(cfg)
     H, kv = t.hidden_size, t.num_key_value_heads / t.num_attention_heads
     E = getattr(t, "num_experts", 0) or 0
-    # MoE: a layer (one FSDP unit, gathered whole) holds all E experts (3 x H x I' each) and the router (E x H);
-    # a token's MLP intermediates are those of its k routed experts, k x I' wide. Gemma 4: the layers reusing keys and
-    # values have a double-wide MLP; per-layer inputs (ple wide) from a [vocab, L x ple] table in the root unit; an
-    # audio tower the trainer never runs (`idle`: weights, no gradient or optimizer state)
+    # MoE: a layer (one FSDP unit) holds all E experts (3 x H x I') and the router (E x H); a token's MLP intermediates
+    # are its k experts', k x I' wide. Gemma 4: double-wide MLPs in the KV-sharing layers; per-layer inputs (ple wide)
+    # from a [vocab, L x ple] table in the root unit; an audio tower never run (`idle`: weights only)
     wide = 2 if getattr(t, "use_double_wide_mlp", False) and getattr(t, "num_kv_shared_layers", 0) else 1
     inter = t.num_experts_per_tok * t.moe_intermediate_size if E else t.intermediate_size * wide
     mlp = 3 * H * t.moe_intermediate_size * E + H * E if E else 3 * H * inter
@@ -286,17 +269,17 @@ def dims_from_config(cfg):
                 + getattr(t, "vocab_size_per_layer_input", 0) * t.num_hidden_layers * ple, ple=ple,
                 idle=params - presets.count_params(type(cfg).from_dict({**cfg.to_dict(), "audio_config": None}))
                 if getattr(cfg, "audio_config", None) else 0,
-                softcap=bool(getattr(t, "final_logit_softcapping", None)),
+                softcap=bool(getattr(t, "final_logit_softcapping", None)), heads=t.num_attention_heads,
+                kv_width=t.num_key_value_heads * sum(families.head_dims(t)) / t.num_hidden_layers,
                 gdn=4 * hv * (9 * (dk + dv) + dk * dv / 64 + 360))
 
 
 def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offload_params=False,
                  offload_optimizer=False, kl_coef=1e-2, mb_tokens=16384, chunk=4096, engine_gb=0.0, lp_tokens=None,
                  recompute=1.0, lora_experts=False):
-    """GiB per GPU by phase: the policy's state (STATE_BYTES; LoRA: the frozen base's weights, the adapters' full
-    state) and the reference model (bf16, when kl_coef > 0 without LoRA), sharded over `world`; then the largest FSDP
-    units all-gathered in bf16 and the activations of a micro-batch of `mb_tokens` (`lp_tokens` in the log-prob
-    passes; `recompute`: the share of layers that recompute); the engine's pool (`engine_gb`) while awake."""
+    """GiB per GPU by phase: the policy's state (STATE_BYTES; LoRA: a frozen base, the adapters' state) and the bf16
+    reference (kl_coef > 0 without LoRA), sharded over `world`; the largest units all-gathered in bf16; a micro-batch
+    of `mb_tokens` per rank (`lp_tokens` in the log-prob passes; `recompute`: the layers' share that recompute)."""
     P, H, L = dims["params"], dims["hidden"], dims["layers"]
     b = dict(STATE_BYTES[precision])
     if precision == "bf16" and kahan:
@@ -316,11 +299,9 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
     ref = 2 * P if kl_coef > 0 and not lora_rank else 0
     on_gpu = lambda x, off: 0 if off else x / world  # noqa: E731
     gathered = 2 * (dims["root_params"] + 2 * dims["layer_params"])  # bf16 all-gathered units
-    # The update: gradient checkpointing keeps each layer's bf16 input, and on top of them either one layer
-    # recomputed with its gradient (during the layers' backward) or a chunk of fp32 logits with its softmax and
-    # gradient (at the head): the two are never alive together (summing them overshot the 3B's update by 47 %).
-    # Gemma 4: each layer's per-layer input too, and the table's projection before its norm, as wide; its soft-capped
-    # logits take one more fp32 chunk (`head`)
+    # The update: checkpointing keeps each layer's bf16 input, and on top either one layer recomputed with its
+    # gradient or a chunk of fp32 logits with its softmax and gradient (never alive together: summing them overshot
+    # the 3B's update by 47 %). Gemma 4: each layer's per-layer input too; soft-capped logits one more chunk (`head`)
     ckpt, head = mb_tokens * 2 * L * (H + 2 * dims.get("ple", 0)), 4 * chunk * dims["vocab"]
     # --checkpoint-layers: a layer that does not recompute keeps its activations (`layer` bytes a token: a GDN layer's
     # where larger, on the plain path) from forward to backward; all of them are alive when the backward starts
@@ -365,26 +346,30 @@ def config_mode(c, world):
     """memory_model()'s keywords for a run's config (grpo.Config as a dict) on `world` ranks: its state, and
     micro-batches of as many bench samples (PROMPT_TOKENS + max_response_length) as its limits let a rank take."""
     tokens = PROMPT_TOKENS + c["max_response_length"]
-    per_rank = c["rollout_batch_size"] * c["n"] // world
-    fit = max(1, min(per_rank, c["micro_batch_size_per_device"], c["max_token_len_per_device"] // tokens))
+    # --ulysses-size K: a group's K ranks train their samples together, rows of K x the token bound, 1/K on each rank
+    K = c.get("ulysses_size", 1)
+    per_rank = c["rollout_batch_size"] * c["n"] // world * K
+    fit = max(1, min(per_rank, c["micro_batch_size_per_device"], K * c["max_token_len_per_device"] // tokens))
     lp = c.get("logprob_max_token_len_per_device")  # (.get: bench summaries written before these options)
-    lp_fit = max(1, min(per_rank, lp // tokens)) if lp else fit  # (no sample cap: grpo.logprob_bounds)
+    lp_fit = max(1, min(per_rank, K * lp // tokens)) if lp else fit  # (no sample cap: grpo.logprob_bounds)
     return dict(precision=c["precision"], lora_rank=c["lora_rank"], kahan=c["bf16_rounding"] == "kahan", world=world,
                 lora_experts=c.get("lora_target_experts", False),
                 offload_params=c["offload_params"], offload_optimizer=c["offload_optimizer"], kl_coef=c["kl_coef"],
-                mb_tokens=fit * tokens, chunk=c["logprob_chunk_size"], lp_tokens=lp_fit * tokens,
+                mb_tokens=fit * tokens / K, chunk=c["logprob_chunk_size"], lp_tokens=lp_fit * tokens / K,
                 recompute=0.0 if not c.get("gradient_checkpointing", True)  # auto: at most every layer recomputes
                 else 1.0 if c.get("checkpoint_layers") == "auto" else c.get("checkpoint_layers", 1.0))
 
 
 def check_fits(c, dims, world, card_gib, what, slack=0.1):
-    """One line (a UserError: how many such GPUs, or which smaller micro-batches or modes would hold it) when by the
-    memory model (within 15 % of every measured phase) the run of `what` needs more than `world` GPUs of `card_gib`
-    by over `slack`, the engine at its least."""
+    """One line (a UserError: how many such GPUs, which --ulysses-size, or which smaller micro-batches or modes hold
+    it) when by the memory model the run needs more than `world` GPUs of `card_gib` by over `slack`."""
     cell = lambda cc, w: need_gib(memory_model(dims, **config_mode(cc, w)), dims, w)  # noqa: E731
     if (need := cell(c, world)) <= (card_gib - 1) * (1 + slack):
         return
-    fits = next((w for w in (2, 4, 8, 16, 32, 64) if w > world and cell(c, w) <= card_gib - 1), None)
+    K = c.get("ulysses_size", 1)  # more GPUs, or (long responses: one sample a micro-batch) a larger --ulysses-size
+    fits = next(((w, k) for w in (world, 2, 4, 8, 16, 32, 64) for k in (1, 2, 4, 8) if w >= world and w % k == 0
+                 and (w, k) > (world, K) and (k == 1 or not dims["gdn"] and dims["heads"] % k == 0)
+                 and cell({**c, "ulysses_size": k}, w) <= card_gib - 1), None)
     mode = " ".join([f"--precision {c['precision']}"] + [f"--lora-rank {c['lora_rank']}"] * bool(c["lora_rank"])
                     + ["--offload-params"] * c["offload_params"] + ["--offload-optimizer"] * c["offload_optimizer"])
     tok = next((t for t in (c["max_token_len_per_device"] >> k for k in range(1, 7)) if t >= PROMPT_TOKENS
@@ -392,11 +377,26 @@ def check_fits(c, dims, world, card_gib, what, slack=0.1):
     less = [f"--max-token-len-per-device {tok}"] * bool(tok) + [flag for flag, on in (
         ("--lora-rank 64", c["lora_rank"]), ("--precision bf16", c["precision"] == "bf16"),
         ("--offload-params", c["offload_params"])) if not on]
-    where = "not even 64 such GPUs hold it" if fits is None else f"it takes {fits} such GPUs (" + (
-        f"torchrun --nproc_per_node {fits})" if fits <= 8 else "several nodes)")
+    w, k = fits or (0, 1)
+    where = "not even 64 such GPUs hold it" if fits is None else (f"it takes {w} such GPUs (" + (
+        f"torchrun --nproc_per_node {w})" if w <= 8 else "several nodes)") if w > world else "these GPUs hold it") + (
+        f" with --ulysses-size {k}" if k > 1 else "")
     raise UserError(f"{what} with {mode} needs about {need:.0f} GiB per GPU on {world} GPU{'s' * (world > 1)} (the "
                     f"memory model, README \"Memory modes\"), more than a {card_gib:.0f} GiB GPU holds: {where}"
                     + (f"; or less per GPU: {', '.join(less)}" if less else ""))
+
+
+def engine_max_seqs(c, dims, card_gib, long=8192):
+    """vLLM's max_num_seqs for answers of `long` tokens and more: as many whole sequences as its KV cache holds
+    (bf16 keys and values of every layer; --kv-cache-memory-gb, else its share of the card less its weights and ~2
+    GiB), so that none is preempted halfway; None at vLLM's default (256) or more, or unknown (CPU, GDN models)."""
+    if dims is None or card_gib is None or dims["gdn"] or c["max_response_length"] < long:
+        return None
+    tp = c["tensor_parallel_size"]
+    pool = c["kv_cache_memory_gb"] or card_gib * c["gpu_memory_utilization"] - 2 * dims["params"] / tp / GIB - 2
+    per_seq = 2 * 2 * dims["layers"] * dims["kv_width"] * (c["max_prompt_length"] + c["max_response_length"])
+    seqs = max(1, int(pool * GIB * tp // per_seq))
+    return seqs if seqs < 256 else None
 
 
 def known_dims(model_path, config=None):
@@ -466,8 +466,7 @@ def check_before_loading(cfg, world, card_gib=None):
 
 
 # Where in a step the memory ran out (the first stage with one of its functions in the traceback), and what moves
-# memory there. Generation has the engine's pool and activations beside the trainer's resident state; the passes
-# and the update add the trainer's activations of one micro-batch to that state.
+# memory there.
 _OOM_STAGES = [
     (("update_policy",), "the policy update", "fewer tokens per micro-batch (--max-token-len-per-device {mb}), more "
      "recomputed layers ({ck}) or a smaller --logprob-chunk-size; less state: --precision bf16, "
@@ -516,9 +515,8 @@ def oom_explained(ctx, step):
 # ----------------------------------------------------------------------------------------------- LoRA
 def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=LORA_EXCLUDE, modules_to_save="",
              target_experts=False):
-    """LoRA through peft, in place: every parameter outside the adapters frozen (the vision tower too, unless
-    targeted: vLLM takes no LoRA on it); the trainer keeps calling the HF model, the PeftModel is for merge.py.
-    `modules_to_save`: trained in full beside them; `target_experts`: also the MoE experts' fused 3-D tensors."""
+    """LoRA through peft, in place: all but the adapters frozen (the vision tower too unless targeted: vLLM takes no
+    LoRA on it); the trainer calls the HF model, the PeftModel is for merge.py. `target_experts`: the MoE's 3-D ones."""
     from peft import LoraConfig, get_peft_model  # peft: slow to import (~3 s)
     targets = target_modules if target_modules == "all-linear" else [t for t in target_modules.split(",") if t]
     experts = tiny_moe.expert_parameters(hf) if target_experts else None
@@ -546,9 +544,8 @@ def adapters_disabled(model):
     from peft.tuners.lora import LoraLayer  # peft: slow to import (~3 s)
     from peft.utils.other import ModulesToSaveWrapper  # (likewise)
     layers = [m for m in getattr(model, "hf", model).modules() if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
-    # the flag peft's own enable_adapters(False) sets, without its requires_grad switch: FSDP2 fixes each unit's
-    # gradient dtypes at its first forward, and the reference pass is often the first (seen on GPU: a bf16
-    # gradient then met fp32 master weights)
+    # the flag peft's own enable_adapters(False) sets, without its requires_grad switch: FSDP2 fixes a unit's gradient
+    # dtypes at its first forward, often the reference pass (seen on GPU: bf16 gradients met fp32 master weights)
     for m in layers:
         m._disable_adapters = True
     try:

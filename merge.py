@@ -92,10 +92,9 @@ def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
 
 
 def copy_tokenizer_files(path, out):
-    """Tokenizer, processor, chat template and generation config, so the folder is complete on its own. The
-    generation config is the base folder's file as it is, over the one save_pretrained wrote: that one is only
-    transformers' reading of it (EasyR1's merger, which builds the model from config.json, lost Qwen3's list of end
-    tokens that way; here the model is loaded with from_pretrained, which reads it, and the copy keeps it exact)."""
+    """Tokenizer, processor, chat template and generation config, so the folder is complete. The generation config
+    is the base folder's file as it is (save_pretrained's is transformers' reading of it: EasyR1's merger lost Qwen3's
+    list of end tokens that way)."""
     if not os.path.isdir(path):  # a hub name: fetch the small files only
         from huggingface_hub import snapshot_download  # only for a hub name
         path = snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"])

@@ -1,8 +1,7 @@
-"""Real-size models with random weights (benchmarks/bench.py's presets): the dimensions of real Qwen2.5-VL, Qwen3-VL,
-Qwen3.5 and Gemma 4 checkpoints (their hub config.json files), measured without a download; and what the trainer knows
-of a model before loading it (known_config, count_params: the memory check). A preset too big for the disk is written
-without weights (RANDOM_INIT): the trainer builds the model from the config where it runs (random_model: the same
-seed, the same values), vLLM starts on placeholders (load_format="dummy") that the first weight sync replaces."""
+"""Real-size models with random weights (benchmarks/bench.py's presets): real Qwen2.5-VL, Qwen3-VL, Qwen3.5, Qwen3 and
+Gemma 4 checkpoints' dimensions, without a download; what the trainer knows of a model before loading it (the memory
+check). A preset too big for the disk has no weights written (RANDOM_INIT): the trainer builds it from the config and
+seed where it runs, vLLM starts on placeholders that the first weight sync replaces."""
 import json
 import os
 
@@ -63,6 +62,9 @@ PRESETS = {
         audio=dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, subsampling_conv_channels=[128, 32],
                    conv_kernel_size=5, attention_chunk_size=12, attention_context_left=13, attention_context_right=0,
                    output_proj_dims=1536, residual_weight=0.5, use_clipped_linears=True)),
+    # Qwen/Qwen3-4B, a text LLM (head_dim 128, q/k norms, 40960 positions): the long-answer bench (gpu_long.sh)
+    "qwen3_4b": dict(arch="qwen3", hidden=2560, intermediate=9728, layers=36, heads=32, kv_heads=8, vocab_size=151936,
+                     tie=True),
     # the tiny demo MoE (tiny_model.tiny_config, its own small vocabulary) as a preset: bench.py's paths on the CPU
     "tiny_qwen3_vl_moe": dict(arch="qwen3_vl_moe", tiny=True),
 }
@@ -72,7 +74,7 @@ HUB_NAMES = {"Qwen/Qwen2.5-VL-3B-Instruct": "qwen2_5_vl_3b", "Qwen/Qwen2.5-VL-7B
              "Qwen/Qwen2.5-VL-32B-Instruct": "qwen2_5_vl_32b", "Qwen/Qwen2.5-VL-72B-Instruct": "qwen2_5_vl_72b",
              "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl_8b", "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_30b_a3b",
              **{f"Qwen/Qwen3.5-{n}": f"qwen3_5_{n.lower().replace('-', '_')}" for n in ("9B", "27B", "35B-A3B")},
-             "google/gemma-4-E2B-it": "gemma4_e2b"}
+             "google/gemma-4-E2B-it": "gemma4_e2b", "Qwen/Qwen3-4B": "qwen3_4b", "Qwen/Qwen3-4B-Base": "qwen3_4b"}
 GEMMA4_HUB_IDS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<|image>": 255999, "<|audio>": 256000, "<|image|>": 258880,
                   "<|audio|>": 258881, "<image|>": 258882, "<audio|>": 258883, "<|video|>": 258884}
 
@@ -95,6 +97,11 @@ def preset_config(preset, ids):
                                            **{k: v for k, v in p.items() if k != "arch"})
     if p.get("tiny"):  # the demo's vocabulary: the tokenizer's (its special tokens last), in rows of 64
         return tiny_config(arch, ids, (max(ids.values()) + 64) // 64 * 64)
+    if arch == "qwen3":
+        from transformers import Qwen3Config  # slow to import (~2 s)
+        return Qwen3Config(**_text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"], p["heads"],
+                                          p["kv_heads"], None, p["tie"], max_pos=40960), head_dim=128,
+                           architectures=["Qwen3ForCausalLM"])
     family = arch.removesuffix("_moe")
     mrope, max_pos = MROPE[family]
     text = _text_config(ids, p["vocab_size"], p["hidden"], p["intermediate"], p["layers"], p["heads"], p["kv_heads"],
@@ -133,6 +140,11 @@ def init_model(Model, cfg, seed, device=None):
             torch.set_default_dtype(old)
 
 
+def model_class(arch):
+    import transformers  # slow to import (~2 s)
+    return transformers.Qwen3ForCausalLM if arch == "qwen3" else _vl_classes(arch)[1]
+
+
 def random_init(path):
     """{"preset", "seed"} of a model folder written without weights (bench.build_random_model), else None."""
     f = os.path.join(path, RANDOM_INIT) if isinstance(path, str) else ""
@@ -145,7 +157,7 @@ def random_model(path, dtype=torch.float32, attn_implementation=None, device=Non
     parameter at a time. Every rank builds it whole before FSDP2 shards it (the 30B-A3B in AMP: 116 GiB at most)."""
     from transformers import AutoConfig  # slow to import (~2 s)
     cfg = AutoConfig.from_pretrained(path)
-    model = init_model(_vl_classes(cfg.model_type)[1], cfg, random_init(path)["seed"], device)
+    model = init_model(model_class(cfg.model_type), cfg, random_init(path)["seed"], device)
     if dtype != torch.bfloat16:
         for p in model.parameters():
             p.data = p.data.to(dtype)

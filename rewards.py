@@ -229,11 +229,9 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_leng
 
 
 def zoom_reward(items):
-    """The colour reward (accuracy x 0.8) and 0.2 for a zoom that answered, followed by a reply: the shaping that
-    lets a random policy find the call before it can read the colour (the call alone is worth no accuracy until the
-    crop is read). Calls that overrun the trajectory's budget leave no reply: without that condition the policy
-    learned to repeat the call until its trajectory was cut (2.8 calls a turn at step 40, a second turn for 30 % of
-    the samples: a 72-step CPU run of 2026-12-03, git show 9e05f1d --stat)."""
+    """The colour reward (accuracy x 0.8) and 0.2 for a zoom that answered, followed by a reply: the shaping that lets
+    a random policy find the call before it reads the colour. A call overrunning the budget leaves no reply: without
+    that the policy learned to repeat the call until cut (a 72-step CPU run, 2026-12-03)."""
     out = []
     for it, sc in zip(items, color_reward(items)):
         replied = bool(it.get("messages")) and it["messages"][-1]["role"] == "assistant"
@@ -248,10 +246,9 @@ BUILTIN_REWARDS = {"math": math_reward, "r1v": r1v_reward, "color": color_reward
 
 
 def get_reward_fn(name: str, kwargs: str | dict | None = None):
-    """A batch reward function (items -> scores) for a built-in name or an EasyR1 reward file, "path/to/file.py:fn"
-    ("path/to/file.py" alone means its function `main`, as EasyR1). The file's REWARD_TYPE says how EasyR1 calls
-    it: "batch" (the default: fn(list of items, **kwargs) -> list of scores) or "sequential" (fn(item, **kwargs) ->
-    score, once per sample). kwargs: EasyR1's reward_function_kwargs, a dict or its JSON."""
+    """A batch reward function for a built-in name or an EasyR1 reward file "path/to/file.py:fn" (alone: `main`); its
+    REWARD_TYPE: "batch" (fn(items, **kwargs) -> scores, the default) or "sequential" (fn(item, **kwargs) -> score).
+    kwargs: EasyR1's reward_function_kwargs, a dict or its JSON."""
     kwargs = _parse_kwargs(kwargs)
     if name in BUILTIN_REWARDS:
         fn, reward_type, where = BUILTIN_REWARDS[name], "batch", f"built-in reward {name!r}"

@@ -1,17 +1,11 @@
-"""Rollout engines: sample n responses per prompt with the current policy weights.
-
-Two engines with one interface: generate(prompts, n, temperature, top_p, max_tokens, seeds) -> per prompt, n dicts
-{"response_ids", "finished" (stopped by EOS), "logprobs" (of the sampled tokens, or None)}; sync_weights(iterable of
-(HF name, tensor)); sleep() / wake() around the trainer's phases.
-  HFRollout    plain transformers `generate` on its own unsharded copy of the policy (CPU tests, small GPU runs)
-  VLLMRollout  vLLM colocated with the trainer, SPMD under torchrun (one engine per rank, no Ray)
-  make_rollout picks one ("auto": vLLM when it imports and CUDA is there, else HF).
-
-Log-probs, alike in both engines: each sampled token's under the distribution it was drawn from, log_softmax of the
-*processed* scores (pads forbidden, logits / T, top-p renormalised): vLLM's logprobs_mode="processed_logprobs" (its
-"raw_logprobs" ignores T). With top_p == 1 (GRPO's default): the trainer's log_softmax(logits / T). Greedy: untempered.
-"""
+"""Rollout engines: sample n responses per prompt with the current policy weights. One interface: generate(prompts,
+n, temperature, top_p, max_tokens, seeds) -> per prompt, n dicts {"response_ids", "finished" (stopped by EOS),
+"logprobs" (or None)}; sync_weights(iterable of (HF name, tensor)); sleep() / wake() around the trainer's phases.
+HFRollout: transformers' generate on its own copy (CPU tests); VLLMRollout: vLLM colocated, SPMD under torchrun.
+Log-probs in both: each sampled token's under the *processed* distribution it was drawn from (pads forbidden,
+logits / T, top-p renormalised: vLLM's "processed_logprobs"); at top_p 1, the trainer's log_softmax(logits / T)."""
 import dataclasses
+from dataclasses import asdict
 import importlib.util
 import os
 import warnings
@@ -21,6 +15,7 @@ import torch.distributed as dist
 from transformers import (AutoConfig, GenerationConfig, LogitsProcessorList,
                           SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper)
 
+import memory
 import presets
 from common import UserError, collector_paused
 from families import QWEN_VL, engine_only, special_token_ids, vllm_overrides  # noqa: F401 (rollout.special_token_ids)
@@ -88,9 +83,8 @@ class _SampledLogprobs:
 
 
 class HFRollout:
-    """transformers `generate` on an own unsharded copy of the policy. Prompts are generated one at a time (the n
-    copies batched), each under torch.manual_seed(seeds[i]) inside fork_rng: the samples of prompt i depend only on
-    (weights, prompt i, seeds[i]) and the caller's global RNG stream is left untouched."""
+    """transformers `generate` on an own unsharded copy of the policy, a prompt at a time (its n copies batched)
+    under torch.manual_seed(seeds[i]) in fork_rng: samples depend on (weights, prompt, seed) only."""
 
     def __init__(self, model_path, device=None, dtype=torch.float32):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -194,11 +188,9 @@ def _set_vllm_env():
 
 
 def _init_world_for_external_dp():
-    """Data-parallel rollout under torchrun = vLLM's "ExternalDP" (vllm/distributed/parallel_state.py): the process
-    group must span ALL torchrun ranks before LLM() is built, or vLLM's worker makes a world of TP x PP ranks in which
-    rank 1 of 2 (TP 1) does not exist. Initialised, vLLM carves TP groups of consecutive ranks out of it, the rest
-    independent replicas (vLLM's own DP would all-reduce every step for nothing on a dense model; TRL, veRL, EasyR1
-    do this too)."""
+    """Data-parallel rollout under torchrun (vLLM's "ExternalDP"): the process group must span all ranks before LLM()
+    is built (else vLLM's worker makes a world of TP x PP ranks); vLLM then carves TP groups of consecutive ranks,
+    the rest independent replicas (as TRL, veRL, EasyR1)."""
     if dist.is_initialized():
         return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -217,14 +209,10 @@ def _hashable(d):
 
 
 class VLLMRollout:
-    """vLLM colocated with the trainer. Under torchrun (WORLD_SIZE > 1) every rank builds its own LLM with
-    distributed_executor_backend="external_launcher": TP groups of tensor_parallel_size consecutive ranks, and
-    WORLD_SIZE / TP independent data-parallel replicas. Each call of generate() must be made by all ranks of a TP
-    group together (it gathers their prompts); different TP groups never wait for each other.
-
-    sleep_level: 1 offloads the weights to CPU while asleep (always safe); 2 discards them (no CPU copy, no
-    copy-back), which is only valid if sync_weights() runs between every sleep() and the next generate();
-    generate() raises otherwise instead of sampling from garbage."""
+    """vLLM colocated with the trainer. Under torchrun every rank builds its own LLM (external_launcher): TP groups of
+    consecutive ranks, WORLD_SIZE / TP independent replicas; a TP group's ranks call generate() together.
+    sleep_level: 1 offloads the weights to the host while asleep; 2 discards them, valid only if sync_weights() runs
+    between every sleep() and the next generate() (generate() raises otherwise)."""
 
     def __init__(self, model_path, tensor_parallel_size=1, gpu_memory_utilization=0.6, max_model_len=None,
                  max_num_batched_tokens=None, limit_mm_per_prompt=None, enable_sleep_mode=True, seed=0,
@@ -290,9 +278,8 @@ class VLLMRollout:
     per_prompt_seeds, v1_runner, unused_params = True, False, ()  # (make_rollout, __init__ set them) _requests
 
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True):
-        """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j`, so
-        requests need seeds `rows` apart (request_seed). logprobs: the sampled token's (processed; vLLM's
-        FlatLogprobs measured slower on an H200, benchmarks/HISTORY.md); ban: pad tokens."""
+        """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j` (hence
+        request_seed). logprobs: the sampled token's (processed; FlatLogprobs measured slower); ban: pad tokens."""
         from vllm import SamplingParams  # optional: the GPU engine
         greedy = temperature == 0
         # logit_bias is clamped to [-100, 100] by vLLM: -100 is probability ~e-44, i.e. forbidden
@@ -304,10 +291,9 @@ class VLLMRollout:
                               max_tokens=max_tokens, seed=seed, logit_bias=bias, detokenize=False, **lp, **stop)
 
     def _vllm_prompt(self, p):
-        """One <|image_pad|> per image and <|video_pad|> per video: vLLM's multimodal processor expands them. Videos
-        go as the trainer's frames ([T, H, W, 3] uint8, sampled and resized already) with their frame rate, the time
-        axis: Qwen3-VL's parser takes (frames, metadata) pairs (the "<t seconds>" text); Qwen2(.5)-VL's drops them,
-        so its HF processor gets video_metadata (else it assumes 24 fps: other M-RoPE time positions than ours)."""
+        """One <|image_pad|> per image and <|video_pad|> per video (vLLM's processor expands them). Videos go as the
+        trainer's frames with their frame rate: Qwen3-VL's parser takes (frames, metadata) pairs; Qwen2(.5)-VL's
+        processor gets video_metadata (else it assumes 24 fps: other M-RoPE time positions than ours)."""
         out = {"prompt_token_ids": list(p["raw_prompt_ids"])}
         mm = {}
         if p.get("images"):
@@ -325,9 +311,8 @@ class VLLMRollout:
         return out
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
-        """lengths (benchmarks): per prompt, n forced response lengths, each sample its own request (EOS ignored).
-        logprobs: per prompt, how many of its samples (the first) return their log-probs: True or None all, False
-        or 0 none. The requests submit() queued for the same call are run, not made again."""
+        """lengths (benchmarks): per prompt, n forced response lengths (each sample its own request, EOS ignored).
+        logprobs: per prompt, how many of its samples return log-probs (True/None all). submit()'s requests are run."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if self.weights_lost:
@@ -356,11 +341,9 @@ class VLLMRollout:
     queued = None  # submit()'s requests: (call key, request ids, items, mine, requests per item)
 
     def submit(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
-        """vLLM's intake of a later generate call's requests, now: each prompt through vLLM's input processing (the
-        HF processor on its images: inside generate, the GPU idle; at most ~1 s for the 3B bar's 64 prompts) and
-        into its queue. grpo calls it on prefetch_prompts' thread while the trainer computes, the engine asleep (its
-        scheduler paused: they wait for the wake). Not with tensor parallelism (_items gathers the group's prompts:
-        a collective, the main thread's). Returns whether it queued them."""
+        """vLLM's intake of a later generate call's requests, now: input processing (the HF processor on its images)
+        and into its queue, on prefetch_prompts' thread while the trainer computes (the scheduler paused until the
+        wake). Not with tensor parallelism (gathering the group's prompts is the main thread's). -> whether queued."""
         if self.tp_group is not None:
             return False
         if self.queued:
@@ -445,10 +428,8 @@ class VLLMRollout:
 
     @torch.no_grad()
     def sync_weights(self, named_tensors):
-        """Stream (HF name, full tensor) pairs into vLLM's load_weights, one tensor at a time (each moves to the
-        GPU as the loader consumes it; no state-dict copy). No renaming: vLLM's hf_to_vllm_mapper maps transformers-5
-        in-memory names as well as checkpoint names (text models: HF names). Each TP rank gets the full tensors
-        and keeps its shard; unknown names make vLLM's AutoWeightsLoader raise."""
+        """Stream (HF name, full tensor) pairs into vLLM's load_weights, one tensor at a time (no state-dict copy;
+        vLLM's hf_to_vllm_mapper knows transformers-5 names). Each TP rank keeps its shard; unknown names raise."""
         if "weights" in self.asleep:
             self.wake(["weights"])  # load_weights writes into the weight memory: it must be mapped again
         model = self._inner_model()
@@ -468,9 +449,8 @@ class VLLMRollout:
 
     # ---- memory
     def pool_bytes(self):
-        """Bytes of vLLM's sleep-mode pool (CuMemAllocator: the weights and KV cache, whether mapped now or not;
-        torch's allocator counts them as allocated either way). 0 without sleep mode: then the engine allocates
-        from torch's default pool and cannot be told apart from the trainer."""
+        """Bytes of vLLM's sleep-mode pool (weights and KV cache, mapped or not: torch counts them allocated). 0
+        without sleep mode (the engine then allocates from torch's default pool)."""
         if not self.sleep_mode:
             return 0
         from vllm.device_allocator.cumem import CuMemAllocator  # optional: the GPU engine
@@ -486,9 +466,8 @@ class VLLMRollout:
         try:
             self.llm.sleep(level=self.sleep_level)
         except AssertionError as e:
-            # vLLM's worker checks the whole device's free memory grew: another process allocating meanwhile
-            # (matrix.py's side-by-side rows) fails it after the freeing, before the executor marks itself asleep,
-            # and wake_up would then leave the weights unmapped (v1/worker/gpu_worker.py, v1/executor/abstract.py)
+            # vLLM's worker checks the device's free memory grew: another process allocating meanwhile (matrix.py's
+            # side-by-side rows) fails it, and wake_up would then leave the weights unmapped
             if "Memory usage increased after sleeping" not in str(e):
                 raise
             executor = self.llm.llm_engine.model_executor
@@ -529,9 +508,8 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
                  limit_videos=0, seed=0, enforce_eager=False, sleep_level=1, min_pixels=None, max_pixels=None,
                  video_min_pixels=None, video_max_pixels=None, kv_cache_memory_gb=0, per_prompt_seeds=True,
                  **overrides):
-    """engine: "auto" (vLLM when it imports and CUDA is there) | "vllm" | "hf". The rest are vLLM's settings
-    (engine_options(cfg) gives grpo.Config's); overrides go to VLLMRollout as they are. per_prompt_seeds: vLLM only
-    (the HF engine's one generator per prompt costs nothing)."""
+    """engine: "auto" (vLLM where it imports and CUDA is there) | "vllm" | "hf"; the rest: vLLM's settings
+    (engine_options), overrides to VLLMRollout as they are."""
     if engine == "auto":
         engine = "vllm" if _vllm_usable() else "hf"
     if engine == "hf":
@@ -553,9 +531,8 @@ def make_rollout(engine, model_path, device=None, dtype=torch.bfloat16, *, tenso
     if kv_cache_memory_gb:  # vLLM then skips its memory profile, which assumes no other process allocates meanwhile
         kw["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
     if lo and hi:
-        # vLLM runs the HF image processor itself: give it the trainer's pixel bounds so both make the same grid.
-        # (They reach its video processor too; the trainer's frames already have a size within the video bounds
-        # that the processor keeps, as long as those lie within these: checked above.)
+        # vLLM runs the HF image processor itself: the trainer's pixel bounds, so both make the same grid (its video
+        # processor too: the trainer's frames lie within the video bounds, which lie within these: checked above)
         kw["mm_processor_kwargs"] = {"min_pixels": lo, "max_pixels": hi}
     kw.update(overrides)
     try:
@@ -581,4 +558,6 @@ def engine_options(cfg, limit_videos=0):
                 sleep_level=auto_level if cfg.sleep_level == "auto" else cfg.sleep_level, min_pixels=cfg.min_pixels,
                 max_pixels=cfg.max_pixels, video_min_pixels=cfg.video_min_pixels, video_max_pixels=cfg.video_max_pixels,
                 kv_cache_memory_gb=cfg.kv_cache_memory_gb, per_prompt_seeds=cfg.per_prompt_seeds,
-                hybrid_max_seqs=max(1, cfg.rollout_batch_size * cfg.n * cfg.tensor_parallel_size // ranks))
+                hybrid_max_seqs=max(1, cfg.rollout_batch_size * cfg.n * cfg.tensor_parallel_size // ranks),
+                **({"max_num_seqs": seqs} if (seqs := memory.engine_max_seqs(  # long answers: as many as its KV holds
+                    asdict(cfg), memory.known_dims(cfg.model_path), memory.this_gpu_gib())) else {}))

@@ -1,7 +1,6 @@
-"""rundir.py -- the output folder of a run (docs/options.md lists what it holds): checkpoints (sharded, atomic),
-resume or refuse (a folder holds one run: every way of resuming refuses a changed config, so two runs never mix), logs
-cut back to the resumed step, the best checkpoint, a step's metrics, metrics.jsonl, samples.jsonl, val_samples.jsonl,
-experiment trackers, the console line, reward.png."""
+"""rundir.py -- the output folder of a run (docs/options.md): checkpoints (sharded, atomic), resume or refuse (every
+way of resuming refuses a changed config: two runs never mix), logs cut back to the resumed step, the best checkpoint,
+a step's metrics, metrics.jsonl, samples.jsonl, val_samples.jsonl, trackers, the console line, reward.png."""
 import importlib
 import json
 import os
@@ -27,8 +26,7 @@ RESUMABLE_CHANGES = {
     "max_steps", "total_epochs", "val_freq", "val_before_train", "save_freq", "save_limit", "output_dir", "resume",
     "config", "log_samples", "logger", "project_name", "experiment_name",
     "micro_batch_size_per_device", "max_token_len_per_device", "logprob_chunk_size", "gradient_checkpointing",
-    "logprob_max_token_len_per_device", "checkpoint_layers", "share_prompts",  # how the work is cut, not what is
-    # computed
+    "logprob_max_token_len_per_device", "checkpoint_layers", "share_prompts", "ulysses_size",  # how the work is cut
     "attn_implementation", "gpu_memory_utilization", "kv_cache_memory_gb", "max_num_batched_tokens", "enforce_eager",
     "sleep_level", "tensor_parallel_size", "torch_compile", "offload_params", "offload_optimizer", "prefetch_requests"}
 
@@ -54,8 +52,7 @@ def config_diff(saved, cfg):
 
 def find_resume(cfg):
     """The checkpoint to continue from and its trainer state, or (None, None) for a fresh start. Refuses (ValueError)
-    whatever would mix two runs: a changed config, --resume never over a folder that holds a run, a PATH that is
-    not a checkpoint."""
+    what would mix two runs: a changed config, --resume never over a run, a PATH that is not a checkpoint."""
     ckpts = os.path.join(cfg.output_dir, "checkpoints")
     logs = [f for f in ("config.json", "metrics.jsonl") if os.path.isfile(os.path.join(cfg.output_dir, f))]
     if cfg.resume == "never":
@@ -204,9 +201,8 @@ def _mlflow(cfg):
     _optional("mlflow")
     from mlflow.entities import Metric, Param  # optional tracker (installed: checked above)
     from mlflow.tracking import MlflowClient  # (likewise)
-    # MLFLOW_TRACKING_URI names a server (or store) when set; otherwise one SQLite file in the output folder: a file
-    # store MLflow still writes (its ./mlruns folder store is refused by MLflow 3), read with `mlflow ui
-    # --backend-store-uri sqlite:///<output_dir>/mlflow.db`
+    # MLFLOW_TRACKING_URI names a server when set; else one SQLite file in the output folder (MLflow 3 refuses its
+    # ./mlruns store): `mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`
     uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(os.path.join(cfg.output_dir,
                                                                                               "mlflow.db"))
     client = MlflowClient(tracking_uri=uri)
@@ -265,10 +261,8 @@ def plot(files: Annotated[list[str], tyro.conf.Positional], out: str = "reward.p
 
 # ----------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
-    """Sharded model + optimizer via torch.distributed.checkpoint (every rank writes its shard: on several nodes
-    the folder must be on a shared file system). Written to `<path>.tmp` and renamed when complete, so a crash
-    mid-save never leaves a checkpoint that looks whole; then only the newest `keep` are kept (0 = all), and step
-    `protect` (the best so far) besides."""
+    """Sharded model + optimizer via torch.distributed.checkpoint (each rank its shard: several nodes need a shared
+    file system), written to `<path>.tmp` and renamed when whole; then the newest `keep` kept (0 = all), and `protect`."""
     import torch.distributed.checkpoint as dcp  # ~1 s to import: only where a checkpoint is written
     from torch.distributed.checkpoint.state_dict import get_state_dict  # (the same package)
     tmp = path + ".tmp"
@@ -345,9 +339,8 @@ def print_batch_arithmetic(ctx):
 
 
 def step_metrics(ctx, samples, T, peaks, so_far):
-    """A training step's metrics beside the update's: rewards and lengths, seconds per phase (T), tokens per second,
-    MFU (model FLOPs of the step's real tokens, veRL's convention in flops.py, over the phase's seconds x peak) and
-    memory (memory.metrics: peaks per phase, the engine's share; so_far: the step's metrics until now)."""
+    """A training step's metrics beside the update's: rewards, lengths, seconds per phase (T), tokens per second, MFU
+    (flops.py, veRL's convention) and memory (memory.metrics; so_far: the step's metrics until now)."""
     cfg, out = ctx.cfg, sample_metrics(ctx, samples, "reward")
     n_tok = float(actor.all_reduce_cpu(sum(len(s["prompt"]["prompt_ids"]) + len(s["response_ids"]) for s in samples)))
     out.update({f"timing/{k}": v for k, v in T.items()})

@@ -1,15 +1,11 @@
-"""Tiny checkpoints of the non-Qwen families (tiny_model.build_tiny_model's arch "gemma4" / "internvl"), built from
-transformers' own classes with the real module layout, processor class, special tokens and the family's chat format,
-saved as a hub folder is laid out (AutoProcessor and vLLM load them; without torchvision, data.load_processor). Gemma
-4's tokenizer, config and processor also serve presets.py's real-size gemma4_e2b (benchmarks/bench.py).
-
-  gemma4    Gemma 4's image-text shape (the E2B layout) in small: sliding and full attention layers with their own
-            head sizes (32 / 64) and rotary (default / proportional on a quarter), per-layer inputs, the last 2 layers
-            reusing earlier keys/values with a double-wide MLP, logits soft-capped at 30; the vision tower with 2-D
-            positions and 2x2 pooling (3x3 in the hub's; 70 soft tokens an image, the fewest the processor allows).
-  internvl  InternVL3's layout (transformers' InternVLForConditionalGeneration): an InternViT (layer-scaled,
-            mean-pooled) of 56-pixel tiles (crop_to_patches: the tiles of an image, then its thumbnail), pixel
-            shuffle 0.5 and a 2-layer projector before a Qwen2 LLM; 4 <IMG_CONTEXT> tokens a tile."""
+"""Tiny checkpoints of the non-Qwen families (build_tiny_model's arch "gemma4" / "internvl") from transformers' own
+classes: the real module layout, processor class, special tokens and chat format, saved as a hub folder (Gemma 4's
+tokenizer, config and processor also serve presets.py's gemma4_e2b).
+  gemma4    the E2B layout in small: sliding and full attention layers with their own head sizes (32 / 64) and rotary,
+            per-layer inputs, the last 2 layers reusing earlier keys/values with a double-wide MLP, logits soft-capped
+            at 30; a vision tower with 2-D positions and 2x2 pooling (70 soft tokens an image).
+  internvl  InternVL3's layout: an InternViT of 56-pixel tiles (an image's tiles, then its thumbnail), pixel shuffle
+            0.5 and a 2-layer projector before a Qwen2 LLM; 4 <IMG_CONTEXT> tokens a tile."""
 import json
 import os
 
@@ -141,10 +137,8 @@ def build(arch, out, seed, make_tokenizer, text_config, qwen_template, qwen_spec
 
 
 def complete_for_vllm(folder):
-    """Add to a written HF folder the tensors a hub checkpoint has and vLLM requires, where transformers' model has
-    none: Gemma 4's KV-shared layers (the last num_kv_shared_layers, which read an earlier layer's keys) have no k norm
-    in transformers (it drops the hub's on load), while vLLM 0.26 builds one in every layer and refuses a folder
-    without it ("weights were not initialized", on the H200). Unused there: ones, in a file of their own."""
+    """Add to a written HF folder what vLLM requires and transformers' model lacks: the k norm of Gemma 4's KV-shared
+    layers (transformers drops the hub's; vLLM 0.26 refuses a folder without it). Unused there: ones, a file apart."""
     cfg = json.load(open(os.path.join(folder, "config.json")))
     t = cfg.get("text_config", cfg)
     n, shared = t.get("num_hidden_layers", 0), t.get("num_kv_shared_layers") or 0

@@ -1,9 +1,7 @@
-"""Builds small checkpoints in code (no hub access needed): build_tiny_model() makes a tiny random-weight
-Qwen2.5-VL / Qwen2-VL / Qwen3-VL(-MoE) / Qwen3.5(-MoE) / Qwen2 / Qwen3 / Llama-3 (Gemma 4 and InternVL: tiny_families)
-with a BPE tokenizer trained in code, saved with save_pretrained (model, tokenizer, processor, generation_config), so
-every consumer (AutoModel*, AutoProcessor, vLLM) loads it like a hub checkpoint. Builds are cached; a marker written
-last in a temp dir renamed into place means a crashed build never looks complete. Below: the demos' settings (DEMO,
-TEXT_DEMO, VIDEO_DEMO) and their synthetic tasks, written on first use (data.py reaches them through data_files)."""
+"""Builds small checkpoints in code (no hub access): build_tiny_model() makes a tiny random Qwen2.5-VL / Qwen2-VL /
+Qwen3-VL(-MoE) / Qwen3.5(-MoE) / Qwen2 / Qwen3 / Llama-3 (Gemma 4, InternVL: tiny_families) with a BPE tokenizer
+trained in code, saved as a hub folder (AutoModel*, AutoProcessor and vLLM load it); cached, a marker written last.
+Below: the demos' settings (DEMO, TEXT_DEMO, VIDEO_DEMO) and synthetic tasks, written on first use."""
 import io
 import json
 import os
@@ -74,10 +72,9 @@ def _corpus(n_lines=3000, seed=0):
 
 def build_tokenizer(vocab_size=512, split_digits=False, specials=SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>",
                     template=CHAT_TEMPLATE, first=(), **named):
-    """Byte-level BPE (like Qwen's) trained on the synthetic corpus, plus Qwen special tokens. split_digits: one
-    token per digit, as Qwen's own tokenizers do (the Qwen3 models use it: numbers then read digit by digit; the
-    older tiny models keep the merged numbers their demo numbers were measured with). Other families
-    (tiny_families.py): their own specials, eos, pad, chat template, named tokens (image_token=...), first ids."""
+    """Byte-level BPE (like Qwen's) trained on the synthetic corpus, plus Qwen's special tokens. split_digits: one
+    token per digit, as Qwen's own (the Qwen3 models; the older demos keep the numbers measured with merged digits).
+    Other families (tiny_families.py): their own specials, eos, pad, chat template, named tokens, first ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # slow to import (~2 s)
     from transformers import PreTrainedTokenizerFast  # slow to import (~2 s)
 
@@ -186,11 +183,9 @@ QWEN3_5_TINY = dict(num_hidden_layers=4, head_dim=64, linear_num_key_heads=2, li
 
 
 def _llama_config(ids, vocab_size):
-    """Llama 3.2's shape in small: grouped-query attention (2 key/value heads for 4), rope_theta 500000 with Llama
-    3.1's long-context frequency scaling ("llama3"), no biases, rms_norm_eps 1e-5, and the input embedding tied to the
-    output layer as Llama 3.2 1B/3B have it (8B and up do not). The tokenizer is this file's byte-level BPE with
-    Qwen's special tokens and chat template (the DeepSeek-R1 Llama distills keep Llama's architecture, not its
-    tokenizer), so the same data and reward code runs on it."""
+    """Llama 3.2's shape in small: GQA (2 key/value heads for 4), rope_theta 500000 with Llama 3.1's "llama3" scaling,
+    no biases, rms_norm_eps 1e-5, tied embeddings as Llama 3.2 1B/3B; this file's tokenizer and Qwen's chat template
+    (as the DeepSeek-R1 Llama distills), so the same data and reward code run on it."""
     from transformers import LlamaConfig  # slow to import (~2 s)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
@@ -214,11 +209,8 @@ def _vl_config(Cfg, Model, text, vision, ids, tie):
 
 # ----------------------------------------------------------------------------- saving
 def _save_processor(arch, tok, out, min_pixels, max_pixels):
-    """Write the processor as the classic per-component files (preprocessor_config.json, video_preprocessor_config.json,
-    tokenizer files, chat_template.jinja), i.e. the layout of the hub Qwen-VL repos. We cannot use
-    Processor.save_pretrained here: in transformers 5 the processor refuses to exist without a video processor, and
-    that needs torchvision, which the CPU box lacks. Machines with torchvision load these files with plain
-    AutoProcessor; without it, use data.load_processor."""
+    """Write the processor as the hub Qwen-VL repos' per-component files: transformers 5's Processor.save_pretrained
+    needs a video processor, which needs torchvision (the CPU box lacks it); without it, use data.load_processor."""
     import transformers  # slow to import (~2 s)
     # The PIL backend (transformers 5: *Pil; 4.x: the slow class) works without torchvision and saves as the plain
     # "Qwen2VLImageProcessor" type, so each machine picks its own backend.
@@ -330,19 +322,18 @@ if __name__ == "__main__":
 DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=4, min_pixels=56 * 56,
             max_pixels=112 * 112, n=16, rollout_batch_size=16, global_batch_size=16, lr=1e-3, max_steps=150,
             val_freq=10, save_freq=10, output_dir="outputs/demo")
-# The text demo (--demo-model qwen3): one-digit answers, groups of 32, half the lr, temperature 1.5. A digit the policy
-# stops sampling is never learned: at lr 1e-3 it lost 2 and 8 (0.765); at 5e-4, temperature 1 the 2 (0.94); 1.5: 1.0.
+# Each below keeps every answer sampled: one the policy stops sampling is never learned (all its group's rewards alike,
+# GRPO's advantage 0). The text demo (--demo-model qwen3): one-digit answers, groups of 32, half the lr, temperature
+# 1.5 (at lr 1e-3 it lost 2 and 8: 0.765; at 5e-4, temperature 1, the 2: 0.94; 1.5: 1.0).
 TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4, temperature=1.5)
-# The video demo (--demo-task video): answers of one token and groups of 32. With 4 tokens and groups of 16 the policy
-# stopped saying "green" before it could tell the clip's halves apart, and never learned it (greedy validation stuck
-# at 0.74: every clip ending green was answered "blue").
+# The video demo (--demo-task video): answers of one token, groups of 32 (with 4 tokens and 16 it stopped saying
+# "green" before it told the clip's halves apart: every clip ending green answered "blue", 0.74).
 VIDEO_DEMO = dict(max_response_length=1, n=32)
 # The zoom demo (--demo-task zoom, tools.py): turns of one token (the call, the colour), groups of 32, KL weight 0.1 (at
 # 0.01 a colour stopped being sampled: 0.735), and batches that hold each colour alike (docs/demos.md)
 TOOLS_DEMO = dict(tools="zoom", reward_function="zoom", max_turns=2, max_turn_tokens=1, max_response_length=40,
                   limit_images=3, n=32, kl_coef=0.1, shuffle=False)
-# Gemma 4's colour demo: KL weight 0.1. At 0.01 most runs lost a colour (GPU and CPU, fp32 or bf16, vLLM or HF engine):
-# once no sample of a colour's pictures says it, GRPO's advantage there is 0, and that weak a KL never brought it back
+# Gemma 4's colour demo: KL weight 0.1 (at 0.01 it lost a colour in most runs, GPU and CPU, fp32 or bf16: BENCHMARKS.md)
 FAMILY_DEMO = {"gemma4": dict(kl_coef=0.1)}
 
 
@@ -407,8 +398,7 @@ def draw_color_image(rng: random.Random):
 
 
 def make_color_dataset(out_path: str, n_rows: int, seed: int, draw=draw_color_image, question=COLOR_QUESTION) -> str:
-    """EasyR1-format parquet (problem, answer, images=[{"bytes": png}]) of draw(rng)'s (picture, colour, ...);
-    written atomically."""
+    """EasyR1-format parquet (problem, answer, images=[{"bytes": png}]) of draw(rng)'s pictures, written atomically."""
     import datasets  # slow to import (~2 s): only where a task's data are written or read
     rng = random.Random(seed)
     rows = {"problem": [], "answer": [], "images": []}
@@ -461,10 +451,8 @@ def demo_zoom_data(data_dir=None, n_train=2000, n_val=200):
 
 
 def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:
-    """One question of the text demo's task and its answer: the largest of k digits (k drawn from lengths), which
-    occurs once. The answer is drawn first, uniformly from 2 to 9, so no constant answer pays more than 1/8; the
-    other digits are drawn below it (repeats allowed: even the answer 2 then has 124 lists, enough to hold some out
-    for validation), and the largest sits at a uniform place, so copying any one place pays 1/k."""
+    """One question of the text demo's task and its answer: the largest of k digits, which occurs once; the answer
+    uniform from 2 to 9 (no constant answer pays more than 1/8), the others below it, the largest at a uniform place."""
     k = rng.choice(lengths)
     top = rng.randint(2, 9)
     digits = [rng.randrange(top) for _ in range(k - 1)]
@@ -473,10 +461,8 @@ def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:
 
 
 def is_val_question(question: str) -> bool:
-    """Which side of the split a question is on: a tenth of all questions (by a hash of the text) belong to
-    validation and are never drawn for training. A hash rather than "whatever validation happened to draw": both
-    sides keep the task's answer distribution (excluding validation's draws would thin out the small answers,
-    whose few lists validation's rows would nearly exhaust)."""
+    """Which side of the split a question is on: a tenth of all questions (by a hash of the text) are validation's,
+    never drawn for training; a hash keeps both sides' answer distributions alike."""
     return zlib.crc32(question.encode()) % 10 == 0
 
 
@@ -495,9 +481,7 @@ def make_max_dataset(out_path: str, n_rows: int, seed: int, split="train", lengt
 
 def demo_max_data(data_dir=None, n_train=4000, n_val=200):
     """(train_path, val_path) of the text demo's task, "What is the largest of 3, 8, 1, 5?" (3 to 5 digits: 85,608
-    lists); created once. Validation and training come from disjoint tenths and nine tenths of the question space
-    (is_val_question), and every call checks it: validation measures the learned maximum on lists the policy never
-    trained on."""
+    lists); created once, validation and training from disjoint parts of the question space (checked each call)."""
     train, val = demo_files(data_dir, "max-v2", n_train, n_val,
                             lambda path, k, seed: make_max_dataset(path, k, seed, split=("train", "val")[seed]))
     seen = set(_questions(val)) & set(_questions(train))  # the cached files too, every time

@@ -7,21 +7,17 @@ from types import SimpleNamespace
 
 from safetensors.torch import load_file, save_file
 
-# The tiny MoE (tiny_model.build_tiny_model(arch="qwen3_vl_moe")): Qwen3-VL's tiny model with every dense MLP replaced
-# by 4 experts of width 96 (2 x 96 != 128 = hidden, so no expert matrix is square and a transposed copy could not
-# load unnoticed), 2 routed per token. The load-balancing coefficient is the checkpoints' own (pretraining's);
-# grpo's --router-aux-loss-coef defaults to 0, i.e. the loss is off in RL.
-# norm_topk_prob: transformers' Qwen3-VL-MoE always renormalises the top-k router weights and its config has no such
-# field, but vLLM builds the layers with Qwen3-MoE's code, which reads it (the hub checkpoints' config.json carry it).
+# The tiny MoE: Qwen3-VL's tiny model with every dense MLP replaced by 4 experts of width 96 (no square expert matrix:
+# a transposed copy could not load unnoticed), 2 routed per token; the balancing coefficient the checkpoints' own
+# (grpo's --router-aux-loss-coef: 0). norm_topk_prob: vLLM builds the layers with Qwen3-MoE's code, which reads it.
 TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[],
             router_aux_loss_coef=0.001, norm_topk_prob=True)
 
 
 def hub_layout(out):
     """Qwen3-VL-MoE's expert tensors on disk as the hub checkpoints hold them, gate_up_proj [E, H, 2I] and down_proj
-    [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory and saves that back): a file written here loads
-    like the real one in transformers and in vLLM (both transpose by the dimensions). The config names the expert
-    count num_experts, as the hub's (transformers 5.24 writes num_local_experts, older versions may not read it)."""
+    [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory): a file written here loads like the real one in
+    transformers and vLLM. The config names the count num_experts, as the hub's."""
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     text = cfg.get("text_config", cfg)
@@ -53,10 +49,9 @@ def router_aux_loss(hf, logits, input_ids):
     return load_balancing_loss_func(tuple(logits), cfg.num_experts, cfg.num_experts_per_tok, real)
 
 
-# LoRA on the experts (--lora-target-experts): peft's target_parameters wraps each fused 3-D expert tensor in a
-# ParamWrapper (two on one experts module: nested, the outer on the second tensor), whose adapters are per expert:
-# lora_A [E x r, in], lora_B [out, E x r]. The forward adds the delta to the tensor in place of the weight, so the
-# fused layout (and the engine's names) stay as they are.
+# LoRA on the experts (--lora-target-experts): peft's target_parameters wraps each fused 3-D tensor in a ParamWrapper
+# (nested for two), its adapters per expert: lora_A [E x r, in], lora_B [out, E x r]; the forward adds the delta to
+# the tensor, so the fused layout (and the engine's names) stay.
 def expert_parameters(hf):
     """peft's target_parameters for a model's fused expert tensors (`experts.gate_up_proj`, `experts.down_proj`:
     the 3-D parameters of modules named experts, outside the vision tower); [] for a dense model."""
@@ -91,9 +86,8 @@ def merged_expert(wrapper, w, a, b):
 
 
 def per_expert(named_tensors):
-    """(name, tensor) pairs with transformers' fused experts ([E, 2I, H] gate|up, [E, H, I] down) split into the
-    hub's per-expert tensors (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`: Qwen3.5-MoE's checkpoints hold
-    them so, and vLLM's Qwen3.5 loader reads them so); every other pair as it comes. Views, no copies."""
+    """(name, tensor) pairs with transformers' fused experts ([E, 2I, H] gate|up, [E, H, I] down) split into the hub's
+    per-expert tensors (Qwen3.5-MoE's checkpoints, vLLM's Qwen3.5 loader); every other pair as it comes. Views."""
     for name, t in named_tensors:
         base, _, kind = name.rpartition(".")
         if not base.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj"):

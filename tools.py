@@ -1,12 +1,8 @@
-"""tools.py -- multi-turn rollouts with tools ("thinking with images"), token in, token out.
-
---tools FILE (or a built-in: zoom) names plain Python functions, as --reward-function names a reward: each one's type
-hints and docstring make its JSON schema (the chat template's `tools`), and it returns text or a PIL image (or a list
-of them). A turn: one engine call for every active sample of the rank; the calls in what it sampled (Qwen's
-<tool_call> format) run on threads, each cut at --tool-timeout; their answers, rendered by the model's own chat
-template and tokenized alone, follow exactly the sampled ids, and the next turn continues. Nothing sampled is ever
-decoded and re-tokenized (Agent-R1 #46: a re-tokenized turn is not what the policy produced). The trainer learns from
-the sampled tokens only: `policy_mask` is 1 on them, 0 on the tools' answers and the template's tokens between turns."""
+"""tools.py -- multi-turn rollouts with tools ("thinking with images"), token in, token out. --tools FILE (or zoom)
+names plain Python functions: type hints and docstring make each one's JSON schema; it returns text or PIL images. A
+turn: one engine call for the rank's active samples; the calls it sampled (Qwen's formats) run on threads, cut at
+--tool-timeout; their answers, rendered by the model's chat template, follow the sampled ids exactly: nothing
+sampled is re-tokenized (Agent-R1 #46). The trainer learns from the sampled tokens only (`policy_mask`)."""
 import importlib.util
 import inspect
 import json
@@ -88,8 +84,8 @@ XML_PARAM = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
 
 def parse_calls(text):
     """The tool calls of a turn in Qwen's formats: <tool_call>{"name": ..., "arguments": {...}}</tool_call> (hermes
-    JSON: Qwen2.5-VL, Qwen3-VL) or <tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>
-    (the XML form of Qwen3.5 / Qwen3-Coder). Each is (name, arguments) or, malformed, (None, its error answer)."""
+    JSON) or <tool_call><function=NAME><parameter=K>V</parameter></function></tool_call> (Qwen3.5's XML form).
+    Each is (name, arguments) or, malformed, (None, its error answer)."""
     out = []
     for body in CALL.findall(text):
         if m := XML_CALL.search(body):
@@ -116,11 +112,9 @@ def _json_or_text(v):
 
 # ------------------------------------------------------------------------------------------------ running calls
 def run_calls(tools, calls, images, timeout):
-    """Run calls [(name, arguments)] (all samples' of a turn at once, each on a thread of its own) and return one
-    record per call: name, arguments, result (text, a PIL image or a list of them), status ok / error (it raised:
-    the answer is its one-line error) / timeout (cut at `timeout` s: the thread is left behind, its result
-    dropped) / invalid (unknown tool, bad arguments, malformed call), seconds. images: per call, the trajectory's
-    images so far, for a tool that takes `images` (it gets copies). A tool never stops the run."""
+    """Run calls [(name, arguments)] (a turn's, each on a thread) -> a record per call: name, arguments, result,
+    status ok / error (it raised: its one-line error) / timeout (cut at `timeout` s, the thread left behind) /
+    invalid, seconds. images: per call, the trajectory's images so far (copies). A tool never stops the run."""
     recs, running = [], []
     for (name, args), imgs in zip(calls, images):
         rec = dict(name=name, arguments=args, status="invalid", result=None, seconds=0.0)
@@ -182,12 +176,10 @@ def _answer_text(proc, recs, ended, lo, hi):
 
 
 def render_answers(proc, recs, ended, min_pixels, max_pixels, pool=None):
-    """Per trajectory, what follows its turn with calls (recs[i]; ended[i]: the end-of-turn token it sampled, as text,
-    or "": the template's is added): (raw ids (one pad per image: vLLM's), ids (the processor's, pads expanded),
-    images, mm_inputs: a callable that returns them). The GPU idles until the next turn starts, and only the trainer
-    reads the pixels: answers alike (one text, pictures of the same sizes) share their ids, so one of each kind goes
-    through the processor now, the others' pixels on threads while the engine runs (`pixels` waits for them), or in
-    a `pool` of processes (benchmarks/two_turn.py), together (the processor's Python per call), split evenly."""
+    """Per trajectory, what follows its turn with calls (recs[i]; ended[i]: its sampled end-of-turn text, or ""):
+    (raw ids (one pad per image: vLLM's), ids (pads expanded), images, mm_inputs: a callable). Answers alike share
+    their ids, so one of each kind goes through the processor now, the others' pixels on threads while the engine
+    runs (`pixels` waits for them) or in a `pool` of processes (benchmarks/two_turn.py), split evenly."""
     tok, texts, groups, kinds = getattr(proc, "tokenizer", proc), [], {}, []
     for i, (r, e) in enumerate(zip(recs, ended)):
         texts.append(_answer_text(proc, r, e, min_pixels, max_pixels))
@@ -242,14 +234,10 @@ def continuation(t, expand=True):
 
 # ------------------------------------------------------------------------------------------------ the turn loop
 def rollout(ctx, call):
-    """generate_and_score's samples with tools: `call` is grpo.rollout_call's (n samples per prompt). Turn 1 is that
-    call; each later turn one engine call with every active trajectory of this rank (n=1 each, its own seed).
-    --max-response-length bounds the whole trajectory after the prompt (the model's and the tools' tokens: what the
-    trainer holds), --max-turn-tokens one turn, --limit-images the pictures in it (the prompt's too). Under torchrun
-    every rank takes part in each turn's all-reduce of the active counts until all are 0; a rank generates when its
-    tensor-parallel group has work (the group's ranks then make the same calls: vLLM gathers their prompts, so each
-    sample's tools run once, on its own rank, and the group sees what they returned), so a rank needing fewer turns
-    never leaves another waiting."""
+    """generate_and_score's samples with tools (`call`: grpo.rollout_call's). Turn 1 is that call; each later turn one
+    engine call with this rank's active trajectories (n=1, own seeds). --max-response-length bounds the trajectory
+    after the prompt, --max-turn-tokens a turn, --limit-images its pictures. Every rank joins each turn's all-reduce
+    of the active counts until all are 0 (a TP group generates together; a sample's tools run on its own rank)."""
     cfg, tok, eng = ctx.cfg, ctx.tokenizer, ctx.rollout
     budget = cfg.max_response_length
     per_turn = call["max_tokens"]  # (rollout_call's: --max-turn-tokens, within the budget)
@@ -308,9 +296,8 @@ def rollout(ctx, call):
 
 
 def _sample(t):
-    """A trajectory as grpo's sample dict: response_ids = everything after the prompt, policy_mask = 1 on the tokens
-    the engine sampled. With tool images the sample gets a prompt record of its own (its images after the
-    prompt's, in sequence order: the trainer's vision tower, scatter and M-RoPE positions then see all of them)."""
+    """A trajectory as grpo's sample dict: response_ids = all after the prompt, policy_mask = 1 on the sampled
+    tokens. With tool images: a prompt record of its own (its images after the prompt's, in sequence order)."""
     p = t["prompt"]
     if t["images"]:
         p = dict(p, images=list(p.get("images") or []) + t["images"],
@@ -345,9 +332,8 @@ def metrics(samples, prefix="tools/"):
 
 
 # ------------------------------------------------------------------------------------------------ the zoom demo
-# --demo-task zoom (tiny_model.draw_zoom_image): a dot too small for the tiny vision tower to tell its colour, and the
-# `zoom` tool, which returns the picture's centre magnified. The tiny tokenizer knows the one call as one token (Qwen's
-# format, parsed as any call is), as each colour word: a random policy would never find a 20-token call by chance.
+# --demo-task zoom: a dot too small for the tiny vision tower, and `zoom`, which magnifies the picture's centre. The
+# tiny tokenizer knows the call as one token (a random policy would never find a 20-token call by chance).
 ZOOM_CALL = '<tool_call>{"name": "zoom", "arguments": {}}</tool_call>'
 
 

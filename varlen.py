@@ -1,11 +1,8 @@
-"""varlen.py -- the trainer's fast kernels, used by fsdp_actor.py: variable-length attention for transformers' Qwen-VL
-models (and text LLMs): the vision tower's windows in one attention call per layer, and padding-free (packed) rows
-for the language model; the per-chunk log-probs of the target tokens with their own backward (ChunkLogProbs); and
-the norms, MLPs, rotary and log-prob functions compiled into fused kernels (the end).
-
-Every fast path has a plain fallback chosen automatically: a CUDA kernel (torch's varlen_attn, else flash-attn 2)
-only if it imports and matches the plain reference on this device (probed once), else the reference itself (one
-SDPA call with a block-diagonal mask). fsdp_actor.build_actor turns the paths on ("auto": where a fast kernel runs)."""
+"""varlen.py -- the trainer's fast kernels (fsdp_actor.py): variable-length attention for the vision tower's windows
+(one call per layer) and for packed rows of the language model; the per-chunk log-probs with their own backward
+(ChunkLogProbs); norms, MLPs, rotary and log-prob functions compiled into fused kernels. Every fast path falls back
+by itself: a CUDA kernel (torch's varlen_attn, else flash-attn 2) only if it matches the plain reference here
+(probed once), else the reference (one SDPA call, a block-diagonal mask)."""
 import functools
 import inspect
 import sys
@@ -15,25 +12,22 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+import ulysses
 
-# Both speed paths hand transformers' attention modules one call over many independent sequences, described by
-# cumulative lengths cu_seqlens [S + 1] (int32) and the longest length:
-#  - the vision tower: Qwen2-VL / Qwen2.5-VL run one SDPA call per window (per image for full-attention layers),
-#    unless the attention's name contains "flash": then they pass it cu_seqlens (Qwen2_5_VLVisionAttention.forward,
-#    transformers 5.17 to 5.25). So the vision config gets our function under a name with "flash" in it.
-#  - the language model on packed rows (padding-free): the text config gets our function under a plain name; the
-#    cu_seqlens travel as the `cu_seq_lens_q/k`, `max_length_q/k` keywords transformers passes to every attention
-#    function (TransformersKwargs); a name unknown to its mask interface: no [T, T] mask is built for the packed row.
-# Both are registered in transformers' AttentionInterface; the text name is selected with set_attn_implementation, the
-# vision one set on its config (from 5.25, set_attn_implementation loads a "flash" name as a flash-attn/Hub kernel).
+
+# Both paths hand transformers' attention one call over many sequences (cu_seqlens [S + 1], int32):
+#  - the vision tower: Qwen2-VL / Qwen2.5-VL pass cu_seqlens only to an attention whose name contains "flash"
+#    (Qwen2_5_VLVisionAttention.forward, transformers 5.17-5.25): the vision config gets ours under such a name;
+#  - packed rows: the text config gets ours under a plain name; the boundaries travel as the cu_seq_lens_q/k,
+#    max_length_q/k keywords of every attention call, and a name unknown to the mask interface builds no [T, T] mask.
+# The vision name is set on its config (from 5.25 set_attn_implementation loads a "flash" name as a Hub kernel).
 VARLEN_TEXT, VARLEN_VISION = "vlm_rl_varlen", "vlm_rl_flash_varlen"
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_len, causal, scale=None, cu_k=None, max_k=None):
-    """q [N, H, D], k/v [N, Hkv, D] (Hkv divides H), sequences back to back as cu_seqlens says -> [N, H, D]. A
-    fast kernel on CUDA in bf16/fp16 when one works here (probed once), else the plain reference below. With cu_k
-    (and max_k) the keys have their own boundaries: sequence i's queries see its keys, causally aligned at the end
-    (a query's own position is the last key it may see: a shared prompt's keys come before a response's own)."""
+    """q [N, H, D], k/v [N, Hkv, D] (Hkv divides H), sequences back to back -> [N, H, D]: a fast kernel on CUDA in
+    bf16/fp16 where one works, else the reference. cu_k, max_k: keys of their own boundaries, each sequence's queries
+    causally aligned at the end of its keys (a shared prompt's keys before a response's own)."""
     cu_k, max_k = (cu_seqlens, max_len) if cu_k is None else (cu_k, max_k)
     kernel = _fast_varlen_kernel(q.device.index) if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
     if kernel is not None:
@@ -42,9 +36,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_len, causal, scale=None, cu_k=None
 
 
 def reference_varlen_attention(q, k, v, cu_seqlens, causal, scale=None, cu_k=None):
-    """Plain PyTorch, mathematically the same: one SDPA call with a block-diagonal (and causal, aligned at each
-    sequence's end) boolean mask, so a token only sees its own sequence (O(N^2) memory: the CPU path and the tests'
-    reference). Past 8192 tokens, one SDPA call per sequence instead, as transformers' own path does."""
+    """Plain PyTorch, the same math: one SDPA call with a block-diagonal (causal: aligned at each sequence's end)
+    mask (O(N^2) memory: the CPU path, the tests' reference); past 8192 tokens one call per sequence."""
     cu_k = cu_seqlens if cu_k is None else cu_k
     gqa = k.shape[1] != q.shape[1]
     if q.shape[0] > 8192:
@@ -198,6 +191,9 @@ def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     max_len = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, H, D]
+    sp = kwargs.get("ulysses")  # sequence parallel: my tokens, every head -> every token, my heads (and back below)
+    if sp is not None:
+        q, k, v = ulysses.to_heads(q, k, v, sp)
     kv = kwargs.get("kv_index")  # a shared-prompt row (fsdp_actor.collate): each response's keys are its prompt's
     if kv is not None:           # and its own, gathered into a sequence of their own
         k, v = k.index_select(0, kv), v.index_select(0, kv)  # [Nk, Hkv, D]
@@ -208,20 +204,16 @@ def _hf_varlen_attention(module, query, key, value, attention_mask, scaling=None
                            "version drop the keyword?); train with --no-share-prompts")
     else:
         out = varlen_attention(q, k, v, cu.to(torch.int32), int(max_len), causal, scaling)
-    return out[None], None
+    return (out if sp is None else ulysses.to_tokens(out, sp))[None], None
 
 
 def packed_layout(plens, rlens, owner, share=True):
-    """The samples of a micro-batch in one packed row, each after the other; with `share`, each distinct prompt once,
-    then the responses of its samples:
-
+    """The samples of a micro-batch in one packed row; with `share`, each distinct prompt once, then its samples'
+    responses (exact: a response attends to its prompt's keys, gathered by kv_index, and its own, causally):
         unshared  p p p r r p p p r r r        shared  p p p r r r r r      (one prompt, two samples)
-    plens: per distinct prompt its length; rlens, owner: per sample its response length and its prompt. Shared, the n
-    samples of a prompt cost its tokens once instead of n times, exactly: a response's queries attend to its
-    prompt's keys (gathered, kv_index) and to its own, causally from the end (varlen_attention's cu_k). Returns
-    (pieces: (sample, start, end) slices of the samples' own prompt + response sequences, laid back to back;
-    resp_idx [n]: per sample, the row positions that predict its response tokens: its prompt's last, then its own;
-    the attention's keywords: cu_seq_lens_q/k, max_length_q/k, and kv_index when shared)."""
+    plens: each distinct prompt's length; rlens, owner: each sample's response length and prompt. Returns (pieces:
+    (sample, start, end) slices of the samples' sequences, back to back; resp_idx [n]: the row positions that
+    predict each sample's response tokens; the attention's keywords: cu_seq_lens_q/k, max_length_q/k, kv_index)."""
     by_prompt = {}  # the row's groups: a prompt and its samples (unshared: each sample alone, its own prompt copy)
     for i, g in enumerate(owner):
         by_prompt.setdefault(g if share else -1 - i, []).append(i)
@@ -252,13 +244,10 @@ def packed_layout(plens, rlens, owner, share=True):
 
 
 # ----------------------------------------------------------------------------------------------- Gated DeltaNet
-# Qwen3.5's linear-attention layers carry state along the row: a 4-tap causal conv over the projected q, k, v and the
-# gated delta rule's recurrent state [heads, K, V]. transformers' pure-torch path runs both along the whole row and
-# drops the boundaries (its fallback takes cu_seqlens and ignores it), so on a packed row sample 2 would start from
-# sample 1's state: the trainer would disagree with vLLM, which runs samples apart. gdn_forward is the layer's own
-# math with the row's boundaries reaching both: fla-core's Triton kernels (cu_seqlens) on CUDA, plain torch elsewhere
-# (the conv's taps masked at each start, the recurrence on the samples laid out as a right-padded batch: pads come
-# after a sample's tokens, so a causal recurrence never reads them). Padded rows (no boundaries) are right-padded too.
+# Qwen3.5's linear-attention layers carry state along the row (a 4-tap causal conv; the delta rule's state [heads, K,
+# V]); transformers' torch path ignores cu_seqlens, so on a packed row sample 2 would start from sample 1's state
+# (vLLM runs samples apart). gdn_forward is the layer's math with the boundaries: fla-core's kernels on CUDA, plain
+# torch elsewhere (the conv's taps masked at each start; the recurrence on the samples as a right-padded batch).
 def gdn_layers(hf):
     return [m for m in hf.modules() if type(m).__name__.endswith("GatedDeltaNet")]
 
@@ -374,11 +363,9 @@ def delta_rule_reference(chunk_rule, q, k, v, g, beta, cu=None):
 
 
 # ----------------------------------------------------------------------------------------------- chunk log-probs
-# The log-probs of the targets come from the [n, V] logits of one chunk of n tokens (fp32: 2.5 GB at 4096 tokens and a
-# 152k vocabulary). torch.utils.checkpoint would rerun the whole chunk in backward, entropy included, and autograd's
-# logsumexp and gather backward would add several more fp32 [n, V] tensors; ChunkLogProbs keeps only logz [n] and
-# turns one recomputed matmul into the logits' gradient in one elementwise pass. The numbers are the plain
-# formula's through autograd: the same ops on the same dtypes, in the same order.
+# A chunk's fp32 [n, V] logits are 2.5 GB at 4096 tokens and a 152k vocabulary; checkpointing would rerun the chunk,
+# and autograd's logsumexp/gather backward add more [n, V] tensors. ChunkLogProbs keeps logz [n] and turns one
+# recomputed matmul into the logits' gradient in one pass: the plain formula's ops, dtypes and order.
 def _logits(mm, temperature, forbidden):
     """The head's output mm [n, V] (in the matmul's dtype) -> logits [n, V] in fp32 at least (log_softmax in bf16
     loses ~2 digits), the forbidden token ids at -inf."""
@@ -386,9 +373,8 @@ def _logits(mm, temperature, forbidden):
     return _set_columns(logits, forbidden, float("-inf")) if forbidden else logits
 
 
-# Eager and compiled want different ops for the same numbers: eager writes only the few columns it changes (a mask
-# would be one more pass over [n, V]); under torch.compile a mask of column ids fuses into the elementwise kernel,
-# whereas an index_put or scatter makes inductor store the fp32 [n, V] input first.
+# Eager writes only the few columns it changes; under torch.compile a mask of column ids fuses into the kernel (an
+# index_put or scatter would make inductor store the fp32 [n, V] input first).
 def _set_columns(x, ids, value):
     """x [n, V] (a fresh tensor: eager writes into it) with the columns `ids` set to value."""
     if torch.compiler.is_compiling():
@@ -419,9 +405,8 @@ def logprob_stats(mm, targets, temperature, forbidden, entropy):
 
 
 def logits_grad(mm, logz, targets, g, temperature, forbidden, ent=None, g_ent=None):
-    """The gradient of sum(g * logp + g_ent * entropy) wrt mm [n, V], in mm's dtype: (g * onehot(target) - g * p
-    - g_ent * p * (log p + entropy)) / temperature, 0 at the forbidden ids (their probability is 0). Autograd's
-    order: the fp32 terms summed, cast, then divided."""
+    """The gradient of sum(g * logp + g_ent * entropy) wrt mm [n, V], in mm's dtype: (g onehot(target) - g p - g_ent
+    p (log p + entropy)) / temperature, 0 at the forbidden ids; autograd's order (fp32 sum, cast, divide)."""
     logp = _logits(mm, temperature, forbidden).sub_(logz[:, None])  # [n, V]
     if g_ent is None:
         grad = logp.exp_().mul_(-g[:, None])  # [n, V] -g p
@@ -439,9 +424,8 @@ LOGPROB_KERNELS = (logprob_stats, logits_grad)  # compile_elementwise returns th
 
 class ChunkLogProbs(torch.autograd.Function):
     """apply(h [n, H], targets [n], weight [V, H], temperature, forbidden, entropy, kernels) -> (log-probs [n],
-    entropies [n] or None). The matmuls run in h's dtype (bf16 under FSDP2's mixed precision), as F.linear in the
-    plain formula; kernels: LOGPROB_KERNELS or their compiled twins. The weight's gradient is an ordinary input
-    gradient: FSDP2's reduce-scatter sees it, and tied embeddings add it to the embedding's."""
+    entropies [n] or None); matmuls in h's dtype, as F.linear. The weight's gradient is an ordinary input gradient
+    (FSDP2 reduce-scatters it; tied embeddings add it to the embedding's)."""
 
     @staticmethod
     def forward(ctx, h, targets, weight, temperature, forbidden, entropy, kernels):
@@ -463,12 +447,9 @@ class ChunkLogProbs(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------- fused elementwise
-# A profile of the 3B update put ~35% of the GPU's time in memory-bound elementwise kernels: transformers' RMSNorm
-# is 6 kernels (fp32 cast, square, mean, rsqrt, scale, cast back), the gated MLP's act(gate) * up 2 more, the
-# rotary embedding ~8 (two products, a cat of halves, a negation, a sum, for q and k), each re-reading the tensor
-# from memory. torch.compile turns each of these modules or functions into one or two fused kernels (the matmuls
-# stay cuBLAS calls), forward and backward. It wraps them in place: the same modules, the same math, the same
-# parameters (FSDP2 still shards them; the decoder layers stay FSDP units, outside the compiled regions).
+# ~35% of the 3B update's GPU time went to memory-bound elementwise kernels (RMSNorm 6, the gated MLP 2, rotary ~8,
+# each re-reading its tensor); torch.compile fuses each module or function into one or two kernels in place (the
+# same parameters; the decoder layers stay FSDP units, outside the compiled regions).
 def compile_elementwise(hf):
     """Compile hf's norms, gated MLPs and its modeling module's rotary functions in place, and return the compiled
     twins of LOGPROB_KERNELS (the per-chunk log-probs' forward and backward, also elementwise over [n, vocab])."""
@@ -476,9 +457,8 @@ def compile_elementwise(hf):
         if type(m).__name__.endswith(("RMSNorm", "MLP")):
             m.compile(dynamic=True)  # token counts change every micro-batch: one graph with a symbolic length
     mod = sys.modules[type(hf).__module__]
-    # Not the vision tower's rotary function: its cos/sin are fp32 and FSDP2 casts a unit's inputs to bf16 in forward
-    # but not in checkpointing's recompute, so a compiled graph would save bf16 tensors once and fp32 the next time
-    # (torch.utils.checkpoint refuses that: "Recomputed values ... have different metadata"; seen on the H200).
+    # Not the vision tower's rotary function: its cos/sin are fp32, cast to bf16 by FSDP2 in forward but not in the
+    # checkpoint's recompute, which then refuses the compiled graph's saved tensors (seen on the H200).
     for fn in ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb"):
         f = getattr(mod, fn, None)
         if f is not None and not hasattr(f, "_torchdynamo_orig_callable"):  # a module-level function, read at

@@ -1,8 +1,7 @@
 """video.py -- video inputs for data.py: a video file (PyAV, optional) or a list of frames -> sampled, resized frames
--> the Qwen-VL processor's video outputs and the prompt's video tokens (Qwen3-VL: with "<t seconds>" timestamps); and
-the decoding of any image form (to_pil). transformers' Qwen-VL video processors need torchvision (not on the CPU box)
-and vLLM runs them itself from frames: so the trainer's side is done here, in their layout, on frames that those
-processors then leave unchanged (see the note below)."""
+-> the Qwen-VL processor's video outputs and the prompt's video tokens; and the decoding of any image form (to_pil).
+The Qwen-VL video processors need torchvision (not on the CPU box) and vLLM runs them itself from frames: the
+trainer's side is done here, in their layout, on frames those processors leave unchanged."""
 import io
 import math
 import os
@@ -51,11 +50,9 @@ def _pil_reason(e):
 
 
 # ----------------------------------------------------------------------------- videos
-# A video reaches the model as frames sampled here (a file at --video-fps frames per second, at most --max-frames;
-# a list of frames as it is, taken to be --video-fps apart), resized here to the size the Qwen-VL video processor
-# would pick (sides multiples of patch x merge, pixels within the video bounds) and padded to an even count by
-# repeating the last frame. Both engines and the trainer then get these exact frames: the processors' own resize
-# leaves them as they are and nothing samples them again, so vLLM's video tokens and positions are the trainer's.
+# A video reaches the model as frames sampled here (a file at --video-fps, at most --max-frames), resized to the size
+# the Qwen-VL video processor would pick and padded to an even count: both engines and the trainer get these exact
+# frames (the processors' own resize leaves them), so vLLM's video tokens and positions are the trainer's.
 MIN_FRAMES = 4  # qwen-vl-utils' FPS_MIN_FRAMES: a short file still gives 4 frames when it has them
 
 
@@ -114,9 +111,8 @@ def vision_params(proc):
 
 
 def smart_resize(h, w, factor, min_pixels, max_pixels, frames=1):
-    """transformers' smart_resize of the Qwen-VL video processors: sides multiples of `factor`, aspect kept, and
-    frames x height x width within the bounds: Qwen2(.5)-VL's bound one frame (frames=1), Qwen3-VL's the whole clip
-    (frames: its count, already a multiple of the temporal patch), as Qwen3VLVideoProcessor counts them."""
+    """transformers' smart_resize of the Qwen-VL video processors: sides multiples of `factor`, aspect kept, frames x
+    height x width within the bounds (Qwen2(.5)-VL's bound one frame, frames=1; Qwen3-VL's the whole clip)."""
     if frames > 1 and (h < factor or w < factor):  # (Qwen3-VL's first scales a frame smaller than a patch up)
         scale = max(factor / h, factor / w)
         h, w = int(h * scale), int(w * scale)
@@ -145,9 +141,8 @@ def prepare_video(frames, proc, min_pixels, max_pixels):
 
 
 def video_inputs(videos, fps, proc):
-    """The processor's video outputs for prepared videos ([T, H, W, 3] uint8 each): pixel_values_videos
-    [P, C * t * p * p] in the Qwen-VL patch order, video_grid_thw [V, 3], and for Qwen2.5-VL second_per_grid_ts [V]
-    (the seconds one temporal patch spans, which its M-RoPE time axis counts in)."""
+    """The processor's video outputs for prepared videos ([T, H, W, 3] uint8 each): pixel_values_videos [P, C*t*p*p]
+    in the Qwen-VL patch order, video_grid_thw [V, 3], and Qwen2.5-VL's second_per_grid_ts [V] (its M-RoPE time)."""
     patch, tps, merge, mean, std = vision_params(proc)
     pixels, grids = [], []
     for v in videos:
@@ -187,8 +182,7 @@ def _arch(proc):
 
 def expand_video_pads(ids, grids, fps, proc):
     """Each video's one <|video_pad|> in `ids` -> its tokens. Qwen2(.5)-VL: one pad per merged patch. Qwen3-VL: per
-    temporal patch "<t seconds>" (its mid time), vision start, the pads, vision end (Qwen3VLProcessor's and vLLM's
-    text; the timestamps tokenised one by one, as vLLM does)."""
+    temporal patch "<t seconds>" (its mid time, tokenised digit by digit as vLLM does), vision start, pads, end."""
     tok = getattr(proc, "tokenizer", proc)
     pad = tok.convert_tokens_to_ids("<|video_pad|>")
     _, tps, merge, _, _ = vision_params(proc)
@@ -215,10 +209,9 @@ def expand_video_pads(ids, grids, fps, proc):
 def qwen2_vl_rope_index(self, input_ids, mm_token_type_ids=None, image_grid_thw=None, video_grid_thw=None,
                         second_per_grid_ts=None, attention_mask=None, **kwargs):
     """Qwen2-VL / Qwen2.5-VL M-RoPE positions ([3, B, T] and [B, 1] deltas) by the Qwen team's rule, which vLLM
-    follows: the text after an image or video goes on from the largest position so far + 1, and a video's time
-    positions are int(t * second_per_grid_ts * tokens_per_second) (Qwen2-VL: t). transformers 5.x restarts the text
-    at max(h, w) after a block (below the time positions of a video longer than it is wide: seen on 5.17 and 5.24),
-    so the trainer would not score the positions the engine sampled at. Images come out the same either way."""
+    follows: text after an image or video goes on from the largest position + 1; a video's time positions are
+    int(t * second_per_grid_ts * tokens_per_second). transformers 5.x restarts the text at max(h, w) after a block
+    (seen on 5.17, 5.24): the trainer would not score the engine's positions. Images come out the same either way."""
     cfg = self.config
     merge, tps = cfg.vision_config.spatial_merge_size, getattr(cfg.vision_config, "tokens_per_second", None)
     grids = {cfg.image_token_id: iter(image_grid_thw if image_grid_thw is not None else []),

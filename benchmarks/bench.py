@@ -95,11 +95,11 @@ def build_random_model(out_dir, preset, seed=0, device=None, weights=True) -> st
         if arch == "gemma4":  # Gemma 4's special tokens and turn format (tiny_families)
             tok, ids = tiny_families.gemma4_tokenizer(tiny_model.build_tokenizer)
         else:
-            tok = tiny_model.build_tokenizer(split_digits=arch in tiny_model.QWEN3_VISION)
+            tok = tiny_model.build_tokenizer(split_digits=arch in tiny_model.QWEN3_VISION + ("qwen3",))
             ids = tiny_model._token_ids(tok)
         cfg = presets.preset_config(preset, ids)
         if weights:
-            model = presets.init_model(tiny_model._vl_classes(arch)[1], cfg, seed, device)
+            model = presets.init_model(presets.model_class(arch), cfg, seed, device)
             if arch == "gemma4":  # q/k norms as tiny_families.build's: ones leave every random head near one-hot
                 for name, w in model.named_parameters():
                     if name.endswith(("q_norm.weight", "k_norm.weight")):
@@ -115,7 +115,8 @@ def build_random_model(out_dir, preset, seed=0, device=None, weights=True) -> st
         tiny_moe.hub_layout(tmp)
         tiny_families.generation_config(tmp, [ids["<|im_end|>"], ids["<|endoftext|>"]], *[ids["<|endoftext|>"]] * 2)
         tok.save_pretrained(tmp)
-        tiny_model._save_processor(arch, tok, tmp, min_pixels=3136, max_pixels=512 * 512)
+        if arch not in tiny_model.TEXT_ARCHS:
+            tiny_model._save_processor(arch, tok, tmp, min_pixels=3136, max_pixels=512 * 512)
 
     return tiny_model._atomic_build(out_dir, build, {"preset": preset, "seed": seed, "version": 1, "weights": weights})
 
@@ -124,9 +125,10 @@ WORDS = ("in the figure triangle circle angle line segment point length area rad
          "of x if is parallel to perpendicular measure degrees round answer nearest tenth").split()
 
 
-def make_geo_dataset(path, n_rows, tokenizer, seed=0, size=512, text_tokens=100):
-    """EasyR1-format parquet: one size x size line drawing per row and a question of about `text_tokens` tokens
-    under `tokenizer` (the model's: the BPE built in code splits these words finer than Qwen's would)."""
+def make_geo_dataset(path, n_rows, tokenizer, seed=0, size=512, text_tokens=100, images=True):
+    """EasyR1-format parquet: one size x size line drawing per row (none: `images` False, a text LLM's) and a
+    question of about `text_tokens` tokens under `tokenizer` (the model's: the BPE built in code splits these words
+    finer than Qwen's would)."""
     rng = random.Random(seed)
     rows = {"problem": [], "answer": [], "images": []}
     for _ in range(n_rows):
@@ -139,9 +141,9 @@ def make_geo_dataset(path, n_rows, tokenizer, seed=0, size=512, text_tokens=100)
         words = []
         while len(tokenizer(" ".join(words) + "?")["input_ids"]) < text_tokens:
             words.append(rng.choice(WORDS))
-        rows["problem"].append("<image>" + " ".join(words) + "?")
+        rows["problem"].append("<image>" * images + " ".join(words) + "?")
         rows["answer"].append(str(rng.randint(1, 90)))
-        rows["images"].append([tiny_model.png_item(im)])
+        rows["images"].append([tiny_model.png_item(im)] * images)
     return tiny_model.write_parquet(rows, path)
 
 
@@ -568,7 +570,8 @@ def main():
         build_random_model(model_path, preset, weights=on_disk)
         if not os.path.exists(data_path):
             from transformers import AutoTokenizer  # slow to import (~2 s)
-            make_geo_dataset(data_path, 256, AutoTokenizer.from_pretrained(model_path))
+            make_geo_dataset(data_path, 256, AutoTokenizer.from_pretrained(model_path),
+                             images=presets.PRESETS[preset].get("arch") not in tiny_model.TEXT_ARCHS)
     else:
         while not (os.path.exists(os.path.join(model_path, "BUILD_COMPLETE.json")) and os.path.exists(data_path)):
             time.sleep(2)

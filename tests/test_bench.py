@@ -403,3 +403,30 @@ def test_host_log_finds_the_run_and_its_busiest_thread(tmp_path):
     assert all(float(r[1]) >= 0.5 for r in rows[2:]), rows  # (the busy loop's core at least)
     none = [line.split(", ") for line in (tmp_path / "none.csv").read_text().splitlines()[1:]]
     assert none and all(r[4:8] == ["0", "0", "-", "0"] for r in none), none
+
+
+@pytest.mark.parametrize("R", [16384, 32768])
+def test_the_long_answer_recipe_fits_one_h100_by_the_memory_model(R, tmp_path):
+    """benchmarks/gpu_long.sh 16k / 32k: the Qwen3-4B shape, 16 prompts x 4 forced answers of R tokens, pure bf16, one
+    sample a micro-batch. By the memory model, grown by its 15 % error, the trainer beside the engine's share and the
+    update fit an H100 (79 GiB to a process); vLLM takes as many sequences as its KV cache holds whole."""
+    import tyro
+    recipe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "gpu_long.sh")
+    flags = subprocess.run(["bash", "-c", f'eval "$(sed -n "/^shape()/,/^}}/p" {recipe})"; P=16; shape {R}'],
+                           capture_output=True, text=True, check=True).stdout.split()
+    i = flags.index("--preset")
+    preset = flags[i + 1]
+    del flags[i:i + 2]
+    (tmp_path / "geo.parquet").touch()
+    cfg = tyro.cli(grpo.Config, args=flags, default=bench.defaults(str(tmp_path), "org/model",
+                                                                   str(tmp_path / "geo.parquet")))
+    assert preset == "qwen3_4b" and (cfg.rollout_batch_size, cfg.n, cfg.max_response_length) == (16, 4, R)
+    dims = bench.model_dims(preset)
+    c = asdict(cfg)
+    assert memory.config_mode(c, 1)["mb_tokens"] == memory.PROMPT_TOKENS + R  # one sample a micro-batch
+    layers = memory.auto_checkpoint_layers(c, dims, 1, 79.0)
+    m = memory.memory_model(dims, **memory.config_mode({**c, "checkpoint_layers": layers}, 1))
+    assert 1.15 * m["gen"] + cfg.gpu_memory_utilization * 79.6 < 79.0 and 1.15 * m["update"] < 79.0
+    memory.check_fits(c, dims, 1, 79.6, f"--preset {preset}")
+    seqs = memory.engine_max_seqs(c, dims, 79.6)
+    assert 1 <= seqs < cfg.rollout_batch_size * cfg.n

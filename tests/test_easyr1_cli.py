@@ -68,8 +68,6 @@ def test_split_keeps_flag_values_that_hold_an_equals_sign():
     ([MODEL, "data.typo_key=1"], "EasyR1 config: data.typo_key: not an EasyR1 key"),  # a typo stops the run
     ([MODEL, "worker.rollout.n=[1"], "worker.rollout.n=[1: not a YAML value"),
     ([MODEL, "worker.rollout=4", "worker.rollout.n=2"], "worker.rollout.n=2: worker.rollout holds a value"),
-    ([MODEL, "worker.actor.ulysses_size=8"], "worker.actor.ulysses_size=8: Ulysses sequence parallelism is not "
-                                             "implemented here: set it to 1"),
     ([MODEL, "worker.reward.reward_function_kwargs=[1, 2]"], "reward_function_kwargs=[1, 2]: give a mapping"),
 ])
 def test_bad_words_are_one_clear_error(args, says, capsys, tmp_path):

@@ -19,9 +19,9 @@ FILES.update({BENCH if f == "__init__.py" else f"{BENCH}.{f[:-3]}": os.path.join
 FLOORS = [
     ["common", "tiny_families"],  # the floor: the user-error type, its one-line report, shared
     # constants, CPU collectives; the tiny non-Qwen checkpoints (tiny_model hands them its tokenizer)
-    ["config", "tiny_model", "tiny_moe", "presets", "families", "flops", "varlen", "algos"],  # the options; the demos
-    # (models, tasks, settings, the MoE's experts); the real-size random models; the families' differences; FLOPs;
-    # kernels; the formulas
+    ["config", "tiny_model", "tiny_moe", "presets", "families", "flops", "varlen", "ulysses", "algos"],  # the options;
+    # the demos (models, tasks, settings, the MoE's experts); the real-size random models; the families' differences;
+    # FLOPs; kernels, sequence parallelism; the formulas
     ["video", "data", "easyr1_config"],  # the data (data.py reaches the demos through data_files); the command line
     ["memory", "fsdp_actor", "rollout", "rewards", "rundir", "tools"],  # the stages (tools: multi-turn rollouts)
     ["grpo"],  # the loop

@@ -383,3 +383,32 @@ def test_the_memory_model_knows_gemma4_e2b_by_its_hub_name(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 2 and "Traceback" not in out and out.splitlines()[-1].startswith(
         "error: --model-path google/gemma-4-E2B-it: could not load its tokenizer/processor"), out
+
+
+def test_long_answers_ulysses_and_the_engines_sequences_by_the_memory_model():
+    """Qwen3-4B (known by its hub name) with 16 x 4 answers of 256k tokens: one sample a micro-batch, so more GPUs do
+    not help alone; the check before loading names the --ulysses-size that holds it, which divides each rank's
+    share of the row by K; and vLLM takes as many sequences as its KV cache holds whole."""
+    import dataclasses
+    import grpo
+    from common import UserError
+    dims = memory.known_dims("Qwen/Qwen3-4B")
+    c = dataclasses.asdict(grpo.Config(model_path="Qwen/Qwen3-4B", max_response_length=262144, rollout_batch_size=16,
+                                       n=4, global_batch_size=16, max_token_len_per_device=16384))
+    tokens = memory.PROMPT_TOKENS + 262144
+    for K in (1, 2, 4):  # one sample a row, 1/K of it on each rank
+        assert memory.config_mode({**c, "ulysses_size": K}, 8)["mb_tokens"] == tokens / K
+    with pytest.raises(UserError, match=r"on 8 GPUs .* these GPUs hold it with --ulysses-size 2;"):
+        memory.check_fits(c, dims, 8, 79.2, "--model-path Qwen/Qwen3-4B")
+    with pytest.raises(UserError, match=r"on 1 GPU .* it takes 2 such GPUs \(torchrun --nproc_per_node 2\) with "
+                                        r"--ulysses-size 2;"):
+        memory.check_fits(c, dims, 1, 79.2, "--model-path Qwen/Qwen3-4B")
+    memory.check_fits({**c, "ulysses_size": 2}, dims, 8, 79.2, "--model-path Qwen/Qwen3-4B")
+    # the engine: bf16 keys and values, 36 layers x 8 heads x 128 x 2 bytes x 2 a token, whole sequences only
+    per_seq = 2 * 2 * 36 * 8 * 128 * (1024 + 32768)
+    c = {**c, "max_response_length": 32768, "max_prompt_length": 1024, "gpu_memory_utilization": 0.6}
+    pool = 79.2 * 0.6 - 2 * dims["params"] / 2**30 - 2
+    assert memory.engine_max_seqs(c, dims, 79.2) == int(pool * 2**30 // per_seq) < 64  # (64: the step's samples)
+    assert memory.engine_max_seqs({**c, "kv_cache_memory_gb": 40.0}, dims, 79.2) == int(40 * 2**30 // per_seq)
+    assert memory.engine_max_seqs({**c, "max_response_length": 4096}, dims, 79.2) is None  # short: vLLM's own
+    assert memory.engine_max_seqs(c, dims, None) is None  # the CPU
