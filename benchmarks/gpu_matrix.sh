@@ -5,12 +5,13 @@
 #   bash benchmarks/gpu_detach.sh wait m 560; tar czf $OUT/m.tgz -C $OUT m && rm -rf $OUT/m   # (8 files come back)
 # Modes:
 #   all       every row of benchmarks/matrix.py side by side with --parity, Gemma 4's row a second time (seed 2:
-#             two runs of it in one call), and tests/test_tools_gpu.py beside them. ~11 min on one H200.
-#   gemma4    what tells why Gemma 4's row loses a colour on the GPU and not on the CPU (beside `all`, which runs
-#             it at seeds 1 and 2 with the GPU's defaults: vLLM, AMP bf16): a third seed, the HF engine instead of
-#             vLLM (bf16), the HF engine and the trainer in fp32 (the CPU's arithmetic on the GPU) at two seeds, the
-#             KL weight 0.1; and Qwen2.5-VL's row in fp32 (does the GPU learn it later than the CPU for the same
-#             reason?). No parity check, no tools test (TOOLS=0). ~6 min alone on one H200.
+#             two runs of it in one call), and tests/test_tools_gpu.py beside them. ~11 min on one H200; ~90 GB of
+#             GPU memory (17 engines with 2 GiB KV caches, the test's 8 GiB): an H200 (device: needs_h200), not an H100.
+#   gemma4    what tells why Gemma 4's row lost a colour on the GPU and not on the CPU, at the KL weight it had then
+#             (0.01): three seeds with the GPU's defaults (vLLM, AMP bf16), the HF engine instead of vLLM (bf16), the
+#             HF engine and the trainer in fp32 (the CPU's arithmetic on the GPU) at two seeds; its row as fixed (KL
+#             0.1) at two seeds; Qwen2.5-VL in fp32; dapo and internvl_colour (the hold rule put them at risk); the
+#             tools test. Ran 2026-12-05 on one H100 (the rows of then: benchmarks/h100/, BENCHMARKS.md). ~10 min.
 # Results in $OUT: matrix/ (matrix.json, matrix.md, each row's log, metrics and validation samples) and the test's log.
 set -u
 cd "$(dirname "$0")/.."
@@ -22,10 +23,10 @@ case "${1:-}" in
     python -m benchmarks.matrix run --seeds 1 --rows "$(python -c 'from benchmarks import matrix; print(",".join(matrix.ROWS))'),gemma4_colour/s2" \
       --parity --timeout "${LIMIT:-900}" --out "$OUT/matrix" ;;
   gemma4)
-    python -m benchmarks.matrix run --timeout "${LIMIT:-900}" --out "$OUT/matrix" --runs-dir /tmp/matrix_runs_gemma4 \
-      --variant hf="--rollout-engine hf" --variant fp32hf="--rollout-engine hf --dtype fp32" \
-      --variant kl="--kl-coef 0.1 --kv-cache-memory-gb 0.5" --variant s3="--seed 3 --kv-cache-memory-gb 0.5" \
-      --rows gemma4_colour+s3,gemma4_colour+hf,gemma4_colour+fp32hf,gemma4_colour+fp32hf/s2,gemma4_colour+kl,qwen25vl_colour+fp32hf ;;
+    python -m benchmarks.matrix run --timeout "${LIMIT:-560}" --out "$OUT/matrix" --variant old="--kl-coef 0.01" \
+      --variant hf="--kl-coef 0.01 --rollout-engine hf" --variant fp32hf="--kl-coef 0.01 --rollout-engine hf --dtype fp32" \
+      --variant qfp32hf="--rollout-engine hf --dtype fp32" \
+      --rows gemma4_colour+old,gemma4_colour+old/s2,gemma4_colour+old/s3,gemma4_colour+hf,gemma4_colour+fp32hf,gemma4_colour+fp32hf/s2,gemma4_colour,gemma4_colour/s2,qwen25vl_colour+qfp32hf,dapo,internvl_colour ;;
   *) echo "usage: bash benchmarks/gpu_matrix.sh all|gemma4"; exit 2 ;;
 esac
 echo "matrix: exit $?"
