@@ -45,7 +45,7 @@ TABLES = [
     Table("matrix_before_seed_fix", MATRIX, "benchmarks.bench report", [H + "demo_vllm_qwen3vl_80steps_metrics.jsonl"]),
     Table("gemma4_causes", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_gemma4_causes.json"]),
     Table("gemma4_cpu", GEMMA4, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
-        "demo_gemma4", "demo_gemma4_seed2_kl0.01", "demo_gemma4_bf16_kl0.01")]),
+        "demo_gemma4_kl0.1", "demo_gemma4", "demo_gemma4_seed2_kl0.01", "demo_gemma4_bf16_kl0.01")]),
     Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
                                                                H + "demo_vllm_2gpu_tp2_100steps_metrics.jsonl"]),
     Table("parity", PARITY, "benchmarks.record parity", [H + "parity_*.json"]),
