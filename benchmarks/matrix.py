@@ -404,6 +404,8 @@ def main(argv=None):
     r.add_argument("--out", default=os.environ.get("OUT", "outputs/matrix"))
     r.add_argument("--timeout", type=float, default=540, help="seconds for all rows together")
     r.add_argument("--runs-dir", default="/tmp/matrix_runs", help="the rows' output folders (checkpoints, logs)")
+    r.add_argument("--kv-gb", default="2", help="each engine's KV cache in GiB (the demos need well under 0.5: 17 rows "
+                   "and the tools test fit one H100 at 0.5)")
     r.add_argument("--parity", action="store_true", help="then each row's final checkpoint: engine = HF engine")
     r.add_argument("--stop-at-target", action="store_true",
                    help="end a row once its last 3 validations hold the target (a short call; no parity)")
@@ -436,6 +438,7 @@ def main(argv=None):
         print(table([json.load(open(f)) for f in a.files], a.ran))
         return 0
     VARIANTS.update(v.split("=", 1) for v in a.variant)
+    ENGINE[ENGINE.index("--kv-cache-memory-gb") + 1] = a.kv_gb
     names = [n + (f"/s{seed}" if seed != "1" else "") for n in a.rows.split(",") if n
              for seed in (a.seeds.split(",") if a.seeds else ["1"])]
     unknown = [n for n in names if n.partition("/s")[0].partition("+")[0] not in ROWS

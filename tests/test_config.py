@@ -57,7 +57,7 @@ def test_the_demo_gets_its_own_and_flags_win(capsys):
     out = capsys.readouterr().out
     assert "defaults: EasyR1; set: model_path=m lr=2e-06" in out
     d = cli(dapo.DAPOConfig, dapo.DEMO, args=[])
-    assert (d.max_steps, d.output_dir, d.clip_ratio_high, d.lr) == (60, "outputs/dapo", 0.28, 1e-3)
+    assert (d.max_steps, d.n, d.output_dir, d.clip_ratio_high, d.lr) == (60, 32, "outputs/dapo", 0.28, 1e-3)
     assert cli(dapo.DAPOConfig, dapo.DEMO, args=["--model-path", "m"]).output_dir == "outputs/run"
 
 
