@@ -5,6 +5,7 @@
 #   echo /.gpu/ >> .git/info/exclude
 #   mkdir -p .gpu && cp ../shared/gpu/vllm-0.26.0/*.part-* ../shared/gpu/install_vllm.sh .gpu/
 #   bash ../shared/gpu/fetch_wheels.sh .gpu/wheels   # tyro, datasets, math-verify: the device image lacks them
+#   PKGS="compressed-tensors==0.17.0 loguru" bash ../shared/gpu/fetch_wheels.sh .gpu/wheels  # vLLM's Qwen3.5 imports
 # Then two device calls on the one-H200 kind (`nvidia-h200`), back to back (a machine stays warm 30 s after a call):
 #   1. carry .gpu/vllm026-slim.tar.xz.part-00:   mkdir -p /tmp/vparts && cp .gpu/*.part-00 /tmp/vparts/
 #   2. carry .gpu/vllm026-slim.tar.xz.part-01, .gpu/install_vllm.sh and .gpu/wheels (a call carries at most 64 MiB
@@ -28,8 +29,8 @@ fi
 # nvidia-cutlass-dsl: 92 MB, which a full `pip install vllm` brings): vLLM then takes FA4 as present and Gemma 4 (two
 # head sizes: FA4 for every layer) fails at its first forward. Without the folder vLLM falls back to TRITON_ATTN itself.
 python -c "import cutlass" 2> /dev/null || rm -rf /tmp/vsite/vllm/vllm_flash_attn/cute
-python -c "import vllm, tyro, datasets" 2> /dev/null \
-  || echo "gpu_env.sh: vllm, tyro or datasets does not import: install them as the top of benchmarks/gpu_env.sh says" >&2
+python -c "import vllm, tyro, datasets, compressed_tensors" 2> /dev/null || echo "gpu_env.sh: vllm, tyro, datasets or" \
+  "compressed_tensors (vLLM's Qwen3.5) does not import: install them as the top of benchmarks/gpu_env.sh says" >&2
 NGPU=$(nvidia-smi -L 2> /dev/null | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 

@@ -44,6 +44,8 @@ TABLES = [
     Table("matrix_gemma4_log", MATRIX, "benchmarks.matrix log", [H + "matrix_2026-12-04_b_gemma4_colour.log"]),
     Table("matrix_before_seed_fix", MATRIX, "benchmarks.bench report", [H + "demo_vllm_qwen3vl_80steps_metrics.jsonl"]),
     Table("gemma4_causes", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_gemma4_causes.json"]),
+    Table("gemma4_kl01_seed1", GEMMA4, "benchmarks.matrix log", [H + "matrix_2026-12-05_b_gemma4_colour.log"]),
+    Table("gemma4_kl01_seed2", GEMMA4, "benchmarks.matrix log", [H + "matrix_2026-12-05_b_gemma4_colour_seed2.log"]),
     Table("gemma4_cpu", GEMMA4, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
         "demo_gemma4_kl0.1", "demo_gemma4", "demo_gemma4_seed2_kl0.01", "demo_gemma4_bf16_kl0.01")]),
     Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
@@ -70,7 +72,8 @@ TABLES = [
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json"]),
     Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-05_*.txt"]),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
-        "demo_1proc", "demo_torchrun2", "dapo", "qwen3vl_demo", "demo_qwen2vl", "demo_qwen3vl_moe", "demo_gemma4", "demo_gemma4_pad0",
+        "demo_1proc", "demo_torchrun2", "dapo", "dapo_n32", "qwen3vl_demo", "demo_qwen2vl", "demo_qwen3vl_moe",
+        "demo_gemma4", "demo_gemma4_pad0",
         "qwen3_largest_digit_demo", "video_demo_after_mrope_fix_60steps", "qwen3vl_video_demo", "lora_demo",
         "lora_demo_vision_adapters", "demo_bf16_150steps", "demo_qwen3_5", "demo_qwen3_5_moe", "demo_internvl")]),
     Table("tools", TOOLS, "benchmarks.record curves", [C + "demo_tools_balanced_*_metrics.jsonl.xz"]),
