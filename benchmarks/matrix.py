@@ -76,8 +76,9 @@ def spec(name):
 
 
 def slug(name):
-    """A row's name as a file name (gemma4_colour+fp32/s2 -> gemma4_colour+fp32_s2)."""
-    return name.replace("/", "_")
+    """A row's name as a file name (gemma4_colour+fp32/s2 -> gemma4_colour-fp32_s2: the device tool returns no file
+    whose name holds a "+")."""
+    return name.replace("/", "_").replace("+", "-")
 
 
 def versions():

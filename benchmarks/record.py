@@ -41,13 +41,13 @@ TOOLS = "CPU: the zoom tool demo on five seeds (2-core CPU, 2026-12-05)"
 H, C, H1 = "benchmarks/h200/", "benchmarks/cpu/", "benchmarks/h100/"
 TABLES = [
     Table("matrix", MATRIX, "benchmarks.matrix table", [H + "matrix_*.json"]),
-    Table("matrix_gemma4_log", MATRIX, "benchmarks.matrix log", [H + "matrix_2026-12-04_b_gemma4_colour.log"]),
     Table("matrix_before_seed_fix", MATRIX, "benchmarks.bench report", [H + "demo_vllm_qwen3vl_80steps_metrics.jsonl"]),
     Table("gemma4_causes", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_gemma4_causes.json"]),
     Table("gemma4_kl01_seed1", GEMMA4, "benchmarks.matrix log", [H + "matrix_2026-12-05_b_gemma4_colour.log"]),
     Table("gemma4_kl01_seed2", GEMMA4, "benchmarks.matrix log", [H + "matrix_2026-12-05_b_gemma4_colour_seed2.log"]),
     Table("gemma4_cpu", GEMMA4, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
-        "demo_gemma4_kl0.1", "demo_gemma4", "demo_gemma4_seed2_kl0.01", "demo_gemma4_bf16_kl0.01")]),
+        "demo_gemma4_kl0.1", "demo_gemma4_kl0.1_seed2", "demo_gemma4", "demo_gemma4_seed2_kl0.01",
+        "demo_gemma4_bf16_kl0.01")]),
     Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
                                                                H + "demo_vllm_2gpu_tp2_100steps_metrics.jsonl"]),
     Table("parity", PARITY, "benchmarks.record parity", [H + "parity_*.json"]),
