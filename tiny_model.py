@@ -333,7 +333,7 @@ VIDEO_DEMO = dict(max_response_length=1, n=32)
 # 0.01 a colour stopped being sampled: 0.735), and batches that hold each colour alike (docs/demos.md)
 TOOLS_DEMO = dict(tools="zoom", reward_function="zoom", max_turns=2, max_turn_tokens=1, max_response_length=40,
                   limit_images=3, n=32, kl_coef=0.1, shuffle=False)
-# Gemma 4's colour demo: KL weight 0.1 (at 0.01 it lost a colour in most runs, GPU and CPU, fp32 or bf16: BENCHMARKS.md)
+# Gemma 4's colour demo: KL 0.1 (at 0.01 it lost a colour in most runs; at 0.1 still 1 of 3 on a GPU: BENCHMARKS.md)
 FAMILY_DEMO = {"gemma4": dict(kl_coef=0.1)}
 
 
