@@ -12,6 +12,7 @@
 #             HF engine and the trainer in fp32 (the CPU's arithmetic on the GPU) at two seeds; its row as fixed (KL
 #             0.1) at two seeds; Qwen2.5-VL in fp32; dapo and internvl_colour (the hold rule put them at risk); the
 #             tools test. Ran 2026-12-05 on one H100 (the rows of then: benchmarks/h100/, BENCHMARKS.md). ~10 min.
+#   gemma4_n32  Gemma 4's row (KL 0.1) at seeds 1-3 beside the same with groups of 32 (--n 32). ~6 min. Not yet run.
 # Results in $OUT: matrix/ (matrix.json, matrix.md, each row's log, metrics and validation samples) and the test's log.
 set -u
 cd "$(dirname "$0")/.."
@@ -28,7 +29,10 @@ case "${1:-}" in
       --variant hf="--kl-coef 0.01 --rollout-engine hf" --variant fp32hf="--kl-coef 0.01 --rollout-engine hf --dtype fp32" \
       --variant qfp32hf="--rollout-engine hf --dtype fp32" \
       --rows gemma4_colour+old,gemma4_colour+old/s2,gemma4_colour+old/s3,gemma4_colour+hf,gemma4_colour+fp32hf,gemma4_colour+fp32hf/s2,gemma4_colour,gemma4_colour/s2,qwen25vl_colour+qfp32hf,dapo,internvl_colour ;;
-  *) echo "usage: bash benchmarks/gpu_matrix.sh all|gemma4"; exit 2 ;;
+  gemma4_n32)  # does groups of 32 hold Gemma 4's colours where KL 0.1 alone fell (1 of 3 GPU runs)? three seeds each
+    python -m benchmarks.matrix run --timeout "${LIMIT:-560}" --out "$OUT/matrix" --variant n32="--n 32" \
+      --rows gemma4_colour,gemma4_colour/s2,gemma4_colour/s3,gemma4_colour+n32,gemma4_colour+n32/s2,gemma4_colour+n32/s3 ;;
+  *) echo "usage: bash benchmarks/gpu_matrix.sh all|gemma4|gemma4_n32"; exit 2 ;;
 esac
 echo "matrix: exit $?"
 wait
