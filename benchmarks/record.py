@@ -46,8 +46,8 @@ TABLES = [
     Table("gemma4_kl01_seed1", GEMMA4, "benchmarks.matrix log", [H + "matrix_2026-12-05_b_gemma4_colour.log"]),
     Table("gemma4_kl01_seed2", GEMMA4, "benchmarks.matrix log", [H + "matrix_2026-12-05_b_gemma4_colour_seed2.log"]),
     Table("gemma4_cpu", GEMMA4, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
-        "demo_gemma4_kl0.1", "demo_gemma4_kl0.1_seed2", "demo_gemma4_kl0.1_seed3", "demo_gemma4", "demo_gemma4_seed2_kl0.01",
-        "demo_gemma4_bf16_kl0.01")]),
+        "demo_gemma4_kl0.1", "demo_gemma4_kl0.1_seed2", "demo_gemma4_kl0.1_seed3", "demo_gemma4",
+        "demo_gemma4_seed2_kl0.01", "demo_gemma4_bf16_kl0.01")]),
     Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
                                                                H + "demo_vllm_2gpu_tp2_100steps_metrics.jsonl"]),
     Table("parity", PARITY, "benchmarks.record parity", [H + "parity_*.json"]),
