@@ -321,7 +321,7 @@ if __name__ == "__main__":
 # on one-word answers about small pictures, so it gets its own; a value given on the command line wins in both.
 DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=4, min_pixels=56 * 56,
             max_pixels=112 * 112, n=16, rollout_batch_size=16, global_batch_size=16, lr=1e-3, max_steps=150,
-            val_freq=10, save_freq=10, output_dir="outputs/demo")
+            val_freq=10, save_freq=10, output_dir="outputs/demo", shuffle=False)  # (batches alike: balanced_colors)
 # Each below keeps every answer sampled: one the policy stops sampling is never learned (all its group's rewards alike,
 # GRPO's advantage 0). The text demo (--demo-model qwen3): one-digit answers, groups of 32, half the lr, temperature
 # 1.5 (at lr 1e-3 it lost 2 and 8: 0.765; at 5e-4, temperature 1, the 2: 0.94; 1.5: 1.0).
@@ -330,10 +330,10 @@ TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4,
 # "green" before it told the clip's halves apart: every clip ending green answered "blue", 0.74).
 VIDEO_DEMO = dict(max_response_length=1, n=32)
 # The zoom demo (--demo-task zoom, tools.py): turns of one token (the call, the colour), groups of 32, KL weight 0.1 (at
-# 0.01 a colour stopped being sampled: 0.735), and batches that hold each colour alike (docs/demos.md)
+# 0.01 a colour stopped being sampled: 0.735)
 TOOLS_DEMO = dict(tools="zoom", reward_function="zoom", max_turns=2, max_turn_tokens=1, max_response_length=40,
-                  limit_images=3, n=32, kl_coef=0.1, shuffle=False)
-# Gemma 4's colour demo: KL 0.1 (at 0.01 it lost a colour in most runs; at 0.1 still 1 of 3 on a GPU: BENCHMARKS.md)
+                  limit_images=3, n=32, kl_coef=0.1)
+# Gemma 4's colour demo: KL 0.1 (before batches alike it lost a colour in most runs at 0.01, 1 of 3 at 0.1: HISTORY.md)
 FAMILY_DEMO = {"gemma4": dict(kl_coef=0.1)}
 
 
@@ -376,12 +376,12 @@ def write_parquet(rows, out_path, features=None):
     return out_path
 
 
-def draw_color_image(rng: random.Random):
-    """A picture filled with one saturated colour (jittered) and 1-3 small grey shapes as distractors.
+def draw_color_image(rng: random.Random, color=None):
+    """A picture filled with one saturated colour (jittered; None: drawn at random) and 1-3 small grey shapes as distractors.
     Returns (image, colour name, shape name). The colour covers most of the picture: a tiny random vision tower
     then sees it clearly, so RL from scratch learns the task in minutes on a CPU."""
     w, h = rng.randint(56, 112), rng.randint(56, 112)
-    color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
+    color, shape = color or rng.choice(list(COLORS)), rng.choice(SHAPES)
     img = Image.new("RGB", (w, h), jittered(rng, color))
     draw = ImageDraw.Draw(img)
     for _ in range(rng.randint(1, 3)):
@@ -423,9 +423,19 @@ def demo_files(data_dir, name, n_train, n_val, write):
     return paths
 
 
+def balanced_colors(k, seed):
+    """k colours, each 16 in a row holding every colour 4 times. A step's batch of 16 read in order (DEMO's shuffle
+    off) sees the colours alike: drawn at random, a pair the policy cannot yet tell apart got one shared answer pushed
+    by the batch's colour counts, a random walk that ended with one colour never sampled (HISTORY.md)."""
+    return iter(c for b in range(-(-k // 16)) for c in random.Random(f"{seed}/{b}").sample([*COLORS] * 4, 16))
+
+
 def demo_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the colour task."""
-    return demo_files(data_dir, "color-v3", n_train, n_val, make_color_dataset)
+    """(train_path, val_path) of the colour task (balanced_colors)."""
+    def write(path, k, seed):
+        order = balanced_colors(k, seed)
+        return make_color_dataset(path, k, seed, lambda rng: draw_color_image(rng, next(order)))
+    return demo_files(data_dir, "color-v4", n_train, n_val, write)
 
 
 # --demo-task zoom (tools.py): a grey, noisy picture with a 2 x 2-pixel coloured dot at its centre, too small for the
@@ -443,9 +453,9 @@ def draw_zoom_image(rng: random.Random, color=None):
 
 
 def demo_zoom_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the zoom task; each 16 rows hold every colour 4 times (TOOLS_DEMO: in order)."""
+    """(train_path, val_path) of the zoom task (balanced_colors)."""
     def write(path, k, seed):
-        order = iter(c for b in range(-(-k // 16)) for c in random.Random(f"{seed}/{b}").sample([*COLORS] * 4, 16))
+        order = balanced_colors(k, seed)
         return make_color_dataset(path, k, seed, lambda rng: draw_zoom_image(rng, next(order)), ZOOM_QUESTION)
     return demo_files(data_dir, "zoom-v2", n_train, n_val, write)
 

@@ -5,8 +5,9 @@
 #   bash benchmarks/gpu_detach.sh wait m 560; tar czf $OUT/m.tgz -C $OUT m && rm -rf $OUT/m   # (8 files come back)
 # Modes:
 #   all       every row of benchmarks/matrix.py side by side with --parity, Gemma 4's and dapo's rows a second time
-#             (seed 2: two runs of each in one call), and tests/test_tools_gpu.py beside them. ~11 min on one H200;
-#             ~90 GB of GPU memory with 2 GiB KV caches (H200); KV caches of 0.5 GiB on a smaller GPU (KV= overrides).
+#             (seed 2: two runs of each in one call), Gemma 4 at the KL weight that lost a colour before batches alike
+#             (0.01, three seeds: does tiny_model.balanced_colors alone hold it?), and tests/test_tools_gpu.py beside
+#             them. ~13 min on one H200; ~90 GB of GPU memory with 2 GiB KV caches (H200); 0.5 GiB on a smaller GPU.
 #   gemma4    what tells why Gemma 4's row lost a colour on the GPU and not on the CPU, at the KL weight it had then
 #             (0.01): three seeds with the GPU's defaults (vLLM, AMP bf16), the HF engine instead of vLLM (bf16), the
 #             HF engine and the trainer in fp32 (the CPU's arithmetic on the GPU) at two seeds; its row as fixed (KL
@@ -22,8 +23,8 @@ source benchmarks/gpu_env.sh
 case "${1:-}" in
   all)
     KV=${KV:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000) ? 2 : 0.5}')}
-    python -m benchmarks.matrix run --seeds 1 --rows "$(python -c 'from benchmarks import matrix; print(",".join(matrix.ROWS))'),gemma4_colour/s2,dapo/s2" \
-      --parity --kv-gb "$KV" --timeout "${LIMIT:-900}" --out "$OUT/matrix" ;;
+    python -m benchmarks.matrix run --seeds 1 --rows "$(python -c 'from benchmarks import matrix; print(",".join(matrix.ROWS))'),gemma4_colour/s2,dapo/s2,gemma4_colour+kl001,gemma4_colour+kl001/s2,gemma4_colour+kl001/s3" \
+      --variant kl001="--kl-coef 0.01" --parity --kv-gb "$KV" --timeout "${LIMIT:-900}" --out "$OUT/matrix" ;;
   gemma4)
     python -m benchmarks.matrix run --timeout "${LIMIT:-560}" --out "$OUT/matrix" --variant old="--kl-coef 0.01" \
       --variant hf="--kl-coef 0.01 --rollout-engine hf" --variant fp32hf="--kl-coef 0.01 --rollout-engine hf --dtype fp32" \

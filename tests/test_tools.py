@@ -372,12 +372,14 @@ if __name__ == "__main__":
     _two_ranks(sys.argv[1])
 
 
-def test_the_zoom_demos_steps_see_each_colour_alike(tmp_path):
-    # watched failing with shuffle=False out of TOOLS_DEMO and with demo_zoom_data's colours drawn at random: a batch
-    # leaning to one colour of a pair the policy cannot yet tell apart pushes the pair's shared answer to that colour
-    # (the lost colour of docs/demos.md's runs); with 4 of each in each 16 prompts the pair's pushes cancel
-    cfg = cli(Config, tiny_model.DEMO, args=["--demo-task", "zoom"], tools_demo=tiny_model.TOOLS_DEMO)
-    train, _ = tiny_model.demo_zoom_data(str(tmp_path), n_train=64, n_val=2)
+@pytest.mark.parametrize("args", [["--demo-task", "zoom"], [], ["--demo-model", "gemma4"]])
+def test_the_colour_demos_steps_see_each_colour_alike(tmp_path, args):
+    # watched failing with shuffle=False out of TOOLS_DEMO and with demo_zoom_data's colours drawn at random (and the
+    # colour demo's: out of DEMO, drawn at random): a batch leaning to one colour of a pair the policy cannot yet tell
+    # apart pushes the pair's shared answer to that colour (the lost colour of HISTORY.md); 4 of each in 16 cancel
+    cfg = cli(Config, tiny_model.DEMO, args=args, tools_demo=tiny_model.TOOLS_DEMO, family_demo=tiny_model.FAMILY_DEMO)
+    make = tiny_model.demo_zoom_data if args[:1] == ["--demo-task"] else tiny_model.demo_data
+    train, _ = make(str(tmp_path), n_train=64, n_val=2)
     answers = datasets.Dataset.from_parquet(train)["answer"]
     for step in range(64 // cfg.rollout_batch_size + 1):  # (the last one in the second epoch)
         drawn = data.draw_prompts(answers, step * cfg.rollout_batch_size, cfg.rollout_batch_size, 0, 1, cfg.seed,
