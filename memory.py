@@ -523,8 +523,7 @@ def add_lora(hf, r, alpha, target_modules="all-linear", exclude_modules=LORA_EXC
     if target_experts and not experts:  # an error, not a silent no-op: the flag asks for adapters it cannot have
         raise UserError(f"--lora-target-experts: {type(hf).__name__} has no MoE experts (fused 3-D expert tensors)")
     peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
-                                               target_parameters=experts,
-                                               exclude_modules=exclude_modules or None,
+                                               target_parameters=experts, exclude_modules=exclude_modules or None,
                                                modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
     if not any(p.requires_grad for p in hf.parameters()):
         raise UserError(f"--lora-target-modules {target_modules!r} matched no layer")

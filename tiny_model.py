@@ -321,7 +321,9 @@ if __name__ == "__main__":
 # on one-word answers about small pictures, so it gets its own; a value given on the command line wins in both.
 DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=4, min_pixels=56 * 56,
             max_pixels=112 * 112, n=16, rollout_batch_size=16, global_batch_size=16, lr=1e-3, max_steps=150,
-            val_freq=10, save_freq=10, output_dir="outputs/demo", shuffle=False)  # (batches alike: balanced_colors)
+            val_freq=10, save_freq=10, output_dir="outputs/demo", shuffle=False)
+# shuffle off: a step holds each colour 4 times (make_color_dataset). Shuffled, two colours not yet told apart shared an
+# answer pushed by the batch's colour counts, a random walk till one was never sampled (lost colours: HISTORY.md)
 # Each below keeps every answer sampled: one the policy stops sampling is never learned (all its group's rewards alike,
 # GRPO's advantage 0). The text demo (--demo-model qwen3): one-digit answers, groups of 32, half the lr, temperature
 # 1.5 (at lr 1e-3 it lost 2 and 8: 0.765; at 5e-4, temperature 1, the 2: 0.94; 1.5: 1.0).
@@ -329,8 +331,7 @@ TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4,
 # The video demo (--demo-task video): answers of one token, groups of 32 (with 4 tokens and 16 it stopped saying
 # "green" before it told the clip's halves apart: every clip ending green answered "blue", 0.74).
 VIDEO_DEMO = dict(max_response_length=1, n=32)
-# The zoom demo (--demo-task zoom, tools.py): turns of one token (the call, the colour), groups of 32, KL weight 0.1 (at
-# 0.01 a colour stopped being sampled: 0.735)
+# The zoom demo (tools.py): turns of one token (the call, the colour), groups of 32, KL 0.1 (at 0.01 it lost a colour)
 TOOLS_DEMO = dict(tools="zoom", reward_function="zoom", max_turns=2, max_turn_tokens=1, max_response_length=40,
                   limit_images=3, n=32, kl_coef=0.1)
 # Gemma 4's colour demo: KL 0.1 (before batches alike it lost a colour in most runs at 0.01, 1 of 3 at 0.1: HISTORY.md)
@@ -377,9 +378,9 @@ def write_parquet(rows, out_path, features=None):
 
 
 def draw_color_image(rng: random.Random, color=None):
-    """A picture filled with one saturated colour (jittered; None: drawn at random) and 1-3 small grey shapes as distractors.
-    Returns (image, colour name, shape name). The colour covers most of the picture: a tiny random vision tower
-    then sees it clearly, so RL from scratch learns the task in minutes on a CPU."""
+    """A picture filled with one saturated colour (jittered; None: drawn at random) and 1-3 small grey shapes as
+    distractors. Returns (image, colour name, shape name). The colour covers most of the picture: a tiny random
+    vision tower sees it clearly, so RL from scratch learns the task in minutes on a CPU."""
     w, h = rng.randint(56, 112), rng.randint(56, 112)
     color, shape = color or rng.choice(list(COLORS)), rng.choice(SHAPES)
     img = Image.new("RGB", (w, h), jittered(rng, color))
@@ -398,12 +399,14 @@ def draw_color_image(rng: random.Random, color=None):
 
 
 def make_color_dataset(out_path: str, n_rows: int, seed: int, draw=draw_color_image, question=COLOR_QUESTION) -> str:
-    """EasyR1-format parquet (problem, answer, images=[{"bytes": png}]) of draw(rng)'s pictures, written atomically."""
+    """EasyR1-format parquet (problem, answer, images=[{"bytes": png}]) of draw(rng, colour)'s pictures, written
+    atomically; each 16 rows in a row hold every colour 4 times (why: DEMO)."""
     import datasets  # slow to import (~2 s): only where a task's data are written or read
     rng = random.Random(seed)
     rows = {"problem": [], "answer": [], "images": []}
-    for _ in range(n_rows):
-        img, color = draw(rng)[:2]
+    order = [c for b in range(-(-n_rows // 16)) for c in random.Random(f"{seed}/{b}").sample([*COLORS] * 4, 16)]
+    for color in order[:n_rows]:
+        img = draw(rng, color)[0]
         rows["problem"].append(question)
         rows["answer"].append(color)
         rows["images"].append([png_item(img)])
@@ -423,19 +426,9 @@ def demo_files(data_dir, name, n_train, n_val, write):
     return paths
 
 
-def balanced_colors(k, seed):
-    """k colours, each 16 in a row holding every colour 4 times. A step's batch of 16 read in order (DEMO's shuffle
-    off) sees the colours alike: drawn at random, a pair the policy cannot yet tell apart got one shared answer pushed
-    by the batch's colour counts, a random walk that ended with one colour never sampled (HISTORY.md)."""
-    return iter(c for b in range(-(-k // 16)) for c in random.Random(f"{seed}/{b}").sample([*COLORS] * 4, 16))
-
-
 def demo_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the colour task (balanced_colors)."""
-    def write(path, k, seed):
-        order = balanced_colors(k, seed)
-        return make_color_dataset(path, k, seed, lambda rng: draw_color_image(rng, next(order)))
-    return demo_files(data_dir, "color-v4", n_train, n_val, write)
+    """(train_path, val_path) of the colour task."""
+    return demo_files(data_dir, "color-v4", n_train, n_val, make_color_dataset)
 
 
 # --demo-task zoom (tools.py): a grey, noisy picture with a 2 x 2-pixel coloured dot at its centre, too small for the
@@ -453,11 +446,9 @@ def draw_zoom_image(rng: random.Random, color=None):
 
 
 def demo_zoom_data(data_dir=None, n_train=2000, n_val=200):
-    """(train_path, val_path) of the zoom task (balanced_colors)."""
-    def write(path, k, seed):
-        order = balanced_colors(k, seed)
-        return make_color_dataset(path, k, seed, lambda rng: draw_zoom_image(rng, next(order)), ZOOM_QUESTION)
-    return demo_files(data_dir, "zoom-v2", n_train, n_val, write)
+    """(train_path, val_path) of the zoom task."""
+    return demo_files(data_dir, "zoom-v2", n_train, n_val,
+                      lambda path, k, seed: make_color_dataset(path, k, seed, draw_zoom_image, ZOOM_QUESTION))
 
 
 def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:

@@ -6,7 +6,7 @@
 # Modes:
 #   all       every row of benchmarks/matrix.py side by side with --parity, Gemma 4's and dapo's rows a second time
 #             (seed 2: two runs of each in one call), Gemma 4 at the KL weight that lost a colour before batches alike
-#             (0.01, three seeds: does tiny_model.balanced_colors alone hold it?), and tests/test_tools_gpu.py beside
+#             (0.01, three seeds: do batches alike alone hold it? tiny_model.DEMO), and tests/test_tools_gpu.py beside
 #             them. ~13 min on one H200; ~90 GB of GPU memory with 2 GiB KV caches (H200); 0.5 GiB on a smaller GPU.
 #   gemma4    what tells why Gemma 4's row lost a colour on the GPU and not on the CPU, at the KL weight it had then
 #             (0.01): three seeds with the GPU's defaults (vLLM, AMP bf16), the HF engine instead of vLLM (bf16), the
