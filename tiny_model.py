@@ -334,8 +334,8 @@ VIDEO_DEMO = dict(max_response_length=1, n=32)
 # The zoom demo (tools.py): turns of one token (the call, the colour), groups of 32, KL 0.1 (at 0.01 it lost a colour)
 TOOLS_DEMO = dict(tools="zoom", reward_function="zoom", max_turns=2, max_turn_tokens=1, max_response_length=40,
                   limit_images=3, n=32, kl_coef=0.1)
-# Gemma 4's colour demo: KL 0.1 (before batches alike it lost a colour in most runs at 0.01, 1 of 3 at 0.1: HISTORY.md)
-FAMILY_DEMO = {"gemma4": dict(kl_coef=0.1)}
+# Gemma 4's colour demo: KL 0.1, a cosine lr (at a constant one, late gradient spikes undid a colour: BENCHMARKS.md)
+FAMILY_DEMO = {"gemma4": dict(kl_coef=0.1, lr_scheduler_type="cosine")}
 
 
 # ================================================================================ the demos' synthetic tasks

@@ -355,9 +355,12 @@ def table(docs, ran_only=False):
               for name in ROWS if name not in latest and not ran_only]
     ran = sorted({_ran(s["doc"]) for s in latest.values()})
     lines.insert(0, "Ran on: " + "; ".join(ran) + ".\n")
-    for s in earlier:
+    lines += ["\nEarlier attempts (oldest first):\n"] if earlier else []
+    passed = [f"{s['row']} ({s['doc']['date']})" for s in earlier if not s["failures"]]
+    lines += [f"- passed: {', '.join(passed)}."] if passed else []
+    for s in (s for s in earlier if s["failures"]):
         err = [ln for ln in s.get("log_tail", "").splitlines() if "Error" in ln]
-        lines.append(f"\nEarlier attempt at {s['row']} ({s['doc']['date']}): {'; '.join(s['failures']) or 'passed'} "
+        lines.append(f"- {s['row']} ({s['doc']['date']}): {'; '.join(s['failures']) or 'passed'} "
                      f"at step {s['steps']}"
                      + (f", final val {s['final_val']:.3f}" if s["final_val"] is not None else "")
                      + (f" ({err[-1].strip()[-120:]})" if err else "") + ".")

@@ -4,7 +4,7 @@ From the repository root:
     python -m benchmarks.record                 # every table: its section, its command, then what the command prints
     python -m benchmarks.record speed           # one table, by name (names: TABLES below)
     python -m benchmarks.record parity FILES    # the tables no other tool prints: parity, curves,
-                                                #   engine, two-turn, text
+                                                #   spikes, engine, two-turn, text
 
 BENCHMARKS.md quotes each command's output verbatim under its section, and tests/test_benchmarks_record.py holds it
 so: every file a table names exists, every run file kept in benchmarks/cpu and benchmarks/h200 is named by a table,
@@ -43,18 +43,20 @@ TABLES = [
     Table("matrix", MATRIX, "benchmarks.matrix table", [H + "matrix_*.json"]),
     Table("matrix_before_seed_fix", MATRIX, "benchmarks.bench report", [H + "demo_vllm_qwen3vl_80steps_metrics.jsonl"]),
     Table("gemma4_causes", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_gemma4_causes.json"]),
-    Table("gemma4_kl01_seed1", GEMMA4, "benchmarks.matrix log", [H + "matrix_2026-12-05_b_gemma4_colour.log"]),
-    Table("gemma4_kl01_seed2", GEMMA4, "benchmarks.matrix log", [H + "matrix_2026-12-05_b_gemma4_colour_seed2.log"]),
+    Table("gemma4_balanced", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_c.json"]),
+    Table("gemma4_spikes", GEMMA4, "benchmarks.record spikes", [H1 + "matrix_2026-12-05_c_*_metrics.jsonl.xz",
+                                                                 C + "demo_gemma4_balanced_metrics.jsonl.xz"]),
     Table("gemma4_cpu", GEMMA4, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
-        "demo_gemma4_kl0.1", "demo_gemma4_kl0.1_seed2", "demo_gemma4_kl0.1_seed3", "demo_gemma4",
-        "demo_gemma4_seed2_kl0.01", "demo_gemma4_bf16_kl0.01")]),
+        "demo_gemma4_balanced", "demo_gemma4_balanced_replay130_zero_momentum", "demo_gemma4_balanced_cosine",
+        "demo_gemma4_balanced_cosine_seed3", "demo_balanced_300steps", "demo_gemma4_kl0.1_seed3",
+        "demo_gemma4_bf16_kl0.01")]),
     Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
                                                                H + "demo_vllm_2gpu_tp2_100steps_metrics.jsonl"]),
     Table("parity", PARITY, "benchmarks.record parity", [H + "parity_*.json"]),
     Table("speed", SPEED, "benchmarks.bench report", [H + "bench3b_2026-12-02_*_metrics.jsonl",
                                                        H + "bench8b_qwen3vl_bf16_packed_shared_metrics.jsonl"]),
     Table("engine3b", SPEED, "benchmarks.record engine", [H + "engine3b_2026-12-02_d.json"]),
-    Table("pyspy", SPEED, "benchmarks.bench pyspy", [H + "engine3b_2026-12-02_a_pyspy_raw.txt.xz"], ("top=12",)),
+    Table("pyspy", SPEED, "benchmarks.bench pyspy", [H + "engine3b_2026-12-02_a_pyspy_raw.txt.xz"], ("top=6",)),
     Table("memory", MEMORY, "benchmarks.bench table", [
         H + "m3b_amp_summary.json", H + "m3b_bf16_summary.json", H + "m3b_lora_summary.json",
         H + "m3b_offload_summary.json", H + "m3b_offopt_summary.json", H + "m7b_lora_amp_cap80_summary.json",
@@ -68,7 +70,7 @@ TABLES = [
                                                          H + "gemma4_e2b_2026-12-04_metrics.jsonl"]),
     Table("engine9b", SHAPES, "benchmarks.record engine", [H + "engine9b_qwen35_2026-12-04.json"]),
     Table("tools_gpu", TOOLS_GPU, "benchmarks.record curves", [H + "test_tools_gpu_2026-12-05_*steps_metrics.jsonl"]),
-    Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-05.log"]),
+    Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-05*.log"]),
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json"]),
     Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-05_*.txt"]),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
@@ -149,6 +151,25 @@ def curves_table(paths):
     return "\n".join(out)
 
 
+def spikes_table(paths):
+    """One line per metrics.jsonl[.xz]: greedy validation from step 100 on, and each step past 60 whose gradient norm
+    was 5x or more the median of the 20 steps before it (a rare mistake in a solved task: HISTORY.md, 2026-12-05)."""
+    out = ["| run | greedy validation from step 100 | gradient-norm spikes after step 60: step (norm, x median of 20 "
+           "before) |", "|---|---|---|"]
+    for p in paths:
+        rows = [json.loads(x) for x in bench.read_lines(p)]
+        key = "val/accuracy" if any("val/accuracy" in r for r in rows) else "val/mean"
+        val = ", ".join(f"{r['step']}: {r[key]:.3f}" for r in rows if key in r and r["step"] >= 100)
+        g = [(r["step"], r["actor/grad_norm"]) for r in rows if "actor/grad_norm" in r]
+        spikes = []
+        for i, (step, x) in enumerate(g):
+            med = sorted(y for _, y in g[max(0, i - 20):i])[len(g[max(0, i - 20):i]) // 2] if i else None
+            if step > 60 and med and x >= 5 * med:
+                spikes.append(f"{step} ({x:.1f}, {x / med:.0f}x)")
+        out.append(f"| {os.path.basename(p).split('_metrics.jsonl')[0]} | {val} | {', '.join(spikes) or '-'} |")
+    return "\n".join(out)
+
+
 def output(t):
     """What the table's command prints, computed here (the same functions its module's command line calls)."""
     paths = [os.path.join(ROOT, f) for f in files(t)]
@@ -163,6 +184,7 @@ def output(t):
                                                                    int(dict(a.split("=") for a in t.args)["top"])),
         "benchmarks.record parity": lambda: parity_table(paths),
         "benchmarks.record curves": lambda: curves_table(paths),
+        "benchmarks.record spikes": lambda: spikes_table(paths),
         "benchmarks.record engine": lambda: "\n\n".join(named(engine_bench.table(json.load(open(p))), p)
                                                         for p in paths),
         "benchmarks.record two-turn": lambda: "\n\n".join(named(two_turn.table(json.load(open(p))), p)
@@ -174,12 +196,12 @@ def output(t):
 
 def main(argv):
     by_name = {t.name: t for t in TABLES}
-    if argv and argv[0] in ("parity", "curves", "engine", "two-turn", "text"):  # the commands TABLES name as benchmarks.record
+    if argv and argv[0] in ("parity", "curves", "spikes", "engine", "two-turn", "text"):  # TABLES' benchmarks.record
         print(output(Table("-", "-", "benchmarks.record " + argv[0], argv[1:])))
         return 0
     unknown = [a for a in argv if a not in by_name]
     if unknown:
-        print(f"unknown table {unknown[0]}: one of {', '.join(by_name)}, or parity/curves/engine/two-turn/text FILES",
+        print(f"unknown table {unknown[0]}: one of {', '.join(by_name)}, or parity/curves/spikes/engine/two-turn/text FILES",
               file=sys.stderr)
         return 2
     section = None

@@ -61,11 +61,14 @@ def test_the_demo_gets_its_own_and_flags_win(capsys):
     assert cli(dapo.DAPOConfig, dapo.DEMO, args=["--model-path", "m"]).output_dir == "outputs/run"
 
 
-def test_gemma4s_demo_takes_its_own_kl_weight():
-    """tiny_model.FAMILY_DEMO over the demo's: Gemma 4's KL 0.1 (at 0.01 a colour stopped being sampled); a flag
-    still wins, the other families keep the demo's, and a real model EasyR1's."""
+def test_gemma4s_demo_takes_its_own_kl_weight_and_lr_schedule():
+    """tiny_model.FAMILY_DEMO over the demo's: Gemma 4's KL 0.1 (at 0.01 a colour stopped being sampled) and cosine
+    lr (at a constant one it lost a colour late); a flag still wins, the other families keep the demo's, and a real
+    model EasyR1's."""
     fam = dict(family_demo=grpo.FAMILY_DEMO)
-    assert cli(grpo.Config, grpo.DEMO, args=["--demo-model", "gemma4"], **fam).kl_coef == 0.1
+    g = cli(grpo.Config, grpo.DEMO, args=["--demo-model", "gemma4"], **fam)
+    assert (g.kl_coef, g.lr_scheduler_type) == (0.1, "cosine")
+    assert cli(grpo.Config, grpo.DEMO, args=["--demo-model", "internvl"], **fam).lr_scheduler_type == "constant"
     assert cli(grpo.Config, grpo.DEMO, args=["--demo-model", "gemma4", "--kl-coef", "0.01"], **fam).kl_coef == 0.01
     assert cli(grpo.Config, grpo.DEMO, args=["--demo-model", "internvl"], **fam).kl_coef == 0.01
     assert cli(grpo.Config, grpo.DEMO, args=["--model-path", "m", "--demo-model", "gemma4"], **fam).kl_coef == 0.01
