@@ -48,8 +48,8 @@ TABLES = [
                                                                  C + "demo_gemma4_balanced_metrics.jsonl.xz"]),
     Table("gemma4_cpu", GEMMA4, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
         "demo_gemma4_balanced", "demo_gemma4_balanced_replay130_zero_momentum", "demo_gemma4_balanced_cosine",
-        "demo_gemma4_balanced_cosine_seed3", "demo_balanced_300steps", "demo_cosine", "demo_cosine_bf16",
-        "demo_gemma4_bf16_kl0.01")]),
+        "demo_gemma4_balanced_cosine_seed2", "demo_gemma4_balanced_cosine_seed3", "demo_gemma4_balanced_cosine_kl0.01",
+        "demo_balanced_300steps", "demo_cosine", "demo_cosine_bf16")]),
     Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
                                                                H + "demo_vllm_2gpu_tp2_100steps_metrics.jsonl"]),
     Table("parity", PARITY, "benchmarks.record parity", [H + "parity_*.json"]),
