@@ -15,6 +15,7 @@ import collections
 import glob
 import json
 import os
+import statistics
 import sys
 
 from benchmarks import bench, engine_bench, matrix, two_turn
@@ -163,7 +164,7 @@ def spikes_table(paths):
         g = [(r["step"], r["actor/grad_norm"]) for r in rows if "actor/grad_norm" in r]
         spikes = []
         for i, (step, x) in enumerate(g):
-            med = sorted(y for _, y in g[max(0, i - 20):i])[len(g[max(0, i - 20):i]) // 2] if i else None
+            med = statistics.median_high(y for _, y in g[max(0, i - 20):i]) if i else None
             if step > 60 and med and x >= 5 * med:
                 spikes.append(f"{step} ({x:.1f}, {x / med:.0f}x)")
         out.append(f"| {os.path.basename(p).split('_metrics.jsonl')[0]} | {val} | {', '.join(spikes) or '-'} |")
