@@ -33,7 +33,7 @@ case "${1:-}" in
          # learners and dapo's 60 steps (does the decay leave them short of their target?), with --lr-scheduler-type cosine
     python -m benchmarks.matrix run --timeout "${LIMIT:-560}" --out "$OUT/matrix" --variant cos="--lr-scheduler-type cosine" \
       --variant kl001="--kl-coef 0.01" \
-      --rows gemma4_colour,gemma4_colour/s2,gemma4_colour/s3,gemma4_colour+kl001,bf16+cos,bf16+cos/s2,qwen25vl_colour+cos,qwen3_text+cos,internvl_colour+cos,dapo+cos ;;
+      --rows gemma4_colour,gemma4_colour/s2,gemma4_colour/s3,gemma4_colour+kl001,bf16+cos,bf16+cos/s2,qwen25vl_colour+cos,internvl_colour+cos,dapo+cos ;;
   gemma4)
     python -m benchmarks.matrix run --timeout "${LIMIT:-560}" --out "$OUT/matrix" --variant old="--kl-coef 0.01" \
       --variant hf="--kl-coef 0.01 --rollout-engine hf" --variant fp32hf="--kl-coef 0.01 --rollout-engine hf --dtype fp32" \
