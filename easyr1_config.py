@@ -384,13 +384,10 @@ def cli(cls, demo, args=None, text_demo=None, video_demo=None, tools_demo=None, 
         config, path = from_words(words, first.config)
         from_yaml, notes = translate(config, cls, sources)
     is_demo = not (first.model_path or from_yaml.get("model_path"))
-    if is_demo and text_demo and data.is_text_demo(getattr(first, "demo_model", "")):
-        demo = {**demo, **text_demo}
-    elif is_demo and video_demo and getattr(first, "demo_task", "") == "video":
-        demo = {**demo, **video_demo}
-    elif is_demo and tools_demo and getattr(first, "demo_task", "") == "zoom":  # the tool demo (tools.py)
-        demo = {**demo, **tools_demo}
-    demo = {**demo, **(family_demo or {}).get(getattr(first, "demo_model", ""), {})}  # a family's (FAMILY_DEMO)
+    model = getattr(first, "demo_model", "")  # the text demo's settings, else the video's or the tool's (tools.py)
+    task = "text" if data.is_text_demo(model) else getattr(first, "demo_task", "")
+    demo = {**demo, **({"text": text_demo, "video": video_demo, "zoom": tools_demo}.get(task) or {}),
+            **(family_demo or {}).get(model, {})}  # then a family's (FAMILY_DEMO)
     defaults = replace(cls(), **{**(demo if is_demo else {}), **from_yaml})
     cfg = tyro.cli(cls, args=args, default=defaults, description=desc)
     if os.environ.get("RANK", "0") == "0":

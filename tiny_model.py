@@ -321,21 +321,22 @@ if __name__ == "__main__":
 # on one-word answers about small pictures, so it gets its own; a value given on the command line wins in both.
 DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=4, min_pixels=56 * 56,
             max_pixels=112 * 112, n=16, rollout_batch_size=16, global_batch_size=16, lr=1e-3, max_steps=150,
-            val_freq=10, save_freq=10, output_dir="outputs/demo", shuffle=False)
-# shuffle off: a step holds each colour 4 times (make_color_dataset). Shuffled, two colours not yet told apart shared an
-# answer pushed by the batch's colour counts, a random walk till one was never sampled (lost colours: HISTORY.md)
+            val_freq=10, save_freq=10, output_dir="outputs/demo", shuffle=False, lr_scheduler_type="cosine")
+# shuffle off: a step holds each colour 4 times (make_color_dataset); shuffled, colours not yet told apart shared an
+# answer the batch's colour counts walked till one was never sampled. cosine: at a constant lr, a solved task's rare
+# mistakes gave gradient spikes AdamW's momentum carried into a lost colour (Gemma 4, pure bf16; HISTORY.md). It sums
+# to half a constant lr over the run: too little for the slow demos (text, zoom, dapo.py), which keep it constant.
 # Each below keeps every answer sampled: one the policy stops sampling is never learned (all its group's rewards alike,
 # GRPO's advantage 0). The text demo (--demo-model qwen3): one-digit answers, groups of 32, half the lr, temperature
-# 1.5 (at lr 1e-3 it lost 2 and 8: 0.765; at 5e-4, temperature 1, the 2: 0.94; 1.5: 1.0).
-TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4, temperature=1.5)
+# 1.5 (at lr 1e-3 it lost 2 and 8: 0.765; at 5e-4, temperature 1, the 2: 0.94; 1.5: 1.0; with cosine 0.595)
+TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4, temperature=1.5, lr_scheduler_type="constant")
 # The video demo (--demo-task video): answers of one token, groups of 32 (with 4 tokens and 16 it stopped saying
 # "green" before it told the clip's halves apart: every clip ending green answered "blue", 0.74).
 VIDEO_DEMO = dict(max_response_length=1, n=32)
 # The zoom demo (tools.py): turns of one token (the call, the colour), groups of 32, KL 0.1 (at 0.01 it lost a colour)
 TOOLS_DEMO = dict(tools="zoom", reward_function="zoom", max_turns=2, max_turn_tokens=1, max_response_length=40,
-                  limit_images=3, n=32, kl_coef=0.1)
-# Gemma 4's colour demo: KL 0.1, a cosine lr (at a constant one, late gradient spikes undid a colour: BENCHMARKS.md)
-FAMILY_DEMO = {"gemma4": dict(kl_coef=0.1, lr_scheduler_type="cosine")}
+                  limit_images=3, n=32, kl_coef=0.1, lr_scheduler_type="constant")
+FAMILY_DEMO = {"gemma4": dict(kl_coef=0.1)}  # Gemma 4's colour demo: KL 0.1 (at 0.01 it lost a colour more often)
 
 
 # ================================================================================ the demos' synthetic tasks

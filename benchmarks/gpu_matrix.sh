@@ -7,15 +7,15 @@
 #   all       every row of benchmarks/matrix.py side by side with --parity, Gemma 4's and dapo's rows a second time
 #             (seed 2: two runs of each in one call), and tests/test_tools_gpu.py beside them. ~13 min on one H200;
 #             ~90 GB of GPU memory with 2 GiB KV caches (H200); 0.5 GiB on a smaller GPU (KV= overrides). EXTRA=",ROW.."
-#             adds rows (variants kl001, cos). On one H100 with three more rows (2026-12-05 c) the rows' 900 s cut
+#             adds rows (variants kl001, const). On one H100 with three more rows (2026-12-05 c) the rows' 900 s cut
 #             the four slowest (MoE, Qwen3.5, zoom): there, run it with LIMIT=1500 over three calls, or no EXTRA.
-#   late      the rows that fell late, and the slowest learners, with a cosine learning rate. ~8 min. Not yet run.
+#             Since the colour demos' cosine lr (2026-12-05), the rows that had fallen late at a constant one a third
+#             time: TOOLS=0 EXTRA=",gemma4_colour/s3,bf16/s2" (the tools test's log is kept: TOOLS=0 spares the host).
 #   gemma4    what tells why Gemma 4's row lost a colour on the GPU and not on the CPU, at the KL weight it had then
 #             (0.01): three seeds with the GPU's defaults (vLLM, AMP bf16), the HF engine instead of vLLM (bf16), the
 #             HF engine and the trainer in fp32 (the CPU's arithmetic on the GPU) at two seeds; its row as fixed (KL
 #             0.1) at two seeds; Qwen2.5-VL in fp32; dapo and internvl_colour (the hold rule put them at risk); the
 #             tools test. Ran 2026-12-05 on one H100 (the rows of then: benchmarks/h100/, BENCHMARKS.md). ~10 min.
-#   gemma4_n32  Gemma 4's row (KL 0.1) at seeds 1-3 beside the same with groups of 32 (--n 32). ~6 min. Not yet run.
 # Results in $OUT: matrix/ (matrix.json, matrix.md, each row's log, metrics and validation samples) and the test's log.
 set -u
 cd "$(dirname "$0")/.."
@@ -26,23 +26,14 @@ case "${1:-}" in
   all)
     KV=${KV:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000) ? 2 : 0.5}')}
     python -m benchmarks.matrix run --seeds 1 --rows "$(python -c 'from benchmarks import matrix; print(",".join(matrix.ROWS))'),gemma4_colour/s2,dapo/s2${EXTRA:-}" \
-      --variant kl001="--kl-coef 0.01" --variant cos="--lr-scheduler-type cosine" --parity --kv-gb "$KV" \
+      --variant kl001="--kl-coef 0.01" --variant const="--lr-scheduler-type constant" --parity --kv-gb "$KV" \
       --timeout "${LIMIT:-900}" --out "$OUT/matrix" ;;
-  late)  # does a decaying learning rate stop the late falls (BENCHMARKS.md, Gemma 4)? Gemma 4 (cosine since its CPU
-         # runs held: tiny_model.FAMILY_DEMO) at three seeds and at KL 0.01; the other row that fell, and the slowest
-         # learners and dapo's 60 steps (does the decay leave them short of their target?), with --lr-scheduler-type cosine
-    python -m benchmarks.matrix run --timeout "${LIMIT:-560}" --out "$OUT/matrix" --variant cos="--lr-scheduler-type cosine" \
-      --variant kl001="--kl-coef 0.01" \
-      --rows gemma4_colour,gemma4_colour/s2,gemma4_colour/s3,gemma4_colour+kl001,bf16+cos,bf16+cos/s2,qwen25vl_colour+cos,internvl_colour+cos,dapo+cos ;;
   gemma4)
     python -m benchmarks.matrix run --timeout "${LIMIT:-560}" --out "$OUT/matrix" --variant old="--kl-coef 0.01" \
       --variant hf="--kl-coef 0.01 --rollout-engine hf" --variant fp32hf="--kl-coef 0.01 --rollout-engine hf --dtype fp32" \
       --variant qfp32hf="--rollout-engine hf --dtype fp32" \
       --rows gemma4_colour+old,gemma4_colour+old/s2,gemma4_colour+old/s3,gemma4_colour+hf,gemma4_colour+fp32hf,gemma4_colour+fp32hf/s2,gemma4_colour,gemma4_colour/s2,qwen25vl_colour+qfp32hf,dapo,internvl_colour ;;
-  gemma4_n32)  # does groups of 32 hold Gemma 4's colours where KL 0.1 alone fell (1 of 3 GPU runs)? three seeds each
-    python -m benchmarks.matrix run --timeout "${LIMIT:-560}" --out "$OUT/matrix" --variant n32="--n 32" \
-      --rows gemma4_colour,gemma4_colour/s2,gemma4_colour/s3,gemma4_colour+n32,gemma4_colour+n32/s2,gemma4_colour+n32/s3 ;;
-  *) echo "usage: bash benchmarks/gpu_matrix.sh all|late|gemma4|gemma4_n32"; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_matrix.sh all|gemma4"; exit 2 ;;
 esac
 echo "matrix: exit $?"
 wait

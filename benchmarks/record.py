@@ -36,7 +36,7 @@ MEMORY = "Memory cells: measured against the memory model (H200, 2026-12-01 to 2
 SHAPES = "Model shapes: Qwen3.5-9B, Qwen3.5-35B-A3B, Gemma-4-E2B (H200, 2026-12-03 to 2026-12-05)"
 TOOLS_GPU = "The zoom demo with vLLM: the tools GPU test (H200 and H100, 2026-12-05)"
 TWO_TURN = "Two-turn rollout: a tool's picture between turns (H200, 2026-12-04 to 2026-12-05; CPU, 2026-12-05)"
-CPU = "CPU demos: each built-in demo learns (2-core CPU, 2026-11-30 to 2026-12-04)"
+CPU = "CPU demos: each built-in demo learns, at its own lr schedule (2-core CPU, 2026-12-05)"
 TOOLS = "CPU: the zoom tool demo on five seeds (2-core CPU, 2026-12-05)"
 
 H, C, H1 = "benchmarks/h200/", "benchmarks/cpu/", "benchmarks/h100/"
@@ -50,7 +50,7 @@ TABLES = [
     Table("gemma4_cpu", GEMMA4, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
         "demo_gemma4_balanced", "demo_gemma4_balanced_replay130_zero_momentum", "demo_gemma4_balanced_cosine",
         "demo_gemma4_balanced_cosine_seed2", "demo_gemma4_balanced_cosine_seed3", "demo_gemma4_balanced_cosine_kl0.01",
-        "demo_balanced_300steps", "demo_cosine", "demo_cosine_bf16")]),
+        "demo_balanced_300steps")]),
     Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
                                                                H + "demo_vllm_2gpu_tp2_100steps_metrics.jsonl"]),
     Table("parity", PARITY, "benchmarks.record parity", [H + "parity_*.json"]),
@@ -75,10 +75,10 @@ TABLES = [
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json"]),
     Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-05_*.txt"]),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
-        "demo_1proc", "demo_torchrun2", "dapo", "dapo_n32", "qwen3vl_demo", "demo_qwen2vl", "demo_qwen3vl_moe",
-        "demo_gemma4", "demo_gemma4_pad0",
-        "qwen3_largest_digit_demo", "video_demo_after_mrope_fix_60steps", "qwen3vl_video_demo", "lora_demo",
-        "lora_demo_vision_adapters", "demo_bf16_150steps", "demo_qwen3_5", "demo_qwen3_5_moe", "demo_internvl")]),
+        "demo_cosine", "demo_torchrun2_cosine", "demo_cosine_bf16", "demo_qwen2vl_cosine", "demo_qwen3vl_cosine",
+        "demo_qwen3vl_moe_cosine", "demo_qwen3_5_cosine", "demo_qwen3_5_moe_cosine", "demo_internvl_cosine",
+        "demo_lora_cosine", "demo_lora_vision_adapters_cosine", "demo_rloo_cosine", "demo_video_cosine",
+        "demo_qwen3vl_video_cosine", "demo_text_constant", "demo_text_cosine", "dapo_constant", "dapo_cosine")]),
     Table("tools", TOOLS, "benchmarks.record curves", [C + "demo_tools_balanced_*_metrics.jsonl.xz"]),
 ]
 
