@@ -43,11 +43,12 @@ def write_atomic(path, text):
 
 
 def config_diff(saved, cfg):
-    """The options of `cfg` that differ from a saved config, outside RESUMABLE_CHANGES ("key: old -> new").
-    Keys the saved config does not know (added since it was written) are not compared."""
+    """The options of `cfg` that differ from a saved config outside RESUMABLE_CHANGES, and the run's length where the lr
+    schedule spans it (cosine, warm-up ratio), as "key: old -> new"; keys the saved config lacks are not compared."""
     now = json.loads(json.dumps(asdict(cfg)))  # tuples -> lists, as in the saved JSON
-    return [f"{k}: {saved[k]!r} -> {v!r}" for k, v in now.items()
-            if k in saved and k not in RESUMABLE_CHANGES and saved[k] != v]
+    span = {"max_steps", "total_epochs"} if now["lr_scheduler_type"] != "constant" or now["lr_warmup_ratio"] else set()
+    return [f"{k}: {saved[k]!r} -> {v!r}" + " (the lr schedule spans the run)" * (k in span) for k, v in now.items()
+            if k in saved and (k not in RESUMABLE_CHANGES or k in span) and saved[k] != v]
 
 
 def find_resume(cfg):

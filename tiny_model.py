@@ -329,8 +329,7 @@ DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=
 # Each below keeps every answer sampled: one the policy stops sampling is never learned (all its group's rewards alike,
 # GRPO's advantage 0). The text demo (--demo-model qwen3): one-digit answers, groups of 32, half the lr, temperature
 # 1.5 (at lr 1e-3 it lost 2 and 8: 0.765; at 5e-4, temperature 1, the 2: 0.94; 1.5: 1.0; with cosine 0.595)
-TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4, temperature=1.5,
-                 lr_scheduler_type="constant")
+TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4, temperature=1.5, lr_scheduler_type="constant")
 # The video demo (--demo-task video): answers of one token, groups of 32 (with 4 tokens and 16 it stopped saying
 # "green" before it told the clip's halves apart: every clip ending green answered "blue", 0.74).
 VIDEO_DEMO = dict(max_response_length=1, n=32)

@@ -128,7 +128,7 @@ def test_lora_runs_one_and_two_processes_alike_and_resumes_exactly(tmp_path, lau
     (tmp_path / "r.py").write_text(DENSE_REWARD)
     # one mini-batch per step: its loss does not depend on how the batch is spread over ranks
     kw = ["--lora-rank", "4", "--global-batch-size", "4", "--save-freq", "1", "--reward-function",
-          f"{tmp_path / 'r.py'}:dense"]
+          f"{tmp_path / 'r.py'}:dense", "--lr-scheduler-type", "constant"]  # a run made longer: a constant lr
     straight = run(launch, ["--max-steps", "3"] + kw, tmp_path / "a")
     two = run(launch, ["--max-steps", "1"] + kw, tmp_path / "two", nproc=2)
     for k in ("reward/mean", "actor/pg_loss", "actor/loss", "actor/grad_norm"):

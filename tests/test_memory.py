@@ -117,7 +117,7 @@ def test_bf16_run_trains_checkpoints_and_resumes(tmp_path, launch):
     import torch.distributed.checkpoint as dcp
     (tmp_path / "r.py").write_text(DENSE_REWARD)
     kw = ["--precision", "bf16", "--global-batch-size", "2", "--save-freq", "1", "--lr", "1e-4",
-          "--reward-function", f"{tmp_path / 'r.py'}:dense"]
+          "--reward-function", f"{tmp_path / 'r.py'}:dense", "--lr-scheduler-type", "constant"]  # made longer below
     straight = run(launch, ["--max-steps", "3"] + kw, tmp_path / "a")
     run(launch, ["--max-steps", "2"] + kw, tmp_path / "b")
     resumed = run(launch, ["--max-steps", "3"] + kw, tmp_path / "b")

@@ -65,7 +65,8 @@ def first_run(tmp_path_factory, launch_module):
     """4 steps with validation and a checkpoint every step, 2 kept besides the best; every installed tracker on."""
     tmp = tmp_path_factory.mktemp("resume")
     (tmp / "r.py").write_text(DENSE_REWARD)
-    out, kw = tmp / "run", ["--reward-function", f"{tmp / 'r.py'}:dense"]
+    out, kw = tmp / "run", ["--reward-function", f"{tmp / 'r.py'}:dense", "--lr-scheduler-type", "constant"]  # made
+    # longer below: a constant lr (a cosine spans the run: config_diff)
     trackers = [t for t in ("tensorboard", "wandb") if _installed(t)]
     p = grpo(launch_module, kw + ["--max-steps", "4", "--val-freq", "1", "--save-freq", "1", "--save-limit", "2",
                                   "--logger", "console", *trackers], out, tmp / "first.log")
@@ -184,5 +185,10 @@ def test_config_diff_ignores_only_the_allow_list():
                                              checkpoint_layers=0.5, prefetch_requests="off")) == []  # how the work
     # is cut or scheduled, not what it computes
     assert rundir.config_diff(saved, replace(G.Config(), lr=1e-5, seed=3)) == ["lr: 1e-06 -> 1e-05", "seed: 1 -> 3"]
+    # a cosine (the colour demos') or a warm-up ratio spans the run: a longer run would bend the schedule it started on
+    cos = json.loads(json.dumps(asdict(replace(G.Config(), lr_scheduler_type="cosine"))))
+    assert rundir.config_diff(cos, replace(G.Config(), lr_scheduler_type="cosine", max_steps=9, save_freq=1)) == [
+        "max_steps: 0 -> 9 (the lr schedule spans the run)"]
+    assert rundir.config_diff(saved, replace(G.Config(), lr_warmup_ratio=0.1, max_steps=9))[-1].startswith("max_steps")
     del saved["lr"]  # a key the old run did not know: not compared
     assert rundir.config_diff(saved, replace(G.Config(), lr=1e-5)) == []

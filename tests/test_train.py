@@ -42,7 +42,7 @@ def test_resume_is_exact(tmp_path, launch):
     # two mini-batches per step: old log-probs are recomputed, the optimizer state carries over
     (tmp_path / "r.py").write_text(DENSE_REWARD)
     kw = ["--global-batch-size", "2", "--save-freq", "1", "--save-limit", "2", "--reward-function",
-          f"{tmp_path / 'r.py'}:dense"]
+          f"{tmp_path / 'r.py'}:dense", "--lr-scheduler-type", "constant"]  # the run made longer: a constant lr
     straight = run(launch, ["--max-steps", "4"] + kw, tmp_path / "a")
     run(launch, ["--max-steps", "2"] + kw, tmp_path / "b")
     assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["step_1", "step_2"]  # complete, no .tmp left
