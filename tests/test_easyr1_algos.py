@@ -488,7 +488,8 @@ def test_adaptive_kl_coefficient_is_saved_and_resumed(tmp_path, launch):
     saves it, and a resumed run goes on from it rather than from kl_coef."""
     words, out = easyr1_words(tmp_path, "algorithm.use_kl_loss=false", "algorithm.kl_type=adaptive",
                               "algorithm.kl_target=100", "algorithm.kl_horizon=10", "trainer.val_freq=-1",
-                              "trainer.val_before_train=false", "trainer.save_freq=1")
+                              "trainer.val_before_train=false", "trainer.save_freq=1",
+                              "worker.actor.optim.lr_warmup_ratio=0")  # made longer below: no warm-up spanning the run
     cmd = [sys.executable, "grpo.py", "--rollout-engine", "hf"]
     launch.run(cmd + [w.replace("trainer.max_steps=3", "trainer.max_steps=2") for w in words], tmp_path / "a.log",
                timeout=600)
