@@ -360,7 +360,7 @@ def table(docs, ran_only=False):
     lines += [f"- passed: {', '.join(passed)}."] if passed else []
     for s in (s for s in earlier if s["failures"]):
         err = [ln for ln in s.get("log_tail", "").splitlines() if "Error" in ln]
-        lines.append(f"- {s['row']} ({s['doc']['date']}): {'; '.join(s['failures']) or 'passed'} "
+        lines.append(f"- {s['row']} ({s['doc']['date']}): {'; '.join(s['failures'])} "
                      f"at step {s['steps']}"
                      + (f", final val {s['final_val']:.3f}" if s["final_val"] is not None else "")
                      + (f" ({err[-1].strip()[-120:]})" if err else "") + ".")
