@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # benchmarks/gpu_long.sh MODE -- long answers (issue #55): the Qwen3-4B shape (preset qwen3_4b: Qwen/Qwen3-4B's
 # config, random weights, a text LLM) with 16 prompts x 4 samples of forced answers, after vLLM is installed (the top of
-# benchmarks/gpu_env.sh). NEVER RUN ON A GPU YET (written on a CPU-only machine). Modes:
+# benchmarks/gpu_env.sh). Run once, on an H100 (2026-12-05): `PROMPTS=4 ... 16k`, step 1 of 2 before the call's
+# limit (BENCHMARKS.md, "Long answers"); 32k, the bare rows and sp2 not yet run. Modes:
 #   16k, 32k        two steps of 16,384 / 32,768 forced response tokens, pure bf16 (AMP's 16 bytes a parameter and
 #                   the engine do not fit 80 GB beside 32k-token activations), micro-batches of one sample, the
 #                   recomputed layers chosen by the memory model (--checkpoint-layers auto), vLLM's max_num_seqs from
@@ -10,10 +11,11 @@
 #                   bare, all_ours)
 #   sp2             on two GPUs: the 16k shape with --ulysses-size 2 against K = 1 (rollout/logprob_diff_*: the trainer
 #                   against the engine, the agreement bar; timing/step)
-# Time: the memory model gives vLLM room for ~10 sequences of 17k tokens (~5 of 33k) at --gpu-memory-utilization
-# 0.45 on an H100, so generating 64 answers takes ~7 (~13) waves of 16k (32k) decode steps: likely past one call's
-# 10 minutes at 16 prompts. PROMPTS=4 (4 x 4 samples) keeps each mode inside a call; the summary's tokens per second
-# and MFU are per step whatever the count. Results in $OUT: each run's log, metrics and summary, report.md.
+# Time, measured on an H100 at 16k: vLLM holds 11 sequences of 17k tokens at --gpu-memory-utilization 0.45, and 16
+# answers (two waves) took 266 s, the update 41 s, startup ~2 minutes; so one 16k step of 16 prompts (64 answers,
+# six waves, four times the update) is ~16 minutes, and two steps, detached (gpu_detach.sh), more than 30 device
+# minutes; 32k about twice that. PROMPTS=4 with STEPS=1 fits one 10-minute call; the summary's tokens per second and MFU are per step whatever
+# the count. Results in $OUT: each run's log, metrics and summary, report.md.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh

@@ -304,36 +304,59 @@ def parity(run_dir, engine="vllm", samples=4):
     with torch.no_grad():
         for rec, group in zip(recs, sampled):
             for smp in group:
-                ids = torch.tensor([rec["prompt_ids"] + smp["response_ids"]], device=device)  # [1, L]
-                mm = {k: (v.to(device, torch.bfloat16) if v.is_floating_point() else v.to(device))
-                      for k, v in rec["mm_inputs"].items()}
-                logits = hf.model(input_ids=ids, attention_mask=torch.ones_like(ids), **mm,
-                                  **actor.mm_token_types(hf.model, ids, mm)).logits[0].float()
-                Lp, R = len(rec["prompt_ids"]), len(smp["response_ids"])
-                logits = logits[Lp - 1:Lp - 1 + R]  # [R, V]: the distributions the response tokens were drawn from
-                logits[:, hf.forbidden_ids] = float("-inf")
-                lp = torch.log_softmax(logits, -1).gather(1, ids[0, Lp:, None]).squeeze(1)  # [R]
+                ids = torch.tensor(smp["response_ids"], device=device)  # [R]
+                lp = _hf_logprobs(hf, rec, smp["response_ids"], device)[:-1].gather(1, ids[:, None]).squeeze(1)  # [R]
                 diffs[rec["answer"]] += (lp.cpu() - torch.tensor(smp["logprobs"])).abs().tolist()
+        # where the greedy answers part: both texts, and by how much the HF model prefers its token there (a margin
+        # within bf16's noise is a near tie that two kernels may break either way; a wide one is a real difference)
+        proc = data.load_processor(hf_dir)
+        tok = getattr(proc, "tokenizer", proc)
+        parted = []
+        for rec, a, b in zip(recs, greedy, hf_greedy):
+            if a != b:
+                k = first_difference(a, b)
+                lp = _hf_logprobs(hf, rec, b[:k], device)[-1]  # [V]: the HF model's next token after the shared part
+                margin = float(lp[b[k]] - lp[a[k]]) if k < min(len(a), len(b)) else None
+                parted.append(dict(answer=rec["answer"], engine=tok.decode(a), hf=tok.decode(b), at=k, hf_margin=margin))
     classes = {c: dict(tokens=len(d), mean=statistics.fmean(d), max=max(d)) for c, d in sorted(diffs.items())}
     worst = max(classes, key=lambda c: classes[c]["mean"])
     out = dict(greedy_equal=sum(a == b for a, b in zip(greedy, hf_greedy)) / len(recs), prompts=len(recs),
                classes=classes, worst_class=worst, worst_mean=classes[worst]["mean"],
-               mean=statistics.fmean(x for d in diffs.values() for x in d))
+               mean=statistics.fmean(x for d in diffs.values() for x in d), parted=parted)
     out["failures"] = [f"greedy answers equal the HF engine's on {out['greedy_equal']:.3f} of prompts "
                        f"(bar {MIN_GREEDY_EQUAL})"] if out["greedy_equal"] < MIN_GREEDY_EQUAL else []
     return out
+
+
+def first_difference(a, b):
+    """The first position where token lists a and b differ (the shorter one's length where one extends the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _hf_logprobs(hf, rec, response_ids, device):
+    """The HF model's next-token log-probs after the prompt and each prefix of response_ids: [R + 1, V] (forbidden
+    tokens at -inf, as the engines sample)."""
+    ids = torch.tensor([rec["prompt_ids"] + list(response_ids)], device=device)  # [1, L]
+    mm = {k: (v.to(device, torch.bfloat16) if v.is_floating_point() else v.to(device))
+          for k, v in rec["mm_inputs"].items()}
+    logits = hf.model(input_ids=ids, attention_mask=torch.ones_like(ids), **mm,
+                      **actor.mm_token_types(hf.model, ids, mm)).logits[0].float()
+    logits = logits[len(rec["prompt_ids"]) - 1:]  # [R + 1, V]
+    logits[:, hf.forbidden_ids] = float("-inf")
+    return torch.log_softmax(logits, -1)
 
 
 def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-def table(docs, ran_only=False):
+def table(docs, ran_only=False, rows=None, earlier_too=True):
     """Markdown: one line per row, from the last of the kept runs (files in order) that ran it; earlier attempts
-    at a row are listed below the table with what stopped them. Every row is judged by today's rule (regrade)."""
+    at a row are listed below the table with what stopped them (unless not earlier_too). Every row is judged by
+    today's rule (regrade). rows: only these (names as the table shows them)."""
     latest, earlier = {}, []
     for doc in docs:
-        for s in map(regrade, doc["rows"]):
+        for s in (regrade(s) for s in doc["rows"] if rows is None or s["row"] in rows):
             if s["row"] in latest:
                 earlier.append(latest[s["row"]])
             latest[s["row"]] = {**s, "doc": doc}
@@ -355,6 +378,7 @@ def table(docs, ran_only=False):
               for name in ROWS if name not in latest and not ran_only]
     ran = sorted({_ran(s["doc"]) for s in latest.values()})
     lines.insert(0, "Ran on: " + "; ".join(ran) + ".\n")
+    earlier = earlier if earlier_too else []
     lines += ["\nEarlier attempts (oldest first):\n"] if earlier else []
     passed = [f"{s['row']} ({s['doc']['date']})" for s in earlier if not s["failures"]]
     lines += [f"- passed: {', '.join(passed)}."] if passed else []
@@ -416,6 +440,8 @@ def main(argv=None):
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     t.add_argument("--ran", action="store_true", help="only the rows the files ran (no 'not yet run' lines)")
+    t.add_argument("--rows", default="", help="only these rows, comma-separated (as the table names them)")
+    t.add_argument("--last", action="store_true", help="each row's last run alone, no list of earlier attempts")
     c = sub.add_parser("collect", help="rows from kept metrics files, when a call was cut before matrix.json")
     c.add_argument("pairs", nargs="+", metavar="ROW=METRICS_JSONL")
     c.add_argument("--out", required=True)
@@ -439,7 +465,7 @@ def main(argv=None):
         print(collect(a.pairs, a.out, a.versions_from))
         return 0
     if a.cmd == "table":
-        print(table([json.load(open(f)) for f in a.files], a.ran))
+        print(table([json.load(open(f)) for f in a.files], a.ran, a.rows.split(",") if a.rows else None, not a.last))
         return 0
     VARIANTS.update(v.split("=", 1) for v in a.variant)
     ENGINE[ENGINE.index("--kv-cache-memory-gb") + 1] = a.kv_gb

@@ -4,7 +4,7 @@ From the repository root:
     python -m benchmarks.record                 # every table: its section, its command, then what the command prints
     python -m benchmarks.record speed           # one table, by name (names: TABLES below)
     python -m benchmarks.record parity FILES    # the tables no other tool prints: parity, curves,
-                                                #   spikes, engine, two-turn, text
+                                                #   spikes, engine, two-turn, text, steps
 
 BENCHMARKS.md quotes each command's output verbatim under its section, and tests/test_benchmarks_record.py holds it
 so: every file a table names exists, every run file kept in benchmarks/cpu and benchmarks/h200 is named by a table,
@@ -15,6 +15,7 @@ import collections
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -27,12 +28,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # root; a pattern stands for the files it matches, sorted, as the shell gives them); args: after the files.
 Table = collections.namedtuple("Table", "name section command files args", defaults=((),))
 
-MATRIX = "Learning matrix: every demo with vLLM (H200, 2026-12-01 to 2026-12-05)"
-GEMMA4 = "Gemma 4 loses a colour: what decides it (H100 and CPU, 2026-12-05)"
+MATRIX = "Learning matrix: every demo with vLLM (H100 and H200, 2026-12-01 to 2026-12-05)"
+GEMMA4 = "Losing a colour: what decides it (H100 and CPU, 2026-12-05)"
 TWO_GPUS = "Two H200s: the colour demo at tensor parallel 1 and 2 (2 x H200, 2026-11-30)"
 PARITY = "Parity: vLLM against the HF engine (H200, 2026-12-01 to 2026-12-04)"
 SPEED = "Speed: the Qwen2.5-VL-3B step (H200, 2026-12-02)"
 MEMORY = "Memory cells: measured against the memory model (H200, 2026-12-01 to 2026-12-05)"
+LONG = "Long answers: the Qwen3-4B shape at 16k response tokens (H100, 2026-12-05)"
 SHAPES = "Model shapes: Qwen3.5-9B, Qwen3.5-35B-A3B, Gemma-4-E2B (H200, 2026-12-03 to 2026-12-05)"
 TOOLS_GPU = "The zoom demo with vLLM: the tools GPU test (H200 and H100, 2026-12-05)"
 TWO_TURN = "Two-turn rollout: a tool's picture between turns (H200, 2026-12-04 to 2026-12-05; CPU, 2026-12-05)"
@@ -41,16 +43,21 @@ TOOLS = "CPU: the zoom tool demo on five seeds (2-core CPU, 2026-12-05)"
 
 H, C, H1 = "benchmarks/h200/", "benchmarks/cpu/", "benchmarks/h100/"
 TABLES = [
-    Table("matrix", MATRIX, "benchmarks.matrix table", [H + "matrix_*.json"]),
-    Table("matrix_before_seed_fix", MATRIX, "benchmarks.bench report", [H + "demo_vllm_qwen3vl_80steps_metrics.jsonl"]),
+    Table("matrix_one_run", MATRIX, "benchmarks.matrix table", [H1 + "matrix_2026-12-05_d.json"]),
+    Table("matrix", MATRIX, "benchmarks.matrix table", [H + "matrix_*.json"], ("--last",)),
     Table("gemma4_causes", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_gemma4_causes.json"]),
-    Table("gemma4_balanced", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_c.json"]),
+    Table("gemma4_balanced", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_c.json"], (
+        "--rows", "qwen25vl_colour,bf16,gemma4_colour,gemma4_colour/s2,gemma4_colour+kl001,gemma4_colour+kl001/s2,"
+        "gemma4_colour+kl001/s3")),
     Table("gemma4_spikes", GEMMA4, "benchmarks.record spikes", [H1 + "matrix_2026-12-05_c_*_metrics.jsonl.xz",
                                                                  C + "demo_gemma4_balanced_metrics.jsonl.xz"]),
     Table("gemma4_cpu", GEMMA4, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
         "demo_gemma4_balanced", "demo_gemma4_balanced_replay130_zero_momentum", "demo_gemma4_balanced_cosine",
         "demo_gemma4_balanced_cosine_seed2", "demo_gemma4_balanced_cosine_seed3", "demo_gemma4_balanced_cosine_kl0.01",
         "demo_balanced_300steps")]),
+    Table("colour_cosine", GEMMA4, "benchmarks.record curves", [H1 + "matrix_2026-12-05_d_*_metrics.jsonl.xz"] + [
+        C + f + "_metrics.jsonl.xz" for f in ("demo_qwen3_5_moe_cosine", "demo_qwen3_5_moe_cosine_seed2",
+                                              "demo_qwen3_5_moe_cosine_seed3")]),
     Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
                                                                H + "demo_vllm_2gpu_tp2_100steps_metrics.jsonl"]),
     Table("parity", PARITY, "benchmarks.record parity", [H + "parity_*.json"]),
@@ -69,6 +76,7 @@ TABLES = [
                                                          H + "bench9b_qwen35_2026-12-04_metrics.jsonl",
                                                          H + "moe35b_qwen35_2026-12-05_metrics.jsonl",
                                                          H + "gemma4_e2b_2026-12-04_metrics.jsonl"]),
+    Table("long16k", LONG, "benchmarks.record steps", [H1 + "long_qwen3_4b_16k_4x4_2026-12-05.log"]),
     Table("engine9b", SHAPES, "benchmarks.record engine", [H + "engine9b_qwen35_2026-12-04.json"]),
     Table("tools_gpu", TOOLS_GPU, "benchmarks.record curves", [H + "test_tools_gpu_2026-12-05_*steps_metrics.jsonl"]),
     Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-05*.log"]),
@@ -171,13 +179,29 @@ def spikes_table(paths):
     return "\n".join(out)
 
 
+def steps_lines(path):
+    """A run's console log cut to what the trainer says of it: its [bench] and [batch] lines and its step lines
+    (progress bars and the engine's log left out), as a code block."""
+    text = open(path, errors="replace").read().replace("\r", "\n")
+    keep = [m.group(0).rstrip() for line in text.splitlines()
+            if (m := re.search(r"^\[(bench|batch)\] .*|\bstep +\d+ \|.*", line))]
+    return "```\n" + "\n".join(dict.fromkeys(keep)) + "\n```"
+
+
+def table_args(t):
+    """matrix.table's ran_only, rows and earlier_too from a Table's args (`--rows A,B`, `--last`)."""
+    a = list(t.args)
+    return False, (a[a.index("--rows") + 1].split(",") if "--rows" in a else None), "--last" not in a
+
+
 def output(t):
     """What the table's command prints, computed here (the same functions its module's command line calls)."""
     paths = [os.path.join(ROOT, f) for f in files(t)]
     named = lambda text, p: f"{os.path.basename(p)}:\n\n{text}"  # noqa: E731
     run = {
-        "benchmarks.matrix table": lambda: matrix.table([json.load(open(p)) for p in paths]),
-        "benchmarks.matrix table --ran": lambda: matrix.table([json.load(open(p)) for p in paths], ran_only=True),
+        "benchmarks.matrix table": lambda: matrix.table([json.load(open(p)) for p in paths], *table_args(t)),
+        "benchmarks.matrix table --ran": lambda: matrix.table([json.load(open(p)) for p in paths], True,
+                                                              *table_args(t)[1:]),
         "benchmarks.matrix log": lambda: json.dumps(matrix.from_log(paths[0])),
         "benchmarks.bench report": lambda: bench.report(paths),
         "benchmarks.bench table": lambda: bench.table(paths),
@@ -191,18 +215,19 @@ def output(t):
         "benchmarks.record two-turn": lambda: "\n\n".join(named(two_turn.table(json.load(open(p))), p)
                                                           for p in paths),
         "benchmarks.record text": lambda: "\n\n".join(named(open(p).read().strip(), p) for p in paths),
+        "benchmarks.record steps": lambda: "\n\n".join(named(steps_lines(p), p) for p in paths),
     }
     return run[t.command]()
 
 
 def main(argv):
     by_name = {t.name: t for t in TABLES}
-    if argv and argv[0] in ("parity", "curves", "spikes", "engine", "two-turn", "text"):  # TABLES' benchmarks.record
+    if argv and argv[0] in ("parity", "curves", "spikes", "engine", "two-turn", "text", "steps"):  # TABLES' benchmarks.record
         print(output(Table("-", "-", "benchmarks.record " + argv[0], argv[1:])))
         return 0
     unknown = [a for a in argv if a not in by_name]
     if unknown:
-        print(f"unknown table {unknown[0]}: one of {', '.join(by_name)}, or parity/curves/spikes/engine/two-turn/text FILES",
+        print(f"unknown table {unknown[0]}: one of {', '.join(by_name)}, or parity/curves/spikes/engine/two-turn/text/steps FILES",
               file=sys.stderr)
         return 2
     section = None

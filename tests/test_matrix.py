@@ -26,8 +26,8 @@ def write_metrics(path, val, diff=1e-3, skipped=0, steps=20):
 
 
 def test_the_stalled_qwen3vl_run_fails_its_row():
-    s = matrix.summarize("qwen3vl_colour", os.path.join(ROOT, "benchmarks/h200/demo_vllm_qwen3vl_80steps_metrics.jsonl"),
-                         0.95)
+    path = os.path.join(ROOT, "tests/data/qwen3vl_stalled_before_seed_fix_2026-12-01_metrics.jsonl")
+    s = matrix.summarize("qwen3vl_colour", path, 0.95)
     assert s["final_val"] == 0.755 and s["steps_to_target"] is None
     assert s["failures"] == ["validation never reached 0.95 (last 0.755)"]
 
@@ -143,9 +143,9 @@ def test_run_fails_when_a_row_fails(tmp_path, monkeypatch):
 def test_benchmarks_quotes_the_generated_matrix_and_readme_links_it():
     assert KEPT, "no kept matrix run in benchmarks/h200"
     docs = [json.load(open(f)) for f in KEPT]
-    text = matrix.table(docs)
+    text = matrix.table(docs, earlier_too=False)
     assert text in open(os.path.join(ROOT, "benchmarks", "BENCHMARKS.md")).read(), "benchmarks/BENCHMARKS.md: " \
-        "paste `python -m benchmarks.matrix table benchmarks/h200/matrix_*.json`"
+        "paste `python -m benchmarks.matrix table benchmarks/h200/matrix_*.json --last`"
     # README quotes its results through a link (tests/test_docs.py: the link reaches the table's heading)
     assert "(benchmarks/BENCHMARKS.md#learning-matrix" in open(os.path.join(ROOT, "README.md")).read()
     latest = {r["row"]: r for d in docs for r in d["rows"]}
@@ -153,6 +153,13 @@ def test_benchmarks_quotes_the_generated_matrix_and_readme_links_it():
     assert {r.partition("/s")[0].partition("+")[0] for r in latest} <= set(matrix.ROWS)
     for name in set(matrix.ROWS) - set(latest):  # a row added since the last GPU run says so in the table
         assert f"| {name} | {matrix.ROWS[name][3]} | - | - | - | - | - | not yet run | - |" in text
+
+
+def test_the_table_can_show_some_rows_and_leave_out_earlier_attempts():
+    docs = [json.load(open(f)) for f in KEPT]
+    assert "Earlier attempts" in matrix.table(docs) and "Earlier attempts" not in matrix.table(docs, earlier_too=False)
+    lines = [ln for ln in matrix.table(docs, True, ["qwen3_text", "lora"]).splitlines() if ln.startswith("| ")]
+    assert [ln.split(" | ")[0] for ln in lines[1:]] == ["| qwen3_text", "| lora"], lines
 
 
 def test_parity_of_a_trained_run_on_the_cpu(tmp_path):
@@ -174,6 +181,12 @@ def test_parity_of_a_trained_run_on_the_cpu(tmp_path):
     assert p["prompts"] == 6 and p["greedy_equal"] == 1.0 and p["failures"] == []
     assert 6 * 4 <= sum(c["tokens"] for c in p["classes"].values()) <= 6 * 4 * 4  # 4 samples, 1 to 4 tokens each
     assert p["worst_mean"] < 5e-2 and p["worst_class"] in p["classes"]
+    assert p["parted"] == []  # equal greedy answers: no place where they part
+
+
+def test_where_two_greedy_answers_part():
+    assert matrix.first_difference([5, 6, 7], [5, 8, 7]) == 1
+    assert matrix.first_difference([5, 6], [5, 6, 9]) == 2 and matrix.first_difference([4], [5]) == 0
 
 
 def test_a_rows_parity_check_starts_when_the_row_ends(tmp_path, monkeypatch):
