@@ -187,6 +187,11 @@ def test_parity_of_a_trained_run_on_the_cpu(tmp_path):
 def test_where_two_greedy_answers_part():
     assert matrix.first_difference([5, 6, 7], [5, 8, 7]) == 1
     assert matrix.first_difference([5, 6], [5, 6, 9]) == 2 and matrix.first_difference([4], [5]) == 0
+    # the table says where and by how much (a near tie: a margin within bf16's noise)
+    part = dict(answer="blue", engine="blue x", hf="blue y")
+    p = dict(greedy_equal=0.98, mean=1e-3, worst_class="blue", worst_mean=2e-3,
+             parted=[dict(part, at=3, hf_margin=0.012), dict(part, at=2, hf_margin=0.004)])
+    assert "they part at token 2, 3, the HF model's margin there at most 0.012 nats" in matrix._parity_note(dict(parity=p))
 
 
 def test_a_rows_parity_check_starts_when_the_row_ends(tmp_path, monkeypatch):
