@@ -330,13 +330,13 @@ DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=
 # GRPO's advantage 0). The text demo (--demo-model qwen3): one-digit answers, groups of 32, half the lr, temperature
 # 1.5 (at lr 1e-3 it lost 2 and 8: 0.765; at 5e-4, temperature 1, the 2: 0.94; 1.5: 1.0; with cosine 0.595)
 TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4, temperature=1.5, lr_scheduler_type="constant")
-# The video demo (--demo-task video): answers of one token, groups of 32 (with 4 tokens and 16 it stopped saying
-# "green" before it told the clip's halves apart: every clip ending green answered "blue", 0.74).
+# The video demo (--demo-task video): one-token answers, groups of 32 (with 4 and 16 all clips ending green said "blue")
 VIDEO_DEMO = dict(max_response_length=1, n=32)
 # The zoom demo (tools.py): turns of one token (the call, the colour), groups of 32, KL 0.1 (at 0.01 it lost a colour)
 TOOLS_DEMO = dict(tools="zoom", reward_function="zoom", max_turns=2, max_turn_tokens=1, max_response_length=40,
                   limit_images=3, n=32, kl_coef=0.1, lr_scheduler_type="constant")
-FAMILY_DEMO = {"gemma4": dict(kl_coef=0.1)}  # Gemma 4's colour demo: KL 0.1 (at 0.01 it lost a colour more often)
+FAMILY_DEMO = {"gemma4": dict(kl_coef=0.1),  # Gemma 4's colour demo: KL 0.1 (at 0.01 it lost a colour more often)
+               "qwen3_5_moe": dict(temperature=1.2)}  # at 1.0 a merged pair split late (CPU seed 3: 0.835 at step 130)
 
 
 # ================================================================================ the demos' synthetic tasks

@@ -56,8 +56,10 @@ TABLES = [
         "demo_gemma4_balanced_cosine_seed2", "demo_gemma4_balanced_cosine_seed3", "demo_gemma4_balanced_cosine_kl0.01",
         "demo_balanced_300steps")]),
     Table("colour_cosine", GEMMA4, "benchmarks.record curves", [H1 + "matrix_2026-12-05_d_*_metrics.jsonl.xz"] + [
-        C + f + "_metrics.jsonl.xz" for f in ("demo_qwen3_5_moe_cosine", "demo_qwen3_5_moe_cosine_seed2",
-                                              "demo_qwen3_5_moe_cosine_seed3")]),
+        C + f + "_metrics.jsonl.xz" for f in (
+            "demo_qwen3_5_moe_cosine", "demo_qwen3_5_moe_cosine_seed2", "demo_qwen3_5_moe_cosine_seed3",
+            "demo_qwen3_5_moe_constant_seed3", "demo_qwen3_5_moe_cosine_t1.2", "demo_qwen3_5_moe_cosine_t1.2_seed2",
+            "demo_qwen3_5_moe_cosine_t1.2_seed3")]),
     Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
                                                                H + "demo_vllm_2gpu_tp2_100steps_metrics.jsonl"]),
     Table("parity", PARITY, "benchmarks.record parity", [H + "parity_*.json"]),
@@ -84,7 +86,7 @@ TABLES = [
     Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-05_*.txt"]),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
         "demo_cosine", "demo_torchrun2_cosine", "demo_cosine_bf16", "demo_qwen2vl_cosine", "demo_qwen3vl_cosine",
-        "demo_qwen3vl_moe_cosine", "demo_qwen3_5_cosine", "demo_qwen3_5_moe_cosine", "demo_internvl_cosine",
+        "demo_qwen3vl_moe_cosine", "demo_qwen3_5_cosine", "demo_qwen3_5_moe_cosine_t1.2", "demo_internvl_cosine",
         "demo_lora_cosine", "demo_lora_vision_adapters_cosine", "demo_rloo_cosine", "demo_video_cosine",
         "demo_qwen3vl_video_cosine", "demo_text_constant", "demo_text_cosine", "dapo_constant", "dapo_cosine")]),
     Table("tools", TOOLS, "benchmarks.record curves", [C + "demo_tools_balanced_*_metrics.jsonl.xz"]),

@@ -65,7 +65,7 @@ def test_the_picture_demos_decay_their_lr_and_the_slow_demos_keep_it_constant():
     """tiny_model's demo settings: the colour demos, every family's, take a cosine lr (at a constant one a solved task's
     late gradient spikes undid a colour: Gemma 4, pure bf16); the text and zoom demos and dapo.py's keep a constant one
     (a cosine sums to half of it: the text demo and dapo's ended short with it). Gemma 4 takes KL 0.1 (at 0.01 it lost a
-    colour more often); a flag still wins, and a real model gets EasyR1's defaults."""
+    colour more often), Qwen3.5-MoE temperature 1.2; a flag still wins, and a real model gets EasyR1's defaults."""
     demos = dict(text_demo=grpo.TEXT_DEMO, video_demo=grpo.VIDEO_DEMO, tools_demo=grpo.TOOLS_DEMO,
                  family_demo=grpo.FAMILY_DEMO)
     parse = lambda demo, *args: cli(grpo.Config, demo, args=list(args), **demos)  # noqa: E731
@@ -79,6 +79,9 @@ def test_the_picture_demos_decay_their_lr_and_the_slow_demos_keep_it_constant():
     assert [parse(grpo.DEMO, *a).kl_coef for a in (["--demo-model", "gemma4"], ["--demo-model", "internvl"],
             ["--demo-model", "gemma4", "--kl-coef", "0.01"], ["--model-path", "m", "--demo-model", "gemma4"])] == \
         [0.1, 0.01, 0.01, 0.01]
+    # Qwen3.5-MoE samples at 1.2 (at 1.0 a merged pair of colours split late)
+    assert [parse(grpo.DEMO, *a).temperature for a in (["--demo-model", "qwen3_5_moe"], ["--demo-model", "qwen3_5"],
+            ["--demo-model", "qwen3_5_moe", "--temperature", "1.0"])] == [1.2, 1.0, 1.0]
 
 
 def test_help_shows_the_real_defaults_and_names_the_demos(capsys):
