@@ -307,17 +307,7 @@ def parity(run_dir, engine="vllm", samples=4):
                 ids = torch.tensor(smp["response_ids"], device=device)  # [R]
                 lp = _hf_logprobs(hf, rec, smp["response_ids"], device)[:-1].gather(1, ids[:, None]).squeeze(1)  # [R]
                 diffs[rec["answer"]] += (lp.cpu() - torch.tensor(smp["logprobs"])).abs().tolist()
-        # where the greedy answers part: both texts, and by how much the HF model prefers its token there (a margin
-        # within bf16's noise is a near tie that two kernels may break either way; a wide one is a real difference)
-        proc = data.load_processor(hf_dir)
-        tok = getattr(proc, "tokenizer", proc)
-        parted = []
-        for rec, a, b in zip(recs, greedy, hf_greedy):
-            if a != b:
-                k = first_difference(a, b)
-                lp = _hf_logprobs(hf, rec, b[:k], device)[-1]  # [V]: the HF model's next token after the shared part
-                margin = float(lp[b[k]] - lp[a[k]]) if k < min(len(a), len(b)) else None
-                parted.append(dict(answer=rec["answer"], engine=tok.decode(a), hf=tok.decode(b), at=k, hf_margin=margin))
+        parted = where_answers_part(hf, hf_dir, recs, greedy, hf_greedy, device)
     classes = {c: dict(tokens=len(d), mean=statistics.fmean(d), max=max(d)) for c, d in sorted(diffs.items())}
     worst = max(classes, key=lambda c: classes[c]["mean"])
     out = dict(greedy_equal=sum(a == b for a, b in zip(greedy, hf_greedy)) / len(recs), prompts=len(recs),
@@ -325,6 +315,22 @@ def parity(run_dir, engine="vllm", samples=4):
                mean=statistics.fmean(x for d in diffs.values() for x in d), parted=parted)
     out["failures"] = [f"greedy answers equal the HF engine's on {out['greedy_equal']:.3f} of prompts "
                        f"(bar {MIN_GREEDY_EQUAL})"] if out["greedy_equal"] < MIN_GREEDY_EQUAL else []
+    return out
+
+
+def where_answers_part(hf, hf_dir, recs, greedy, hf_greedy, device):
+    """Each prompt whose greedy answers differ: both texts, where they part, and by how much the HF model prefers its
+    own token there (a margin within bf16's noise is a near tie two kernels may break either way; a wide one is a real
+    difference)."""
+    proc = data.load_processor(hf_dir)
+    tok, out = getattr(proc, "tokenizer", proc), []
+    with torch.no_grad():
+        for rec, a, b in zip(recs, greedy, hf_greedy):
+            if a != b:
+                k = first_difference(a, b)
+                lp = _hf_logprobs(hf, rec, b[:k], device)[-1]  # [V]: the HF model's next token after the shared part
+                margin = float(lp[b[k]] - lp[a[k]]) if k < min(len(a), len(b)) else None
+                out.append(dict(answer=rec["answer"], engine=tok.decode(a), hf=tok.decode(b), at=k, hf_margin=margin))
     return out
 
 

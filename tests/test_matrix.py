@@ -182,6 +182,24 @@ def test_parity_of_a_trained_run_on_the_cpu(tmp_path):
     assert 6 * 4 <= sum(c["tokens"] for c in p["classes"].values()) <= 6 * 4 * 4  # 4 samples, 1 to 4 tokens each
     assert p["worst_mean"] < 5e-2 and p["worst_class"] in p["classes"]
     assert p["parted"] == []  # equal greedy answers: no place where they part
+    # an engine whose first greedy token differs: the HF model's own greedy token is ahead of it there
+    import torch
+    import data
+    import fsdp_actor
+    import rollout
+    from config import Config
+    fsdp_actor.init_distributed()  # (load_datasets' collectives)
+    cfg = Config(**{k: v for k, v in json.load(open(os.path.join(run, "config.json"))).items()
+                    if k in Config.__dataclass_fields__})
+    hf_dir = os.path.join(run, "hf")
+    _, _, val = data.load_datasets(cfg, hf_dir)
+    recs = [val[0], val[1]]
+    hf = rollout.HFRollout(hf_dir, "cpu", torch.float32)
+    greedy = [g[0]["response_ids"] for g in hf.generate(recs, 1, 0.0, 1.0, 4, [0, 1])]
+    other = [[g[0] + 1] + g[1:] for g in greedy]
+    parted = matrix.where_answers_part(hf, hf_dir, recs, other, greedy, "cpu")
+    assert [x["at"] for x in parted] == [0, 0] and all(x["hf_margin"] >= 0 for x in parted), parted
+    assert matrix.where_answers_part(hf, hf_dir, recs, greedy, greedy, "cpu") == []
 
 
 def test_where_two_greedy_answers_part():
