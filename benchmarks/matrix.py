@@ -408,8 +408,9 @@ def _parity_note(s):
         return ""
     parted = p.get("parted") or []  # kept since 2026-12-05 d
     margins = [x["hf_margin"] for x in parted if x["hf_margin"] is not None]
-    where = (f" (they part at token {', '.join(sorted({str(x['at']) for x in parted}))}, the HF model's margin there "
-             f"at most {max(margins):.2g} nats)" if margins else f" (they part at token {parted[0]['at']})" if parted else "")
+    at = ", ".join(sorted({str(x["at"]) for x in parted}))
+    where = (f" (they part at token {at}, the HF model's margin there at most {max(margins):.2g} nats)" if margins
+             else f" (they part at token {at})" if parted else "")
     return (f"; greedy = HF engine on {p['greedy_equal']:.3f}{where}, log-prob diff {p['mean']:.1e}, "
             f"worst class {p['worst_class']} {p['worst_mean']:.1e}")
 

@@ -191,9 +191,10 @@ def steps_lines(path):
 
 
 def table_args(t):
-    """matrix.table's ran_only, rows and earlier_too from a Table's args (`--rows A,B`, `--last`)."""
+    """matrix.table's options from a Table's command and args (`--ran`, `--rows A,B`, `--last`)."""
     a = list(t.args)
-    return False, (a[a.index("--rows") + 1].split(",") if "--rows" in a else None), "--last" not in a
+    return dict(ran_only="--ran" in t.command, rows=a[a.index("--rows") + 1].split(",") if "--rows" in a else None,
+                earlier_too="--last" not in a)
 
 
 def output(t):
@@ -201,9 +202,8 @@ def output(t):
     paths = [os.path.join(ROOT, f) for f in files(t)]
     named = lambda text, p: f"{os.path.basename(p)}:\n\n{text}"  # noqa: E731
     run = {
-        "benchmarks.matrix table": lambda: matrix.table([json.load(open(p)) for p in paths], *table_args(t)),
-        "benchmarks.matrix table --ran": lambda: matrix.table([json.load(open(p)) for p in paths], True,
-                                                              *table_args(t)[1:]),
+        "benchmarks.matrix table": lambda: matrix.table([json.load(open(p)) for p in paths], **table_args(t)),
+        "benchmarks.matrix table --ran": lambda: matrix.table([json.load(open(p)) for p in paths], **table_args(t)),
         "benchmarks.matrix log": lambda: json.dumps(matrix.from_log(paths[0])),
         "benchmarks.bench report": lambda: bench.report(paths),
         "benchmarks.bench table": lambda: bench.table(paths),
@@ -222,14 +222,17 @@ def output(t):
     return run[t.command]()
 
 
+COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "text", "steps")  # the tables only this module prints
+
+
 def main(argv):
     by_name = {t.name: t for t in TABLES}
-    if argv and argv[0] in ("parity", "curves", "spikes", "engine", "two-turn", "text", "steps"):  # TABLES' benchmarks.record
+    if argv and argv[0] in COMMANDS:  # TABLES' benchmarks.record
         print(output(Table("-", "-", "benchmarks.record " + argv[0], argv[1:])))
         return 0
     unknown = [a for a in argv if a not in by_name]
     if unknown:
-        print(f"unknown table {unknown[0]}: one of {', '.join(by_name)}, or parity/curves/spikes/engine/two-turn/text/steps FILES",
+        print(f"unknown table {unknown[0]}: one of {', '.join(by_name)}, or {'/'.join(COMMANDS)} FILES",
               file=sys.stderr)
         return 2
     section = None

@@ -209,7 +209,8 @@ def test_where_two_greedy_answers_part():
     part = dict(answer="blue", engine="blue x", hf="blue y")
     p = dict(greedy_equal=0.98, mean=1e-3, worst_class="blue", worst_mean=2e-3,
              parted=[dict(part, at=3, hf_margin=0.012), dict(part, at=2, hf_margin=0.004)])
-    assert "they part at token 2, 3, the HF model's margin there at most 0.012 nats" in matrix._parity_note(dict(parity=p))
+    note = matrix._parity_note(dict(parity=p))
+    assert "they part at token 2, 3, the HF model's margin there at most 0.012 nats" in note
 
 
 def test_a_rows_parity_check_starts_when_the_row_ends(tmp_path, monkeypatch):
