@@ -322,6 +322,8 @@ def where_answers_part(hf, hf_dir, recs, greedy, hf_greedy, device):
     """Each prompt whose greedy answers differ: both texts, where they part, and by how much the HF model prefers its
     own token there (a margin within bf16's noise is a near tie two kernels may break either way; a wide one is a real
     difference)."""
+    if greedy == hf_greedy:
+        return []  # (no processor to load)
     proc = data.load_processor(hf_dir)
     tok, out = getattr(proc, "tokenizer", proc), []
     with torch.no_grad():
