@@ -62,6 +62,10 @@ VARIANTS = {}  # --variant LABEL=FLAGS: a row named ROW+LABEL runs ROW with FLAG
 MAX_DIFF_MEAN = 5e-3
 HOLD = 3  # a row passes when its last HOLD validations are all at its target
 MIN_GREEDY_EQUAL = 0.99  # parity: the share of validation prompts on which vLLM's greedy answer is the HF engine's
+# ... or parts from it at a near tie: where the HF model prefers its own token by at most NEAR_TIE nats. Two bf16 kernels
+# move a token's log-prob by up to ~0.03-0.06 (the largest per-token engine/HF gaps of the 2026-12-05 d matrix's rows),
+# a margin by up to twice that; greedy decoding breaks such a tie either way. A wider margin is a real difference.
+NEAR_TIE = 0.1
 
 
 def spec(name):
@@ -157,7 +161,8 @@ def validation_failures(s):
 def regrade(s):
     """A kept row judged by today's validation rule (its other failures, parity and exit code, as they were)."""
     s = {**s, "held_from": held_from(s["val"], s["target"])}
-    s["failures"] = validation_failures(s) + [f for f in s["failures"] if not f.startswith("validation")]
+    kept = [f for f in s["failures"] if not f.startswith(("validation", "greedy"))]
+    s["failures"] = validation_failures(s) + kept + (parity_failures(dict(s["parity"])) if s.get("parity") else [])
     return s
 
 
@@ -313,9 +318,19 @@ def parity(run_dir, engine="vllm", samples=4):
     out = dict(greedy_equal=sum(a == b for a, b in zip(greedy, hf_greedy)) / len(recs), prompts=len(recs),
                classes=classes, worst_class=worst, worst_mean=classes[worst]["mean"],
                mean=statistics.fmean(x for d in diffs.values() for x in d), parted=parted)
-    out["failures"] = [f"greedy answers equal the HF engine's on {out['greedy_equal']:.3f} of prompts "
-                       f"(bar {MIN_GREEDY_EQUAL})"] if out["greedy_equal"] < MIN_GREEDY_EQUAL else []
+    out["failures"] = parity_failures(out)
     return out
+
+
+def parity_failures(p):
+    """The parity bar: greedy answers equal the HF engine's, or part from them at a near tie, on MIN_GREEDY_EQUAL of
+    the prompts (a summary kept before 2026-12-05 d has no `parted`: equal answers only)."""
+    ties = sum(x["hf_margin"] is not None and x["hf_margin"] <= NEAR_TIE for x in p.get("parted") or [])
+    ties = ties / p["prompts"] if ties else 0.0
+    p["greedy_agree"] = p["greedy_equal"] + ties
+    more = f", {ties:.3f} more at a near tie (margin <= {NEAR_TIE} nats)" if "parted" in p else ""
+    return [] if p["greedy_agree"] >= MIN_GREEDY_EQUAL else [
+        f"greedy answers equal the HF engine's on {p['greedy_equal']:.3f} of prompts{more} (bar {MIN_GREEDY_EQUAL})"]
 
 
 def where_answers_part(hf, hf_dir, recs, greedy, hf_greedy, device):

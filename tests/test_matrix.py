@@ -211,6 +211,19 @@ def test_where_two_greedy_answers_part():
              parted=[dict(part, at=3, hf_margin=0.012), dict(part, at=2, hf_margin=0.004)])
     note = matrix._parity_note(dict(parity=p))
     assert "they part at token 2, 3, the HF model's margin there at most 0.012 nats" in note
+    # the bar counts a parting at a near tie as agreement, a wide margin (or a missing one) as a difference
+    p["prompts"] = 100
+    assert matrix.parity_failures(p) == [] and p["greedy_agree"] == 1.0
+    p["parted"][0]["hf_margin"] = 2 * matrix.NEAR_TIE
+    assert matrix.parity_failures(p) == [] and p["greedy_agree"] == 0.99
+    p["parted"][1]["hf_margin"] = None
+    assert "0.980 of prompts, 0.000 more at a near tie" in matrix.parity_failures(p)[0]
+    # a kept row is re-graded by the same bar (one before `parted` was kept: equal answers only)
+    row = dict(val=[(10, 1.0), (20, 1.0), (30, 1.0)], target=0.95, steps_to_target=10, final_val=1.0, parity=dict(p, parted=[]),
+               failures=["greedy answers equal ... (bar 0.99)"])
+    assert matrix.regrade(row)["failures"] == matrix.parity_failures(dict(p, parted=[])) != []
+    row["parity"]["parted"] = [dict(part, at=1, hf_margin=0.05)] * 2
+    assert matrix.regrade(row)["failures"] == []
 
 
 def test_a_rows_parity_check_starts_when_the_row_ends(tmp_path, monkeypatch):
