@@ -7,11 +7,12 @@
 #   all       every row of benchmarks/matrix.py side by side with --parity, Gemma 4's and dapo's rows a second time
 #             (seed 2: two runs of each in one call), and tests/test_tools_gpu.py beside them. ~13 min on one H200;
 #             ~90 GB of GPU memory with 2 GiB KV caches (H200); 0.5 GiB on a smaller GPU (KV= overrides). EXTRA=",ROW.."
-#             adds rows (variants kl001, const). On one H100 with three more rows (2026-12-05 c) the rows' 900 s cut
-#             the four slowest (MoE, Qwen3.5, zoom): there, run it with LIMIT=1500 over three calls, or no EXTRA.
+#             adds rows (variants kl001, const); TWICE= (empty) leaves the second seeds out. On one H100 with three
+#             more rows (2026-12-05 c) the rows' 900 s cut the four slowest (MoE, Qwen3.5, zoom): there, run it with
+#             LIMIT=1500 over three calls, or no EXTRA.
 #             With the colour demos' cosine lr: TOOLS=0 LIMIT=1500 EXTRA=",gemma4_colour/s3,bf16/s2" ran on one H100
 #             (2026-12-05 d, ~20 min over three calls): 17 of 20 rows held. With Qwen3.5-MoE at its demo's temperature
-#             1.2 and the parity's near-tie rule (since then): TOOLS=0 LIMIT=1500 (2026-12-06, one H100).
+#             1.2 and the parity's near-tie rule (since then), next: TOOLS=0 LIMIT=1500 bash benchmarks/gpu_matrix.sh all.
 #   gemma4    what tells why Gemma 4's row lost a colour on the GPU and not on the CPU, at the KL weight it had then
 #             (0.01): three seeds with the GPU's defaults (vLLM, AMP bf16), the HF engine instead of vLLM (bf16), the
 #             HF engine and the trainer in fp32 (the CPU's arithmetic on the GPU) at two seeds; its row as fixed (KL
@@ -26,7 +27,7 @@ source benchmarks/gpu_env.sh
 case "${1:-}" in
   all)
     KV=${KV:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000) ? 2 : 0.5}')}
-    python -m benchmarks.matrix run --seeds 1 --rows "$(python -c 'from benchmarks import matrix; print(",".join(matrix.ROWS))'),gemma4_colour/s2,dapo/s2${EXTRA:-}" \
+    python -m benchmarks.matrix run --seeds 1 --rows "$(python -c 'from benchmarks import matrix; print(",".join(matrix.ROWS))')${TWICE-,gemma4_colour/s2,dapo/s2}${EXTRA:-}" \
       --variant kl001="--kl-coef 0.01" --variant const="--lr-scheduler-type constant" --parity --kv-gb "$KV" \
       --timeout "${LIMIT:-900}" --out "$OUT/matrix" ;;
   gemma4)
