@@ -12,7 +12,9 @@
 #      with the tracked tree, ~8 MB now: when it refuses, carry the part alone and copy it to /tmp/vparts, then
 #      install.sh and the wheels in the next call; the tool's README splits part-00 in two the same way; since
 #      2026-12-02 the tracked tree (9.4 MB) and part-01 (57.6 MB) pass 64 MiB together: `split -b 30M -d
-#      .gpu/vllm026-slim.tar.xz.part-01 .gpu/p01.` and carry p01.00, then p01.01, cat-ing them in /tmp/vparts):
+#      .gpu/vllm026-slim.tar.xz.part-01 .gpu/p01.` and carry p01.00, then p01.01, cat-ing them in /tmp/vparts; on
+#      2026-12-06 part-00 (60 MiB) and the tree (4.2 MB) passed it too: carry its first 59.5 MiB (`head -c 62390272`)
+#      in call 1 and the rest (`tail -c +62390273`) with part-01 in call 2, cat-ing the two into part-00 there):
 #      cp .gpu/*.part-01 /tmp/vparts/ && bash .gpu/install_vllm.sh && bash benchmarks/gpu_speed.sh bar
 # EXTRA_PYTHONPATH: folders put first on the path (e.g. a torchvision installed apart: `pip install vllm` brings
 # torchvision, the slim bundle does not; with it transformers and vLLM take the torchvision image processors).
