@@ -63,13 +63,11 @@ class Config:
     # 1: the engine's weights wait in host memory while training; 2: dropped, re-sent before generating; auto: 2 for
     # full fine-tuning (every weight is re-sent anyway), 1 with LoRA (and --debug-skip-sync)
     sleep_level: int | Literal["auto"] = "auto"
-    # each prompt's samples seeded from its place in the data: a run is the same on any layout and on resume (vLLM's
-    # V1 runner, Qwen3.5's and MoE models': each call seeded from its prompts' seeds, the same on resume and layout
-    # only); off: vLLM seeds each request itself (BENCHMARKS Speed)
+    # each prompt's samples seeded from its place in the data: the same run on any layout and on resume (vLLM's V1
+    # runner, Qwen3.5's and MoE models': each call seeded from its prompts' seeds); off: vLLM seeds each request
     per_prompt_seeds: bool = True
     # vLLM's intake of the next step's requests (its processor on every image) on the prefetch thread while this step
-    # trains. auto: where it can (tensor parallel 1); on: the same, and one line where it cannot; off: at the start of
-    # generating (the 3B bar: generation 17.4 s against 18.2 s, BENCHMARKS.md, 2026-12-02)
+    # trains. auto: where it can (tensor parallel 1); on: the same, and one line where it cannot; off: when generating
     prefetch_requests: Literal["auto", "on", "off"] = "auto"
     limit_images: int = 1  # images per prompt the engine accepts (EasyR1's limit_images); raise for multi-image data
     limit_videos: int = 0  # videos per prompt the engine accepts; 0 = the most any training or validation row has
@@ -148,9 +146,8 @@ class Config:
     # (the experts are not nn.Linear, so all-linear leaves them frozen). An error on a model without experts
     lora_target_experts: bool = False
     gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~1/3 more compute
-    # with gradient checkpointing: the share of decoder layers that recompute (the first ones, rounded up); the others
-    # keep their activations. 1 = all; auto: as few as fit this GPU by the memory model with its 15 % error bound
-    # (1 where it does not know the model, or on the CPU)
+    # with gradient checkpointing: the share of decoder layers that recompute (the first, rounded up). 1 = all; auto:
+    # as few as fit this GPU by the memory model with its 15 % error bound (1 where it does not know it, or on the CPU)
     checkpoint_layers: float | Literal["auto"] = 1.0
     attn_implementation: str | None = None  # e.g. flash_attention_2; None = transformers' default (sdpa)
     padding_free: Literal["auto", "on", "off"] = "auto"  # one packed row per micro-batch (varlen attention); auto: where a fast kernel runs

@@ -369,17 +369,14 @@ class PromptDataset:
         if not self.indices:
             raise UserError(f"{where}: no usable rows ({len(dropped)} too long, {len(bad)} bad)")
 
-    def encode_row(self, row_index: int) -> dict:
-        try:
-            return encode_prompt(self.rows[row_index], self.processor, **self.encode_kwargs)
-        except UserError as e:
-            raise UserError(f"dataset row {row_index}: {e}") from e
-
     def __len__(self):
         return len(self.indices)
 
     def __getitem__(self, i: int) -> dict:
-        return self.encode_row(self.indices[i])
+        try:
+            return encode_prompt(self.rows[self.indices[i]], self.processor, **self.encode_kwargs)
+        except UserError as e:
+            raise UserError(f"dataset row {self.indices[i]}: {e}") from e
 
 
 def draw_prompts(dataset, cursor, count, rank, world, seed, shuffle=True):

@@ -6,12 +6,14 @@ Log-probs in both: each sampled token's under the *processed* distribution it wa
 logits / T, top-p renormalised: vLLM's "processed_logprobs"); at top_p 1, the trainer's log_softmax(logits / T)."""
 import dataclasses
 from dataclasses import asdict
+import hashlib
 import importlib.util
 import os
 import warnings
 
 import torch
 import torch.distributed as dist
+from PIL import Image
 from transformers import (AutoConfig, GenerationConfig, LogitsProcessorList,
                           SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper)
 
@@ -91,13 +93,11 @@ class HFRollout:
         self.model = load_hf_model(model_path, dtype).to(self.device).eval()
         self.dtype = dtype
         self.eos_ids, self.forbidden_ids = special_token_ids(model_path)
-        # A clean generation config: checkpoint defaults (Qwen-VL ships top_k=1, top_p=0.001,
-        # repetition_penalty=1.05) would otherwise fill every knob we leave unset and change the distribution.
+        # a clean generation config: a checkpoint's (Qwen-VL: top_k=1, top_p=0.001) would set every knob left unset
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0])
         # name -> tensor sharing storage with the model: sync_weights copies into these in place
         self._params = self.model.state_dict()
-        # a folder without weights: placeholders, as vLLM's load_format="dummy" has them, until a sync sends every
-        # weight (a first sync of only the LoRA layers would leave the rest placeholders: sync_weights refuses it)
+        # a folder without weights: placeholders (vLLM's load_format="dummy") until a sync sends every weight
         self.weights_lost = presets.random_init(model_path) is not None
         if self.weights_lost:
             g = torch.Generator(self.device).manual_seed(1234)
@@ -117,8 +117,7 @@ class HFRollout:
         greedy = temperature == 0
         rows = 1 if greedy else n  # greedy samples are identical: compute one and copy it
         ids = torch.tensor([prompt["prompt_ids"]] * rows, device=self.device)  # [rows, Lp]
-        # Qwen-VL packs the patches of all images of the batch along dim 0 (pixel_values [P, D] per prompt,
-        # image_grid_thw [I, 3]), so n copies of a prompt are n concatenated copies of each tensor.
+        # Qwen-VL packs a batch's patches along dim 0 (pixel_values [P, D]): n copies of each tensor, concatenated
         mm = {}
         for k, v in (prompt.get("mm_inputs") or {}).items():
             v = torch.cat([v] * rows).to(self.device)
@@ -180,8 +179,7 @@ class HFRollout:
 # ------------------------------------------------------------------------------------------------ vLLM engine
 def _set_vllm_env():
     """Must run before `import vllm` (some settings are read at import or engine creation)."""
-    # in-process engine: sync_weights reaches the nn.Module directly; external_launcher's SPMD needs it too
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: sync_weights reaches the nn.Module
     # vLLM 0.26 builds FlashInfer's sampler by default (not installed here); processed log-probs and seeds skip it
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -243,8 +241,7 @@ class VLLMRollout:
         if hasattr(hf_config, "vision_config"):  # text-only models reject these
             kw["limit_mm_per_prompt"] = limit_mm_per_prompt or {"image": 1, "video": 0}
             if kw["limit_mm_per_prompt"].get("video"):
-                # vLLM caches processed items one by one and processes only the missing ones, while a Qwen2(.5)-VL
-                # prompt's video_metadata keyword covers all its videos: no cache, so the two always match
+                # vLLM caches items one by one, a Qwen2(.5)-VL prompt's video_metadata covers all its videos: no cache
                 kw["mm_processor_cache_gb"] = 0
         else:
             engine_kwargs.pop("mm_processor_kwargs", None)
@@ -275,7 +272,7 @@ class VLLMRollout:
                 [list(range(r, r + self.tp)) for r in range(0, world, self.tp)], backend="gloo")
 
     # ---- generation
-    per_prompt_seeds, v1_runner, unused_params = True, False, ()  # (make_rollout, __init__ set them) _requests
+    per_prompt_seeds, v1_runner, unused_params, keys = True, False, (), {}  # (make_rollout, __init__, _items set them)
 
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True):
         """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j` (hence
@@ -298,6 +295,7 @@ class VLLMRollout:
         mm = {}
         if p.get("images"):
             mm["image"] = list(p["images"])
+            out["multi_modal_uuids"] = {"image": [self._image_key(im) for im in mm["image"]]}
         if p.get("videos"):
             meta = [{"total_num_frames": len(v), "fps": f} for v, f in zip(p["videos"], p["video_fps"])]
             if self.model_type in ("qwen3_vl", "qwen3_vl_moe"):
@@ -309,6 +307,13 @@ class VLLMRollout:
         if mm:
             out["multi_modal_data"] = mm
         return out
+
+    def _image_key(self, img):
+        """vLLM's key of a picture (multi_modal_uuids), hashed once per call where vLLM hashes it for each request that
+        holds it (turn two's n trajectories hold their prompt's picture). None: vLLM hashes it."""
+        if isinstance(img, Image.Image) and img.palette is None and id(img) not in self.keys:  # (kept: its id stays)
+            self.keys[id(img)] = (img, f"{img.mode}{img.size}" + hashlib.blake2b(img.tobytes()).hexdigest()[:32])
+        return self.keys.get(id(img), (None, None))[1]
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
         """lengths (benchmarks): per prompt, n forced response lengths (each sample its own request, EOS ignored).
@@ -356,6 +361,7 @@ class VLLMRollout:
 
     def _items(self, prompts, seeds, lengths=None, logprobs=None):
         """(vLLM prompt, seed, lengths, samples with log-probs) of the TP group's prompts; this rank's slice of them."""
+        self.keys = {}
         mine = list(zip(map(self._vllm_prompt, prompts), seeds, lengths or [None] * len(prompts),
                         [True] * len(prompts) if logprobs is None else logprobs))
         everyone, offset = [mine], 0

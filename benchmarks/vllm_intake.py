@@ -5,7 +5,10 @@ cache, the placeholders) and the engine core's Request (the prefix cache's block
 turn two sends them (rollout.VLLMRollout._vllm_prompt): ~100 prompt tokens around the prompt's picture, the first
 turn's 512 tokens, the tool's answer with its picture, each picture one <|image_pad|> that vLLM expands. Rows:
 - alone: one tool picture for all (the two-turn bar's: vLLM's processor cache serves all from the first);
-- uuids: the same with `multi_modal_uuids` given for both pictures (vLLM hashes neither);
+- uuids: the same with `multi_modal_uuids` given for both pictures (vLLM hashes neither; fixed names: the floor);
+- keys: the same with the keys rollout.VLLMRollout gives (multi_modal_uuids: each picture's bytes hashed once per call,
+  here timed with the intake; since 2026-12-06);
+- keys_distinct: `distinct` with those keys (each tool picture hashed by us instead of by vLLM);
 - distinct: a picture of its own per request, new each round (each one through vLLM's HF processor);
 - beside_pixels: `alone` while tools.render_answers' threads make the trainer's pixels of as many tool answers
   (`--workers` threads, `--backend` pil or torchvision image processor): what the deferred pixels cost the intake;
@@ -24,6 +27,7 @@ import time
 
 import numpy as np
 
+import rollout
 import tools
 from benchmarks import two_turn
 
@@ -59,12 +63,23 @@ def requests(tok, tool_pictures, uuids=False):
     return out
 
 
-def intake(ip, hasher, reqs, tag):
-    """Seconds of process_inputs for every request, then of the engine core's Requests (their block hashes)."""
+def keyed(reqs):
+    """The requests with the keys rollout.VLLMRollout's _items gives their pictures (one call's: made once each)."""
+    eng = object.__new__(rollout.VLLMRollout)
+    eng.keys = {}
+    for r in reqs:
+        r["multi_modal_uuids"] = {"image": [eng._image_key(im) for im in r["multi_modal_data"]["image"]]}
+    return reqs
+
+
+def intake(ip, hasher, reqs, tag, keys=False):
+    """Seconds of process_inputs for every request (with keys: and of making their keys), then of the engine core's
+    Requests (their block hashes)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
     params = SamplingParams(max_tokens=512, ignore_eos=True, logprobs=0, detokenize=False, seed=1)
     t = time.perf_counter()
+    reqs = keyed(reqs) if keys else reqs
     core = [ip.process_inputs(f"{tag}-{i}", r, params, supported_tasks=("generate",)) for i, r in enumerate(reqs)]
     t1 = time.perf_counter()
     [Request.from_engine_core_request(r, hasher) for r in core]
@@ -85,7 +100,8 @@ def main(model_path, n=256, rounds=3, workers=1, backend="pil", profile=False):
     tok, one = ip.tokenizer, two_turn.picture(512, seed=1)
     proc = pixel_processor(model_path, backend)
     os.cpu_count = lambda: workers  # render_answers' pool: min(8, os.cpu_count()) threads
-    times = {k: [] for k in ("alone", "uuids", "distinct", "beside_pixels", "beside_processes")}
+    times = {k: [] for k in ("alone", "uuids", "keys", "distinct", "keys_distinct", "beside_pixels",
+                             "beside_processes")}
     pool = two_turn.pixel_pool(model_path, 3136, 1 << 22, workers)
     pool.submit(int, 1).result()  # (its processes started: once per run)
     intake(ip, hasher, requests(tok, [one] * n), "warm")  # the processor cache holds both pictures from here
@@ -98,8 +114,11 @@ def main(model_path, n=256, rounds=3, workers=1, backend="pil", profile=False):
     for k in range(rounds):
         times["alone"].append(intake(ip, hasher, requests(tok, [one] * n), f"a{k}"))
         times["uuids"].append(intake(ip, hasher, requests(tok, [one] * n, uuids=True), f"u{k}"))
+        times["keys"].append(intake(ip, hasher, requests(tok, [one] * n), f"k{k}", keys=True))
         fresh = [two_turn.picture(512, seed=1000 * (k + 1) + i) for i in range(n)]
         times["distinct"].append(intake(ip, hasher, requests(tok, fresh), f"d{k}"))
+        fresh = [two_turn.picture(512, seed=1000 * (k + 1) + 500 + i) for i in range(n)]
+        times["keys_distinct"].append(intake(ip, hasher, requests(tok, fresh), f"e{k}", keys=True))
         answers = tools.render_answers(proc, [[{"name": "zoom", "result": one}]] * n, [""] * n, 3136, 1 << 22)
         times["beside_pixels"].append(intake(ip, hasher, requests(tok, [one] * n), f"b{k}"))
         t = time.perf_counter()

@@ -255,6 +255,26 @@ def test_vllm_samples_of_a_run_never_share_a_seed(monkeypatch):
     assert len(set(seen)) == len(seen), f"{len(seen) - len(set(seen))} samples reuse another sample's seed"
 
 
+def test_vllm_gets_each_pictures_key_made_once_a_call(monkeypatch):
+    """vLLM hashes a request's pictures' bytes for its caches (processor, encoder, prefix); turn two's n trajectories
+    each hold their prompt's picture, so it hashed that picture n times. _vllm_prompt gives multi_modal_uuids instead:
+    a picture's key made once per call, equal for equal bytes, apart for other bytes or another size."""
+    eng = object.__new__(rollout.VLLMRollout)
+    eng.model_type, eng.tp_group = "qwen2_5_vl", None
+    hashed, blake2b = [], rollout.hashlib.blake2b
+    monkeypatch.setattr(rollout.hashlib, "blake2b", lambda b: hashed.append(len(b)) or blake2b(b))
+    blue, tool = Image.new("RGB", (8, 8), "blue"), Image.new("RGB", (8, 8), "red")
+    pics = [[blue, tool], [blue, tool], [Image.new("RGB", (8, 8), "blue"), Image.new("RGB", (4, 16), "blue")],
+            [Image.new("P", (8, 8))]]
+    items, _ = eng._items([{"raw_prompt_ids": [1, 2], "images": p} for p in pics], [1, 2, 3, 4])
+    keys = [pr["multi_modal_uuids"]["image"] for pr, *_ in items]
+    assert len(hashed) == 4  # blue, tool, the other blue and the 4 x 16 one: once each
+    assert keys[0] == keys[1] and keys[2][0] == keys[0][0] and len({keys[0][0], keys[0][1], keys[2][1]}) == 3
+    assert keys[3] == [None]  # a palette picture: vLLM hashes it (its colours are not in its bytes)
+    eng._items([{"raw_prompt_ids": [1], "images": [blue]}], [1])
+    assert len(hashed) == 5  # the next call makes its own keys (none kept from call to call)
+
+
 def test_sleep_survives_another_process_allocating(monkeypatch):
     """vLLM's sleep asserts that the device's free memory grew, which another process on the GPU can break after the
     engine freed its memory (two matrix rows died of it at steps 42 and 135); the engine must then still count as
