@@ -20,7 +20,7 @@ emptied); their order alternates by round. Results: <output_dir>/two_turn.json a
   threads: do those threads slow vLLM's intake by more than they save?);
 - two_turn_pixels_in_processes: the pixels made in processes (render_answers' `pool`: pixel_pool below), which share
   no GIL with vLLM's intake and loop (on the 2-core CPU, beside vLLM 0.26's intake of 256 turn-two requests, a
-  process made it 1.06-1.15x slower, a thread 1.15-1.59x: benchmarks/vllm_intake.py, BENCHMARKS.md, 2026-12-05).
+  process made it 1.06-1.07x slower, a thread 1.15-1.29x: benchmarks/vllm_intake.py, BENCHMARKS.md, 2026-12-06).
 
     python -m benchmarks.two_turn host MODEL_PATH [--samples 512] [--image 512]
 
