@@ -213,13 +213,14 @@ def test_padding_free_equals_padded_for_video_rows(arch):
 def test_vllm_requests_carry_the_frames_and_their_rate(arch):
     """What vLLM is handed (checked against vLLM itself in tests/test_video_gpu.py): one pad per video, the trainer's
     frames, their frame rate where each model's vLLM processor reads it."""
-    from types import SimpleNamespace
-
     import rollout
     name, _, proc = arch
     rec = video_prompts(proc)[1]  # an image, then clips of 6 and 3 (padded to 4) frames at 0.5 frames per second
-    req = rollout.VLLMRollout._vllm_prompt(SimpleNamespace(model_type=name), rec)
+    eng = object.__new__(rollout.VLLMRollout)
+    eng.model_type = name
+    req = rollout.VLLMRollout._vllm_prompt(eng, rec)
     assert req["prompt_token_ids"] == rec["raw_prompt_ids"]
+    assert req["multi_modal_uuids"] == {"image": [eng._image_key(im) for im in rec["images"]]}  # (the videos: vLLM's)
     assert req["prompt_token_ids"].count(proc.tokenizer.convert_tokens_to_ids("<|video_pad|>")) == 2
     assert req["multi_modal_data"]["image"] == rec["images"]
     videos, sizes = req["multi_modal_data"]["video"], (6, 4)
