@@ -15,7 +15,7 @@ import data
 import grpo
 import memory
 import tiny_model
-from benchmarks import bench, record
+from benchmarks import bench, host_log, record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (python -m benchmarks.bench runs from here)
 
@@ -344,13 +344,13 @@ def test_phases_reads_the_gpu_log_inside_each_phase(tmp_path):
     idle = datetime.datetime.fromtimestamp(t0 + 6.25).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
     rows.append(f"{idle}, 0, 1980 MHz, 3201 MHz, 40, 80.00 W, 0 %, 0x{1:016x}")  # the run has ended
     (tmp_path / "gpu.csv").write_text("\n".join(rows) + "\n")
-    out = bench.phases(str(tmp_path / "m.jsonl"), str(tmp_path / "gpu.csv")).splitlines()
+    out = host_log.phases(str(tmp_path / "m.jsonl"), str(tmp_path / "gpu.csv")).splitlines()
     assert out[2:] == ["| 1 | sync | 1.0 | 1980 | 100 | 0 % | 0% | 0% |",
                        "| 1 | gen | 2.0 | 1980 | 400 | 50 % | 0% | 0% |",
                        "| 1 | update | 3.0 | 1500 | 690 | 100 % | 100% | 0% |"], out
     # the same run without its stamps: it ended between the last busy row and the next (t0 + 6), the rest laid back
     (tmp_path / "m.jsonl").write_text(json.dumps({k: v for k, v in step.items() if not k.startswith("time/")}))
-    out = bench.phases(str(tmp_path / "m.jsonl"), str(tmp_path / "gpu.csv")).splitlines()
+    out = host_log.phases(str(tmp_path / "m.jsonl"), str(tmp_path / "gpu.csv")).splitlines()
     assert out[2:5] == ["| 1 | sync | 1.0 | 1980 | 100 | 0 % | 0% | 0% |",
                         "| 1 | gen | 2.0 | 1980 | 400 | 50 % | 0% | 0% |",
                         "| 1 | update | 3.0 | 1500 | 690 | 100 % | 100% | 0% |"], out
@@ -372,7 +372,7 @@ def test_phases_reads_the_gpu_log_inside_each_phase(tmp_path):
                     f"{who}, {100 * i}, 1, 0")
     (tmp_path / "host.csv").write_text("\n".join(host) + "\n")
     (tmp_path / "m.jsonl").write_text(json.dumps(step) + "\n")
-    out = bench.phases(str(tmp_path / "m.jsonl"), str(tmp_path / "gpu.csv"), str(tmp_path / "host.csv")).splitlines()
+    out = host_log.phases(str(tmp_path / "m.jsonl"), str(tmp_path / "gpu.csv"), str(tmp_path / "host.csv")).splitlines()
     assert out[0].endswith("| busy cores | stolen | busiest thread | page faults/s |") and out[1].count("---") == 12
     # (rows 0-1 in sync, 2-5 in generation, 6-11 in the update; faults 100 i minor + 1 major a second)
     assert [line.split("|")[-5:-1] for line in out[2:]] == [[" 9.0 ", " 0.0 % ", " 40 % (pt_autograd_0) ", " 51 "],
