@@ -11,8 +11,8 @@
 #             more rows (2026-12-05 c) the rows' 900 s cut the four slowest (MoE, Qwen3.5, zoom): there, run it with
 #             LIMIT=1500 over three calls, or no EXTRA.
 #             With the colour demos' cosine lr: TOOLS=0 LIMIT=1500 EXTRA=",gemma4_colour/s3,bf16/s2" ran on one H100
-#             (2026-12-05 d, ~20 min over three calls): 17 of 20 rows held. With Qwen3.5-MoE at its demo's temperature
-#             1.2 and the parity's near-tie rule (since then), next: TOOLS=0 LIMIT=1500 bash benchmarks/gpu_matrix.sh all.
+#             (2026-12-05 d, ~20 min over three calls): 17 of 20 rows held. TOOLS=0 LIMIT=1500 bash
+#             benchmarks/gpu_matrix.sh all: 18 of 18 held on one H100 (2026-12-06, ~20 min over three calls).
 #   gemma4    what tells why Gemma 4's row lost a colour on the GPU and not on the CPU, at the KL weight it had then
 #             (0.01): three seeds with the GPU's defaults (vLLM, AMP bf16), the HF engine instead of vLLM (bf16), the
 #             HF engine and the trainer in fp32 (the CPU's arithmetic on the GPU) at two seeds; its row as fixed (KL

@@ -426,8 +426,9 @@ def _parity_note(s):
     parted = p.get("parted") or []  # kept since 2026-12-05 d
     margins = [x["hf_margin"] for x in parted if x["hf_margin"] is not None]
     at = ", ".join(sorted({str(x["at"]) for x in parted}))
-    where = (f" (they part at token {at}, the HF model's margin there at most {max(margins):.2g} nats)" if margins
-             else f" (they part at token {at})" if parted else "")
+    agree = f"; {p['greedy_agree']:.3f} with near ties" if "greedy_agree" in p else ""
+    where = (f" ({len(parted)} part at token {at}, where the HF model prefers its own by at most {max(margins):.3f} "
+             f"nats{agree})" if margins else f" ({len(parted)} part at token {at}{agree})" if parted else "")
     return (f"; greedy = HF engine on {p['greedy_equal']:.3f}{where}, log-prob diff {p['mean']:.1e}, "
             f"worst class {p['worst_class']} {p['worst_mean']:.1e}")
 

@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # root; a pattern stands for the files it matches, sorted, as the shell gives them); args: after the files.
 Table = collections.namedtuple("Table", "name section command files args", defaults=((),))
 
-MATRIX = "Learning matrix: every demo with vLLM (H100 and H200, 2026-12-01 to 2026-12-05)"
+MATRIX = "Learning matrix: every demo with vLLM (H100 and H200, 2026-12-01 to 2026-12-06)"
 GEMMA4 = "Losing a colour: what decides it (H100 and CPU, 2026-12-05)"
 TWO_GPUS = "Two H200s: the colour demo at tensor parallel 1 and 2 (2 x H200, 2026-11-30)"
 PARITY = "Parity: vLLM against the HF engine (H200, 2026-12-01 to 2026-12-04)"
@@ -37,13 +37,15 @@ MEMORY = "Memory cells: measured against the memory model (H200, 2026-12-01 to 2
 LONG = "Long answers: the Qwen3-4B shape at 16k response tokens (H100, 2026-12-05)"
 SHAPES = "Model shapes: Qwen3.5-9B, Qwen3.5-35B-A3B, Gemma-4-E2B (H200, 2026-12-03 to 2026-12-05)"
 TOOLS_GPU = "The zoom demo with vLLM: the tools GPU test (H200 and H100, 2026-12-05)"
-TWO_TURN = "Two-turn rollout: a tool's picture between turns (H200, 2026-12-04 to 2026-12-05; CPU, 2026-12-05 to 2026-12-06)"
+TWO_TURN = "Two-turn rollout: a tool's picture between turns (H200 and H100, 2026-12-04 to 2026-12-06; CPU, 2026-12-05 to 2026-12-06)"
 CPU = "CPU demos: each built-in demo learns, at its own lr schedule (2-core CPU, 2026-12-05)"
 TOOLS = "CPU: the zoom tool demo on five seeds (2-core CPU, 2026-12-05)"
 
 H, C, H1 = "benchmarks/h200/", "benchmarks/cpu/", "benchmarks/h100/"
 TABLES = [
-    Table("matrix_one_run", MATRIX, "benchmarks.matrix table", [H1 + "matrix_2026-12-05_d.json"]),
+    Table("matrix_one_run", MATRIX, "benchmarks.matrix table", [H1 + "matrix_2026-12-06.json"]),
+    Table("matrix_before", MATRIX, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_d.json"],
+          ("--rows", "qwen35_moe,zoom_tools,gemma4_colour/s2")),
     Table("matrix", MATRIX, "benchmarks.matrix table", [H + "matrix_*.json"], ("--last",)),
     Table("gemma4_causes", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_gemma4_causes.json"]),
     Table("gemma4_balanced", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_c.json"], (
@@ -83,8 +85,8 @@ TABLES = [
     Table("tools_gpu", TOOLS_GPU, "benchmarks.record curves", [H + "test_tools_gpu_2026-12-05_*steps_metrics.jsonl"]),
     Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-05*.log"]),
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json"]),
-    Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-06_keys.txt",
-                                                               C + "vllm_intake_2026-12-05_torchvision.txt"]),
+    Table("two_turn_h100", TWO_TURN, "benchmarks.record two-turn", [H1 + "two_turn3b_*.json"]),
+    Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-06_keys.txt"]),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
         "demo_cosine", "demo_torchrun2_cosine", "demo_cosine_bf16", "demo_qwen2vl_cosine", "demo_qwen3vl_cosine",
         "demo_qwen3vl_moe_cosine", "demo_qwen3_5_cosine", "demo_qwen3_5_moe_cosine_t1.2", "demo_internvl_cosine",

@@ -210,7 +210,10 @@ def test_where_two_greedy_answers_part():
     p = dict(greedy_equal=0.98, mean=1e-3, worst_class="blue", worst_mean=2e-3,
              parted=[dict(part, at=3, hf_margin=0.012), dict(part, at=2, hf_margin=0.004)])
     note = matrix._parity_note(dict(parity=p))
-    assert "they part at token 2, 3, the HF model's margin there at most 0.012 nats" in note
+    assert "2 part at token 2, 3, where the HF model prefers its own by at most 0.012 nats)" in note
+    p["greedy_agree"] = 1.0
+    assert "at most 0.012 nats; 1.000 with near ties)" in matrix._parity_note(dict(parity=p))
+    del p["greedy_agree"]
     # the bar counts a parting at a near tie as agreement, a wide margin (or a missing one) as a difference
     p["prompts"] = 100
     assert matrix.parity_failures(p) == [] and p["greedy_agree"] == 1.0
