@@ -49,7 +49,11 @@
 #              prompts x 8, 512 forced tokens, a tool's 512x512 picture, 512 more, against one turn of 1024 forced
 #              tokens, REPEATS=2 rounds each (benchmarks/two_turn.py; the bar: at most 1.3x); its variants with
 #              ARGS="--rows one_turn,two_turn,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_in_processes"
-#              (~30 s more each a round; longer than a call at REPEATS=4: run it through benchmarks/gpu_detach.sh)
+#              (~30 s more each a round; longer than a call at REPEATS=4: run it through benchmarks/gpu_detach.sh).
+#              One GPU. Twice on one machine (the bar's proof; 4.8 min each on an H100 at REPEATS=3, 2026-12-06):
+#              bash benchmarks/gpu_detach.sh start tt bash -c 'for r in 1 2; do OUT=$OUT/r$r REPEATS=3 \
+#                bash benchmarks/gpu_speed.sh two_turn; done'; then, in calls while it runs, `bash
+#                benchmarks/gpu_detach.sh wait tt 560; tar czf $OUT/tt.tgz -C $OUT tt && rm -rf $OUT/tt` (8 files come back)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
 # ARGS: more bench.py flags for every run (e.g. ARGS="--torch-compile off"); STEPS and LIMIT (seconds per run)
 # override a mode's. Results in $OUT: <run>.log, <run>_metrics.jsonl, <run>_summary.json, <run>_gpu.csv (clocks,
