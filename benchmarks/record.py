@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Table = collections.namedtuple("Table", "name section command files args", defaults=((),))
 
 MATRIX = "Learning matrix: every demo with vLLM (H100 and H200, 2026-12-01 to 2026-12-06)"
-GEMMA4 = "Losing a colour: what decides it (H100 and CPU, 2026-12-05)"
+GEMMA4 = "Losing a colour: what decides it (H100 and CPU, 2026-12-05 to 2026-12-06)"
 TWO_GPUS = "Two H200s: the colour demo at tensor parallel 1 and 2 (2 x H200, 2026-11-30)"
 PARITY = "Parity: vLLM against the HF engine (H200, 2026-12-01 to 2026-12-04)"
 SPEED = "Speed: the Qwen2.5-VL-3B step (H200, 2026-12-02)"
@@ -44,8 +44,6 @@ TOOLS = "CPU: the zoom tool demo on five seeds (2-core CPU, 2026-12-05)"
 H, C, H1 = "benchmarks/h200/", "benchmarks/cpu/", "benchmarks/h100/"
 TABLES = [
     Table("matrix_one_run", MATRIX, "benchmarks.matrix table", [H1 + "matrix_2026-12-06.json"]),
-    Table("matrix_before", MATRIX, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_d.json"],
-          ("--rows", "qwen35_moe,zoom_tools,gemma4_colour/s2")),
     Table("matrix", MATRIX, "benchmarks.matrix table", [H + "matrix_*.json"], ("--last",)),
     Table("gemma4_causes", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_gemma4_causes.json"]),
     Table("gemma4_balanced", GEMMA4, "benchmarks.matrix table --ran", [H1 + "matrix_2026-12-05_c.json"], (
@@ -57,10 +55,12 @@ TABLES = [
         "demo_gemma4_balanced", "demo_gemma4_balanced_replay130_zero_momentum", "demo_gemma4_balanced_cosine",
         "demo_gemma4_balanced_cosine_seed2", "demo_gemma4_balanced_cosine_seed3", "demo_gemma4_balanced_cosine_kl0.01",
         "demo_balanced_300steps")]),
+    Table("gemma4_blue", GEMMA4, "benchmarks.record answers",
+          [H1 + "matrix_2026-12-06_gemma4_colour_seed2_val_samples.jsonl.xz"], ("answer=blue",)),
     Table("colour_cosine", GEMMA4, "benchmarks.record curves", [H1 + "matrix_2026-12-05_d_*_metrics.jsonl.xz"] + [
         C + f + "_metrics.jsonl.xz" for f in (
             "demo_qwen3_5_moe_cosine", "demo_qwen3_5_moe_cosine_seed2", "demo_qwen3_5_moe_cosine_seed3",
-            "demo_qwen3_5_moe_constant_seed3", "demo_qwen3_5_moe_cosine_t1.2", "demo_qwen3_5_moe_cosine_t1.2_seed2",
+            "demo_qwen3_5_moe_constant_seed3", "demo_qwen3_5_moe_cosine_t1.2_seed2",
             "demo_qwen3_5_moe_cosine_t1.2_seed3")]),
     Table("two_gpus", TWO_GPUS, "benchmarks.record curves", [H + "demo_vllm_2gpu_tp1_110steps_metrics.jsonl",
                                                                H + "demo_vllm_2gpu_tp2_100steps_metrics.jsonl"]),
@@ -184,6 +184,30 @@ def spikes_table(paths):
     return "\n".join(out)
 
 
+def answers_table(paths, answer):
+    """Per validation step from 10 on (steps alike joined): the commonest greedy answer to the prompts whose answer is
+    `answer`, and the share of them graded right (a matrix row's *_val_samples.jsonl[.xz])."""
+    out = [f"| run | steps | commonest greedy answer to {answer} (its first 8 characters, of how many) | right |",
+           "|---|---|---|---|"]
+    for p in paths:
+        by = collections.defaultdict(list)
+        for r in (json.loads(x) for x in bench.read_lines(p)):
+            if r["answer"] == answer and r["step"] >= 10:
+                by[r["step"]].append(r)
+        runs = []  # [(answer, right), first step, last step]
+        for step, rs in sorted(by.items()):
+            (top, k), = collections.Counter(r["response"][:8] for r in rs).most_common(1)
+            row = (f"{json.dumps(top, ensure_ascii=False)} ({k} of {len(rs)})",
+                   f"{sum(r['accuracy'] for r in rs) / len(rs):.2f}")
+            if runs and runs[-1][0] == row:
+                runs[-1][2] = step
+            else:
+                runs.append([row, step, step])
+        name = os.path.basename(p).split("_val_samples")[0]
+        out += [f"| {name} | {a if a == b else f'{a}-{b}'} | {row[0]} | {row[1]} |" for row, a, b in runs]
+    return "\n".join(out)
+
+
 def steps_lines(path):
     """A run's console log cut to what the trainer says of it: its [bench] and [batch] lines and its step lines
     (progress bars and the engine's log left out), as a code block."""
@@ -221,11 +245,12 @@ def output(t):
                                                           for p in paths),
         "benchmarks.record text": lambda: "\n\n".join(named(open(p).read().strip(), p) for p in paths),
         "benchmarks.record steps": lambda: "\n\n".join(named(steps_lines(p), p) for p in paths),
+        "benchmarks.record answers": lambda: answers_table(paths, dict(a.split("=") for a in t.args)["answer"]),
     }
     return run[t.command]()
 
 
-COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "text", "steps")  # the tables only this module prints
+COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "text", "steps", "answers")  # the tables only this module prints
 
 
 def main(argv):
