@@ -37,7 +37,8 @@ MEMORY = "Memory cells: measured against the memory model (H200, 2026-12-01 to 2
 LONG = "Long answers: the Qwen3-4B shape at 16k response tokens (H100, 2026-12-05)"
 SHAPES = "Model shapes: Qwen3.5-9B, Qwen3.5-35B-A3B, Gemma-4-E2B (H200, 2026-12-03 to 2026-12-05)"
 TOOLS_GPU = "The zoom demo with vLLM: the tools GPU test (H200 and H100, 2026-12-05)"
-TWO_TURN = "Two-turn rollout: a tool's picture between turns (H200 and H100, 2026-12-04 to 2026-12-06; CPU, 2026-12-05 to 2026-12-06)"
+TWO_TURN = ("Two-turn rollout: a tool's picture between turns (H200 and H100, 2026-12-04 to 2026-12-06; "
+            "CPU, 2026-12-05 to 2026-12-06)")
 CPU = "CPU demos: each built-in demo learns, at its own lr schedule (2-core CPU, 2026-12-05)"
 TOOLS = "CPU: the zoom tool demo on five seeds (2-core CPU, 2026-12-05)"
 
@@ -250,13 +251,14 @@ def output(t):
     return run[t.command]()
 
 
-COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "text", "steps", "answers")  # the tables only this module prints
+COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "text", "steps", "answers")  # tables only this prints
 
 
 def main(argv):
     by_name = {t.name: t for t in TABLES}
     if argv and argv[0] in COMMANDS:  # TABLES' benchmarks.record
-        print(output(Table("-", "-", "benchmarks.record " + argv[0], argv[1:])))
+        opts = [a for a in argv[1:] if "=" in a and not os.path.exists(a)]  # (answers' answer=NAME)
+        print(output(Table("-", "-", "benchmarks.record " + argv[0], [a for a in argv[1:] if a not in opts], opts)))
         return 0
     unknown = [a for a in argv if a not in by_name]
     if unknown:

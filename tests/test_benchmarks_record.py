@@ -74,3 +74,12 @@ def test_the_project_words_are_its_own():
         pytest.skip("not a git checkout")
     assert out.stdout == ""
     assert [n for n in names.splitlines() if re.search(r"se" + r"ssion|le" + r"ase|_s[0-9]+", n, re.I)] == []
+
+
+def test_the_command_shown_prints_the_table(capsys):
+    """`python -m benchmarks.record CMD FILES.. KEY=VALUE..` as BENCHMARKS.md shows it prints that table (files and
+    options apart: `answers ... answer=blue`)."""
+    for t in [t for t in record.TABLES if t.command.startswith("benchmarks.record ")]:
+        cmd = t.command.split()[1]
+        assert record.main([cmd, *record.files(t), *t.args]) == 0
+        assert capsys.readouterr().out == record.output(t) + "\n", t.name
