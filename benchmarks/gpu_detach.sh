@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 mode=${1:?start NAME COMMAND... or wait NAME SECONDS}; name=${2:?NAME}; dir=/tmp/detach/$name
 if [ "$mode" = start ]; then
   shift 2
-  rm -rf "$dir" && mkdir -p "$dir"
+  rm -rf "$dir" "$dir.rc" && mkdir -p "$dir"  # (an earlier run's exit status would end the next `wait` at once)
   OUT=$dir setsid nohup bash -c '"$@"; echo $? > "$OUT.rc"' _ "$@" > "$dir.log" 2>&1 < /dev/null &
   echo "$name: started (pid $!), its log in $dir.log"
   exit

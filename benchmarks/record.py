@@ -86,7 +86,8 @@ TABLES = [
     Table("tools_gpu", TOOLS_GPU, "benchmarks.record curves", [H + "test_tools_gpu_2026-12-05_*steps_metrics.jsonl"]),
     Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-05*.log"]),
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json"]),
-    Table("two_turn_h100", TWO_TURN, "benchmarks.record two-turn", [H1 + "two_turn3b_*.json"]),
+    Table("two_turn_h100", TWO_TURN, "benchmarks.record two-turn", [H1 + "two_turn3b_*.json",
+                                                                   H1 + "two_turn3b_*_gpu.csv.xz"]),
     Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-06_keys.txt"]),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
         "demo_cosine", "demo_torchrun2_cosine", "demo_cosine_bf16", "demo_qwen2vl_cosine", "demo_qwen3vl_cosine",
@@ -218,6 +219,11 @@ def steps_lines(path):
     return "```\n" + "\n".join(dict.fromkeys(keep)) + "\n```"
 
 
+def gpu_log(path, paths):
+    """The GPU log given beside a run's JSON (NAME_gpu.csv[.xz] for NAME.json), or None."""
+    return next((p for p in paths if p in (path[:-5] + "_gpu.csv", path[:-5] + "_gpu.csv.xz")), None)
+
+
 def table_args(t):
     """matrix.table's options from a Table's command and args (`--ran`, `--rows A,B`, `--last`)."""
     a = list(t.args)
@@ -242,8 +248,8 @@ def output(t):
         "benchmarks.record spikes": lambda: spikes_table(paths),
         "benchmarks.record engine": lambda: "\n\n".join(named(engine_bench.table(json.load(open(p))), p)
                                                         for p in paths),
-        "benchmarks.record two-turn": lambda: "\n\n".join(named(two_turn.table(json.load(open(p))), p)
-                                                          for p in paths),
+        "benchmarks.record two-turn": lambda: two_turn.runs_table([
+            (os.path.basename(p), json.load(open(p)), gpu_log(p, paths)) for p in paths if p.endswith(".json")]),
         "benchmarks.record text": lambda: "\n\n".join(named(open(p).read().strip(), p) for p in paths),
         "benchmarks.record steps": lambda: "\n\n".join(named(steps_lines(p), p) for p in paths),
         "benchmarks.record answers": lambda: answers_table(paths, dict(a.split("=") for a in t.args)["answer"]),

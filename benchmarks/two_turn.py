@@ -29,6 +29,7 @@ idle meanwhile: the tools' answers rendered one at a time and all at once (rende
 threads), the continuations with the trainer's pixel tensors (the HF engine's) and without (vLLM's).
 """
 import json
+import lzma
 import multiprocessing
 import os
 import shutil
@@ -202,6 +203,47 @@ def table(result):
 
 
 PARTS = ("first_seconds", "render_seconds", "continue_seconds", "intake_seconds", "second_seconds", "pixels_seconds")
+
+
+def gpu_busy(result, csv_path):
+    """{row: the GPU's mean utilisation per round while it generated}: one_turn's call, two_turn's turn one (the same
+    prompts, seeds and engine state), from nvidia-smi's log of the run (gpu_speed.sh's <run>_gpu.csv, once a second;
+    each window's first and last second left out). Where it is low, vLLM's engine loop (Python, one host core) fed
+    the GPU too slowly: the same work then takes longer."""
+    seconds = lambda hms: sum(float(x) * m for x, m in zip(hms.split(":"), (3600, 60, 1)))  # noqa: E731
+    with (lzma.open if csv_path.endswith(".xz") else open)(csv_path, "rt") as f:
+        log = [(seconds(row[0].split()[1]), float(row[6].split()[0])) for row in
+               (line.split(", ") for line in f.read().splitlines()[1:]) if len(row) > 6]
+    out = {}
+    for name in ("one_turn", "two_turn"):
+        for x in result["runs"].get(name, []):
+            end = seconds(x["ended"]) + 0.5  # ("ended": whole seconds)
+            start = end - x["seconds"]
+            end = start + x["first_seconds"] if name == "two_turn" else end
+            busy = [u for t, u in log if start + 1 <= t <= end - 1]
+            out.setdefault(name, []).append(sum(busy) / len(busy) if busy else float("nan"))
+    return out
+
+
+def runs_table(runs):
+    """One row per run ((file name, result, its GPU log or None) triples): one turn and two turns, mean (rounds), their
+    ratio (and the variants'), vLLM's intake of turn two, and from the GPU log (gpu_busy) its utilisation per round
+    while one turn and turn one generated."""
+    out = [f"{r['prompts']} prompts x {r['n']}, {r['engine']} (vLLM {r['vllm']}): one turn of {r['first'] + r['second']}"
+           f" tokens against {r['first']} + a {r['image']}^2 picture + {r['second']}" for _, r, _ in runs[:1]]
+    out += ["", "| run | one turn s (rounds) | two turns s (rounds) | x one turn | intake s | GPU busy % while one "
+            "turn / turn one generated (rounds) |", "|---|---|---|---|---|---|"]
+    for name, r, csv_path in runs:
+        def cell(row):
+            return f"{r['seconds'][row]:.2f} (" + ", ".join(f"{x['seconds']:.2f}" for x in r["runs"][row]) + ")"
+        ratios = [f"{r['seconds'][v] / r['seconds']['one_turn']:.3f}" + ("" if v == "two_turn" else f" ({v})")
+                  for v in r["runs"] if v != "one_turn"]
+        intake = [x["intake_seconds"] for x in r["runs"]["two_turn"] if x.get("intake_seconds") is not None]
+        busy = gpu_busy(r, csv_path) if csv_path else {}
+        busy = " / ".join(", ".join(f"{u:.0f}" for u in busy[k]) for k in ("one_turn", "two_turn")) if busy else "-"
+        intake = f"{sum(intake) / len(intake):.2f}" if intake else "-"  # (None: the HF engine)
+        out.append(f"| {name} | {cell('one_turn')} | {cell('two_turn')} | {', '.join(ratios)} | {intake} | {busy} |")
+    return "\n".join(out)
 
 
 def host(model_path, samples=512, size=512):

@@ -120,3 +120,20 @@ def test_a_small_dev_shm_leaves_the_processes_variant_out_not_the_run(tmp_path, 
 def test_rows_without_both_runs_of_the_ratio_are_refused_in_one_line():
     with pytest.raises(UserError, match="--rows two_turn: give one_turn, two_turn"):
         two_turn.run(grpo.Config(), rows=("two_turn",))
+
+
+def test_gpu_busy_is_the_mean_utilisation_inside_each_generation_and_the_runs_table_shows_it(tmp_path):
+    # one_turn ran 10:00:00.5-10:00:10.5 (ended 10:00:10, 10 s), two_turn 10:00:20.5-10:00:40.5 with a 6 s turn one
+    rows = [f"2026/12/06 10:00:{s:02d}.100, 0, 1980 MHz, 2619 MHz, 50, 500 W, {u} %, 0x0" for s, u in
+            [(0, 100), (1, 10), (2, 20), (3, 30), (9, 90), (10, 100)] + [(21, 5), (22, 40), (25, 60), (26, 99), (30, 1)]]
+    log = tmp_path / "x_gpu.csv"
+    log.write_text("timestamp, index, sm, mem, temp, power, utilization.gpu [%], why\n" + "\n".join(rows) + "\n")
+    r = dict(prompts=2, n=2, engine="VLLMRollout", vllm="0.26.0", first=4, second=4, image=8,
+             seconds=dict(one_turn=10.0, two_turn=20.0),
+             runs=dict(one_turn=[dict(seconds=10.0, ended="10:00:10")],
+                       two_turn=[dict(seconds=20.0, ended="10:00:40", first_seconds=6.0, intake_seconds=1.5)]))
+    # the windows less their first and last second: 10:00:01.5-09.5 and 10:00:21.5-25.5
+    assert two_turn.gpu_busy(r, str(log)) == dict(one_turn=[(20 + 30 + 90) / 3], two_turn=[(40 + 60) / 2])
+    text = two_turn.runs_table([("x.json", r, str(log)), ("y.json", r, None)])
+    assert "| x.json | 10.00 (10.00) | 20.00 (20.00) | 2.000 | 1.50 | 47 / 50 |" in text
+    assert "| y.json | 10.00 (10.00) | 20.00 (20.00) | 2.000 | 1.50 | - |" in text
