@@ -206,10 +206,9 @@ def _user_content(text: str, n_images: int, n_videos: int = 0):
     return content
 
 
-def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", image_key="images",
-                  image_dir=None, format_prompt: str | None = None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
-                  video_key="videos", video_fps=2.0, max_frames=768, video_min_pixels=None, video_max_pixels=None,
-                  tools=None):
+def _prompt_parts(row: dict, proc, prompt_key="problem", answer_key="answer", image_key="images", image_dir=None,
+                  format_prompt: str | None = None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, video_key="videos",
+                  video_fps=2.0, max_frames=768, video_min_pixels=None, video_max_pixels=None, tools=None):
     """Everything a row must pass, then (chat text with one pad per image and video, resized images, prepared videos,
     their frame rates, answer, prompt text). A bad row raises BadRow; what no row can pass a plain UserError."""
     prompt, answer = row.get(prompt_key), row.get(answer_key)

@@ -256,10 +256,9 @@ def recompute_first_layers(hf, share):
     return n
 
 
-def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None,
-                trainable=True, freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto",
-                torch_compile="off", offload=False, router_aux_loss_coef=0.0, checkpoint_layers=1.0,
-                share_prompts=True, ulysses_group=None):
+def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, attn_implementation=None, trainable=True,
+                freeze_vision_tower=False, lora=None, padding_free="auto", vision_varlen="auto", torch_compile="off",
+                offload=False, router_aux_loss_coef=0.0, checkpoint_layers=1.0, share_prompts=True, ulysses_group=None):
     """Load and shard with FSDP2: every decoder layer and vision block its own unit (all-gathered just in time),
     the root the rest. `dtype`: the storage (fp32 master weights; bf16 for a frozen reference); `param_dtype`: the
     matmuls'. `lora`: memory.add_lora's keywords, or None. padding_free / vision_varlen / torch_compile: "auto" (a

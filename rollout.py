@@ -256,9 +256,8 @@ class VLLMRollout:
         kw.update(engine_kwargs)
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         dropped = [k for k in kw if k not in known]
-        if dropped:  # e.g. logprobs_mode appeared in vLLM 0.10.1
+        if dropped:  # (a newer or older vLLM's)
             warnings.warn(f"vLLM {self.version} does not know {dropped}; ignoring them")
-        self.processed_logprobs = "logprobs_mode" not in dropped
         self.llm = LLM(**{k: v for k, v in kw.items() if k in known})
         # V1's sampler draws a seeded request's noise in a Python loop: a kernel per sequence per step (_requests)
         self.v1_runner = not getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False)
@@ -398,8 +397,6 @@ class VLLMRollout:
 
     def _results(self, outs, items, per_item, mine, n, temperature, top_p, max_tokens):
         """generate's answer for this rank's items (`mine`) from vLLM's outputs of all items."""
-        # raw logprobs (vLLM < 0.10.1) are only the sampling distribution's when nothing processes the logits
-        want_lp = self.processed_logprobs or (temperature == 1.0 and top_p >= 1.0)
         greedy = temperature == 0
         results, at = [], sum(per_item[:mine.start])
         for (_, _, L, _), k in zip(items[mine], per_item[mine]):
@@ -408,7 +405,7 @@ class VLLMRollout:
                 for c in o.outputs:
                     ids = list(c.token_ids)
                     lp = ([c.logprobs[i][t].logprob for i, t in enumerate(ids)]  # the sampled ones' (a dict a token)
-                          if want_lp and c.logprobs else None)
+                          if c.logprobs else None)
                     group.append(_to_result(ids, lp, self.eos_ids) if L is None else _forced(ids, lp, max_tokens))
             at += k
             results.append([dict(group[0]) for _ in range(n)] if greedy and L is None else group)
@@ -417,20 +414,15 @@ class VLLMRollout:
     # ---- weights
     def _inner_model(self):
         """The nn.Module inside the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-        executor = getattr(self.llm.llm_engine, "model_executor", None)
-        if executor is None:
-            raise RuntimeError("no in-process model executor: VLLM_ENABLE_V1_MULTIPROCESSING must be 0")
-        worker = executor.driver_worker
+        worker = self.llm.llm_engine.model_executor.driver_worker  # (in process: __init__ refused anything else)
         worker = getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
         return worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.get_model()
 
     def _reset_caches(self):
         """After a weight change: cached KV blocks and cached vision-encoder outputs (keyed by image hash) were
         computed with the old weights; without the encoder reset a vision-tower update is invisible."""
-        self.llm.reset_prefix_cache()
-        reset_encoder = getattr(self.llm.llm_engine, "reset_encoder_cache", None)
-        if reset_encoder is not None:  # vLLM >= 0.11-ish; older engines drop encoder outputs per request
-            reset_encoder()
+        self.llm.reset_prefix_cache()  # (below: vLLM >= 0.11-ish; older engines drop encoder outputs per request)
+        getattr(self.llm.llm_engine, "reset_encoder_cache", lambda: None)()
 
     @torch.no_grad()
     def sync_weights(self, named_tensors):
@@ -488,11 +480,7 @@ class VLLMRollout:
         if not todo:
             return
         torch.cuda.empty_cache()  # the trainer's cached-but-free blocks would otherwise stand in vLLM's way
-        try:
-            self.llm.wake_up(tags=todo)
-        except TypeError:  # old vLLM without tags: wakes everything
-            self.llm.wake_up()
-            todo = list(self.asleep)
+        self.llm.wake_up(tags=todo)  # (tags: every vLLM this supports, >= 0.10.1)
         self.asleep -= set(todo)
 
 

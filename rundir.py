@@ -59,9 +59,8 @@ def find_resume(cfg):
     if cfg.resume == "never":
         held = latest_checkpoint(ckpts) or (logs and os.path.join(cfg.output_dir, logs[0]))
         if held:
-            raise UserError(
-                f"--resume never: {cfg.output_dir} already holds a run ({held}); choose a new --output-dir (or "
-                "delete that folder), or continue it with --resume auto")
+            raise UserError(f"--resume never: {cfg.output_dir} already holds a run ({held}); choose a new --output-dir "
+                            "(or delete that folder), or continue it with --resume auto")
         return None, None
     ckpt = latest_checkpoint(ckpts) if cfg.resume == "auto" else cfg.resume.rstrip("/")
     state = _read_json(os.path.join(ckpt, "trainer_state.json")) if ckpt else None
@@ -71,9 +70,8 @@ def find_resume(cfg):
     config_json = os.path.join(cfg.output_dir, "config.json")
     for src, saved in ((ckpt, state and state.get("config")), (config_json, _read_json(config_json))):
         if saved and (diff := config_diff(saved, cfg)):
-            raise UserError(
-                f"{src} belongs to a run with another config ({'; '.join(diff)}): resume it with the same options, "
-                "or start a new run in another --output-dir")
+            raise UserError(f"{src} belongs to a run with another config ({'; '.join(diff)}): resume it with the same "
+                            "options, or start a new run in another --output-dir")
     return ckpt, state
 
 

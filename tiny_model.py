@@ -122,10 +122,9 @@ def _text_config(ids, vocab_size, hidden, intermediate, layers, heads, kv_heads,
         # transformers 5 reads M-RoPE from rope_parameters (4.x: rope_scaling, converted on load);
         # the sections split head_dim/2 rotary frequencies over (time, height, width).
         rope["mrope_section"] = list(mrope_section)
-    return dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                max_position_embeddings=max_pos, rms_norm_eps=1e-6, hidden_act="silu",
-                rope_parameters=rope, bos_token_id=ids["<|endoftext|>"],
+    return dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                rms_norm_eps=1e-6, hidden_act="silu", rope_parameters=rope, bos_token_id=ids["<|endoftext|>"],
                 eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=tie)
 
 
@@ -150,14 +149,12 @@ def tiny_config(arch, ids, vocab_size):
         return cfg
     Cfg, Model, _ = _vl_classes(arch)
     if arch == "qwen2_5_vl":
-        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
-                      out_hidden_size=128, patch_size=14, spatial_merge_size=2,
-                      temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
                       hidden_act="silu", tokens_per_second=2)
     elif q3vl:  # patch 16; blocks 0 and 1 also feed the LLM's layers 0 and 1 (deepstack)
-        vision = dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2,
-                      out_hidden_size=128, patch_size=16, spatial_merge_size=2,
-                      temporal_patch_size=2, num_position_embeddings=2304,
+        vision = dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
                       deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh")
     else:  # Qwen2-VL names: embed_dim = ViT width, hidden_size = output (LLM) width
         vision = dict(depth=2, embed_dim=64, mlp_ratio=2, hidden_size=128, num_heads=2,
@@ -322,13 +319,10 @@ if __name__ == "__main__":
 DEMO = dict(reward_function="color", max_prompt_length=512, max_response_length=4, min_pixels=56 * 56,
             max_pixels=112 * 112, n=16, rollout_batch_size=16, global_batch_size=16, lr=1e-3, max_steps=150,
             val_freq=10, save_freq=10, output_dir="outputs/demo", shuffle=False, lr_scheduler_type="cosine")
-# shuffle off: a step holds each colour 4 times (make_color_dataset); shuffled, colours not yet told apart shared an
-# answer the batch's colour counts walked till one was never sampled. cosine: at a constant lr, a solved task's rare
-# mistakes gave gradient spikes AdamW's momentum carried into a lost colour (Gemma 4, pure bf16; HISTORY.md). It sums
-# to half a constant lr over the run: too little for the slow demos (text, zoom, dapo.py), which keep it constant.
-# Each below keeps every answer sampled: one the policy stops sampling is never learned (all its group's rewards alike,
-# GRPO's advantage 0). The text demo (--demo-model qwen3): one-digit answers, groups of 32, half the lr, temperature
-# 1.5 (at lr 1e-3 it lost 2 and 8: 0.765; at 5e-4, temperature 1, the 2: 0.94; 1.5: 1.0; with cosine 0.595)
+# Why (the runs: docs/demos.md): shuffle off, each step holds each colour 4 times (shuffled, colours not yet told apart
+# drifted to one answer). cosine: at a constant lr a solved task's rare mistakes gave gradient spikes AdamW's momentum
+# carried into a lost colour; the slow demos (text, zoom, dapo.py) keep a constant lr. Each keeps every answer sampled
+# (one never sampled is never learned): the text demo (--demo-model qwen3) at half the lr, temperature 1.5, n 32.
 TEXT_DEMO = dict(reward_function="number", max_response_length=1, n=32, lr=5e-4, temperature=1.5, lr_scheduler_type="constant")
 # The video demo (--demo-task video): one-token answers, groups of 32 (with 4 and 16 all clips ending green said "blue")
 VIDEO_DEMO = dict(max_response_length=1, n=32)

@@ -8,11 +8,13 @@ import inspect
 import json
 import os
 import re
+import shutil
 import threading
 import time
 import types
 import typing
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing import get_context
 
 import torch
 from PIL import Image
@@ -23,7 +25,7 @@ from common import UserError, all_reduce_cpu
 
 HIDDEN = ("images",)  # parameters the loop fills in (the images of the trajectory so far), not the model
 SENTINEL = "\x00end of the assistant's turn\x00"  # where the model's own tokens end in a rendered chat
-_WORKER = {}  # a render_answers pool process's processor (benchmarks/two_turn.py pixel_pool)
+_WORKER, _POOLS = {}, {}  # a pixel_pool process's processor; the run's pixel_pool by (model, min, max pixels)
 
 
 # ------------------------------------------------------------------------------------------------ tools, schemas
@@ -179,7 +181,7 @@ def render_answers(proc, recs, ended, min_pixels, max_pixels, pool=None):
     """Per trajectory, what follows its turn with calls (recs[i]; ended[i]: its sampled end-of-turn text, or ""):
     (raw ids (one pad per image: vLLM's), ids (pads expanded), images, mm_inputs: a callable). Answers alike share
     their ids, so one of each kind goes through the processor now, the others' pixels on threads while the engine
-    runs (`pixels` waits for them) or in a `pool` of processes (benchmarks/two_turn.py), split evenly."""
+    runs (`pixels` waits for them) or in a `pool` of processes (pixel_pool), split evenly."""
     tok, texts, groups, kinds = getattr(proc, "tokenizer", proc), [], {}, []
     for i, (r, e) in enumerate(zip(recs, ended)):
         texts.append(_answer_text(proc, r, e, min_pixels, max_pixels))
@@ -196,6 +198,25 @@ def render_answers(proc, recs, ended, min_pixels, max_pixels, pool=None):
             out.update({i: (lambda job=job, j=j: job.result()[j][1]) for j, i in enumerate(idx[k:k + c])})
     ex.shutdown(wait=False)  # (the threads finish the pixels; the next turn starts now)
     return [(*first[k][:2], texts[i][1], out[i]) for i, k in enumerate(kinds)]
+
+
+def _pool_init(model_path, min_pixels, max_pixels):
+    torch.set_num_threads(1)  # (a process a core)
+    _WORKER["proc"] = data.load_processor(model_path, min_pixels, max_pixels)
+
+
+def pixel_pool(model_path, min_pixels, max_pixels, pics=(), workers=None):
+    """The run's processes for the trainer's pixels of later turns' pictures (render_answers' `pool`; forkserver's), or
+    None (threads) without pictures or where /dev/shm can't hold their tensors twice (~24 bytes a pixel). Threads share
+    the GIL with vLLM's intake and loop: on an H100's host 8 made its intake 2.0-2.2x slower, 8 processes 1.0-1.2x."""
+    need = 48 * sum(im.width * im.height for im in pics if isinstance(im, Image.Image))
+    if not need or need > (shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0):
+        return None
+    key = (model_path, min_pixels, max_pixels)
+    if key not in _POOLS:
+        _POOLS[key] = ProcessPoolExecutor(workers or min(8, os.cpu_count() or 1),
+                                          get_context("forkserver"), initializer=_pool_init, initargs=key)
+    return _POOLS[key]
 
 
 def _render(proc, text, pics):
@@ -279,8 +300,10 @@ def rollout(ctx, call):
         dones = [[next(recs) for _ in calls] for _, calls in pending]
         ends = [tok.decode(trajs[i]["last"][-1:]) if trajs[i]["finished"] else "" for i, _ in pending]
         active = []
+        pics = [x for d in dones for r in d for x in (r["result"] if isinstance(r["result"], list) else [r["result"]])]
+        pool = None if hf else pixel_pool(ctx.model_path, cfg.min_pixels, cfg.max_pixels, pics)  # (HF waits for them)
         for (i, _), done, (raw, ids, imgs, mm) in zip(pending, dones, render_answers(
-                ctx.processor, dones, ends, cfg.min_pixels, cfg.max_pixels)):
+                ctx.processor, dones, ends, cfg.min_pixels, cfg.max_pixels, pool)):
             t = trajs[i]
             t["calls"] += done
             t["messages"] += [{"role": "tool", "name": r["name"], "content": r["result"]} for r in done]
@@ -304,9 +327,8 @@ def _sample(t):
                  mm_inputs=merge_mm(p["mm_inputs"], pixels(t["mm"])), tool_images=len(t["images"]))
     st = [r["status"] for r in t["calls"]]
     stats = dict(turns=len(t["turn_tokens"]), calls=len(st), call_rate=float("ok" in st), errors=st.count("error"),
-                 timeouts=st.count("timeout"), invalid=st.count("invalid"),
-                 seconds=sum(r["seconds"] for r in t["calls"]), policy_tokens=sum(t["mask"]),
-                 answer_tokens=len(t["mask"]) - sum(t["mask"]),
+                 timeouts=st.count("timeout"), invalid=st.count("invalid"), policy_tokens=sum(t["mask"]),
+                 seconds=sum(r["seconds"] for r in t["calls"]), answer_tokens=len(t["mask"]) - sum(t["mask"]),
                  tokens_per_turn=sum(t["turn_tokens"]) / max(len(t["turn_tokens"]), 1))
     calls = [{k: (v if not isinstance(v, Image.Image) else "<image>") for k, v in r.items()} for r in t["calls"]]
     return dict(prompt=p, response_ids=t["ids"], finished=t["finished"], rollout_logp=t["logp"], policy_mask=t["mask"],

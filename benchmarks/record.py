@@ -88,7 +88,9 @@ TABLES = [
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json"]),
     Table("two_turn_h100", TWO_TURN, "benchmarks.record two-turn", [H1 + "two_turn3b_*.json",
                                                                    H1 + "two_turn3b_*_gpu.csv.xz"]),
-    Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-06_keys.txt"]),
+    Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-06_keys.txt"], ("tail=11",)),
+    Table("vllm_intake_h100", TWO_TURN, "benchmarks.record text", [H1 + "vllm_intake_2026-12-06_host_pil.txt"],
+          ("tail=11",)),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
         "demo_cosine", "demo_torchrun2_cosine", "demo_cosine_bf16", "demo_qwen2vl_cosine", "demo_qwen3vl_cosine",
         "demo_qwen3vl_moe_cosine", "demo_qwen3_5_cosine", "demo_qwen3_5_moe_cosine_t1.2", "demo_internvl_cosine",
@@ -250,7 +252,8 @@ def output(t):
                                                         for p in paths),
         "benchmarks.record two-turn": lambda: two_turn.runs_table([
             (os.path.basename(p), json.load(open(p)), gpu_log(p, paths)) for p in paths if p.endswith(".json")]),
-        "benchmarks.record text": lambda: "\n\n".join(named(open(p).read().strip(), p) for p in paths),
+        "benchmarks.record text": lambda: "\n\n".join(named("\n".join(open(p).read().strip().split("\n")[-int(dict(
+            a.split("=") for a in t.args).get("tail", 0)):]), p) for p in paths),  # (tail=N: its last N lines)
         "benchmarks.record steps": lambda: "\n\n".join(named(steps_lines(p), p) for p in paths),
         "benchmarks.record answers": lambda: answers_table(paths, dict(a.split("=") for a in t.args)["answer"]),
     }

@@ -12,15 +12,16 @@ message and the next assistant header, the processor on the picture) and the tra
 then one engine call of `second` tokens for every trajectory. Both start cold (prefix, encoder and processor caches
 emptied); their order alternates by round. Results: <output_dir>/two_turn.json and a table, with two turns' parts
 (turn one, the render, the continuations, vLLM's intake of turn two, turn two, the wait for the pixels made meanwhile).
-`--rows one_turn,two_turn,...` adds variants of two_turn (the bar's ratio stays two_turn's):
+`--rows one_turn,two_turn,...` adds variants of two_turn (the bar's ratio stays two_turn's). two_turn makes the trainer's
+pixels as tools.rollout does: with vLLM in processes (tools.pixel_pool, since 2026-12-06) where /dev/shm holds them,
+else on threads:
 - two_turn_distinct: each trajectory gets a picture of its own, as a real tool's crops are. two_turn's one picture
   lets vLLM's processor cache and encoder cache serve every trajectory from the first (same bytes, same hash), while
   render_answers makes the trainer's pixels for each;
-- two_turn_pixels_first: the pixels made before turn two starts (the timing before render_answers deferred them to
-  threads: do those threads slow vLLM's intake by more than they save?);
-- two_turn_pixels_in_processes: the pixels made in processes (render_answers' `pool`: pixel_pool below), which share
-  no GIL with vLLM's intake and loop (on the 2-core CPU, beside vLLM 0.26's intake of 256 turn-two requests, a
-  process made it 1.06-1.07x slower, a thread 1.15-1.29x: benchmarks/vllm_intake.py, BENCHMARKS.md, 2026-12-06).
+- two_turn_pixels_first: the pixels made before turn two starts (turn two's intake then has the host to itself);
+- two_turn_pixels_on_threads: the pixels made on render_answers' threads (tools.rollout's way until 2026-12-06), which
+  share the GIL with vLLM's intake and its engine loop (on an H100's host, beside vLLM 0.26's intake of 256 turn-two
+  requests, 8 threads made it 2.0-2.2x slower, 8 processes 1.0-1.2x: benchmarks/vllm_intake.py, BENCHMARKS.md).
 
     python -m benchmarks.two_turn host MODEL_PATH [--samples 512] [--image 512]
 
@@ -30,11 +31,8 @@ threads), the continuations with the trainer's pixel tensors (the HF engine's) a
 """
 import json
 import lzma
-import multiprocessing
 import os
-import shutil
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -74,7 +72,7 @@ def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_fir
     continuations, vLLM's intake of turn two's requests (its submit: their input processing, the GPU idle; None for
     the HF engine) and turn two, and the prompt tokens turn two added). image: one picture for every trajectory, or a
     list of one each; pixels_first: the render waits for the trainer's pixels too; pool: processes make them
-    (pixel_pool), not threads."""
+    (tools.pixel_pool), not threads."""
     t0 = time.perf_counter()
     outs = eng.generate(prompts, n, 1.0, 1.0, first, seeds, lengths=[[first] * n for _ in prompts])
     t, trajs = time.perf_counter(), []
@@ -108,34 +106,7 @@ def cold(eng):
         engine_bench.cold(eng)
 
 
-ROWS = ("one_turn", "two_turn", "two_turn_distinct", "two_turn_pixels_first", "two_turn_pixels_in_processes")
-
-
-def _pool_init(model_path, min_pixels, max_pixels):
-    torch.set_num_threads(1)  # (a process a core)
-    tools._WORKER["proc"] = data.load_processor(model_path, min_pixels, max_pixels)
-
-
-def pixel_pool(model_path, min_pixels, max_pixels, workers=None):
-    """Processes for render_answers' pixels (its `pool`), each with the processor loaded once: forkserver's clean
-    processes inherit neither CUDA nor the engine's threads (~4 s to start, once; its tensors come back in shared
-    memory)."""
-    return ProcessPoolExecutor(workers or min(8, os.cpu_count() or 1), multiprocessing.get_context("forkserver"),
-                               initializer=_pool_init, initargs=(model_path, min_pixels, max_pixels))
-
-
-def shm_holds(answers, size):
-    """Whether /dev/shm can hold the pool's pixels of `answers` size^2 pictures (Qwen-VL's: ~24 bytes a pixel), twice
-    over; a container's is often 64 MB: else one line says so and the variant is left out, not the run lost."""
-    need = 2 * answers * size * size * 24
-    try:
-        free = shutil.disk_usage("/dev/shm").free
-    except OSError:
-        free = 0
-    if free < need:
-        print(f"[two-turn] two_turn_pixels_in_processes left out: /dev/shm has {free / 2**30:.2f} GiB free, its "
-              f"pixels need ~{need / 2**30:.2f}", flush=True)
-    return free >= need
+ROWS = ("one_turn", "two_turn", "two_turn_distinct", "two_turn_pixels_first", "two_turn_pixels_on_threads")
 
 
 def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
@@ -146,13 +117,13 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
     prompts, seeds, n, image = [p for _, p in drawn], [pos for pos, _ in drawn], cfg.n, picture(size)
     distinct = ([picture(size, seed=1 + i) for i in range(len(prompts) * n)]  # (~0.4 GB at the bar's 512 x 512^2)
                 if "two_turn_distinct" in rows else None)
-    if "two_turn_pixels_in_processes" in rows and not shm_holds(len(prompts) * n, size):
-        rows = tuple(r for r in rows if r != "two_turn_pixels_in_processes")
-    pool = (pixel_pool(cfg.model_path, cfg.min_pixels, cfg.max_pixels) if "two_turn_pixels_in_processes" in rows
-            else None)
-    variant = {"two_turn": dict(image=image), "two_turn_distinct": dict(image=distinct),  # name -> two_turn's kwargs
-               "two_turn_pixels_first": dict(image=image, pixels_first=True),
-               "two_turn_pixels_in_processes": dict(image=image, pool=pool)}
+    pool = (tools.pixel_pool(cfg.model_path, cfg.min_pixels, cfg.max_pixels, [image] * (len(prompts) * n))
+            if isinstance(eng, rollout.VLLMRollout) else None)  # (tools.rollout's: the HF engine waits for them)
+    if isinstance(eng, rollout.VLLMRollout) and pool is None:
+        print("[two-turn] /dev/shm can't hold the pixels of the pictures: threads make them, as tools.rollout's would")
+    variant = {"two_turn": dict(image=image, pool=pool), "two_turn_distinct": dict(image=distinct, pool=pool),
+               "two_turn_pixels_first": dict(image=image, pixels_first=True, pool=pool),  # name -> two_turn's kwargs
+               "two_turn_pixels_on_threads": dict(image=image)}
     runs = {name: [] for name in rows}
 
     def call(name, first=first, second=second):
@@ -174,8 +145,6 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
             runs[name][-1]["ended"] = time.strftime("%H:%M:%S")  # (beside the GPU's clocks: gpu_speed.sh's csv)
             print(f"[two-turn] round {k + 1}: {name} {runs[name][-1]['seconds']:.2f} s, {tokens} tokens, ended "
                   f"{runs[name][-1]['ended']}", flush=True)
-    if pool:
-        pool.shutdown()
     mean = {k: sum(r["seconds"] for r in v) / len(v) for k, v in runs.items()}
     result = dict(runs=runs, seconds=mean, ratio=mean["two_turn"] / mean["one_turn"], prompts=len(prompts), n=n,
                   first=first, second=second, image=size, engine=type(eng).__name__,

@@ -12,7 +12,7 @@ turn's 512 tokens, the tool's answer with its picture, each picture one <|image_
 - distinct: a picture of its own per request, new each round (each one through vLLM's HF processor);
 - beside_pixels: `alone` while tools.render_answers' threads make the trainer's pixels of as many tool answers
   (`--workers` threads, `--backend` pil or torchvision image processor): what the deferred pixels cost the intake;
-- beside_processes: the same with render_answers' `pool` (two_turn.pixel_pool: `--workers` processes, the processor
+- beside_processes: the same with render_answers' `pool` (tools.pixel_pool: `--workers` processes, the processor
   data.load_processor gives, torchvision's where it is installed: compare with `--backend torchvision`).
 
 Setup, once (vLLM 0.26's wheel brings the device's torch 2.11, torchvision and the rest; its compiled ops are not
@@ -100,10 +100,13 @@ def main(model_path, n=256, rounds=3, workers=1, backend="pil", profile=False):
     tok, one = ip.tokenizer, two_turn.picture(512, seed=1)
     proc = pixel_processor(model_path, backend)
     os.cpu_count = lambda: workers  # render_answers' pool: min(8, os.cpu_count()) threads
+    pool = tools.pixel_pool(model_path, 3136, 1 << 22, [one] * n, workers)  # (None: /dev/shm too small for them)
     times = {k: [] for k in ("alone", "uuids", "keys", "distinct", "keys_distinct", "beside_pixels",
-                             "beside_processes")}
-    pool = two_turn.pixel_pool(model_path, 3136, 1 << 22, workers)
-    pool.submit(int, 1).result()  # (its processes started: once per run)
+                             "beside_processes")[:7 if pool else 6]}
+    if pool:
+        pool.submit(int, 1).result()  # (its processes started: once per run)
+    else:
+        print("beside_processes left out: /dev/shm can't hold the pixels", flush=True)
     intake(ip, hasher, requests(tok, [one] * n), "warm")  # the processor cache holds both pictures from here
     if profile:  # where `alone`'s time goes: vLLM's functions by their own and cumulative seconds
         import cProfile
@@ -124,14 +127,16 @@ def main(model_path, n=256, rounds=3, workers=1, backend="pil", profile=False):
         t = time.perf_counter()
         [tools.pixels([a[3]]) for a in answers]
         waits = [time.perf_counter() - t]
-        answers = tools.render_answers(proc, [[{"name": "zoom", "result": one}]] * n, [""] * n, 3136, 1 << 22,
-                                       pool=pool)
-        times["beside_processes"].append(intake(ip, hasher, requests(tok, [one] * n), f"p{k}"))
-        t = time.perf_counter()
-        [tools.pixels([a[3]]) for a in answers]
-        waits.append(time.perf_counter() - t)
+        if pool:
+            answers = tools.render_answers(proc, [[{"name": "zoom", "result": one}]] * n, [""] * n, 3136, 1 << 22,
+                                           pool=pool)
+            times["beside_processes"].append(intake(ip, hasher, requests(tok, [one] * n), f"p{k}"))
+            t = time.perf_counter()
+            [tools.pixels([a[3]]) for a in answers]
+            waits.append(time.perf_counter() - t)
         print(f"round {k + 1}: " + ", ".join(f"{name} {v[-1][0]:.3f} + {v[-1][1]:.3f} s" for name, v in times.items())
-              + "; the pixels' wait after it: threads {:.3f} s, processes {:.3f} s".format(*waits), flush=True)
+              + "; the pixels' wait after it: " + ", ".join(f"{w} {s:.3f} s" for w, s in zip(("threads", "processes"),
+                                                                                            waits)), flush=True)
     print(f"\n{n} turn-two requests, {rounds} rounds, {workers} pixel thread(s) or process(es), {backend} image "
           "processor in the threads\n\n"
           "| row | process_inputs s (rounds) | Requests + block hashes s | x alone |\n|---|---|---|---|")

@@ -56,11 +56,12 @@ class Scripted:
                  for _ in range(n)] for _ in prompts]
 
 
-def ctx_for(proc, engine, tools_=None, **cfg):
+def ctx_for(proc, engine, tools_=None, model_path=None, **cfg):
     c = dict(max_response_length=64, max_turn_tokens=0, max_turns=4, tool_timeout=2.0, limit_images=8, **PIX)
     c.update(cfg)
     return types.SimpleNamespace(cfg=types.SimpleNamespace(**c), tokenizer=proc.tokenizer, processor=proc,
-                                 rollout=engine, tools=tools_ or tools.load_tools("zoom"), world=1, rank=0)
+                                 rollout=engine, tools=tools_ or tools.load_tools("zoom"), world=1, rank=0,
+                                 model_path=model_path)
 
 
 def call_for(prompts, n=2, max_tokens=64):
@@ -169,7 +170,12 @@ def test_vllm_continues_from_the_raw_ids_and_the_tools_picture(tiny, monkeypatch
                                                                     {end: types.SimpleNamespace(logprob=-0.2)}]
         return outs
     eng.llm.run = first_turn_calls
-    samples = tools.rollout(ctx_for(proc, eng, max_turns=2), call_for(recs[:1], n=2, max_tokens=8))
+    monkeypatch.setattr(tools, "_POOLS", {})
+    try:
+        samples = tools.rollout(ctx_for(proc, eng, max_turns=2, model_path=path), call_for(recs[:1], n=2, max_tokens=8))
+    finally:
+        pools = [p.shutdown() or p for p in tools._POOLS.values()]
+    assert len(pools) == 1  # the trainer's pixels of the picture: in the run's processes (the HF engine: threads)
     user = {"role": "user", "content": [{"type": "image"}]}
     before = proc.apply_chat_template([user, {"role": "assistant", "content": "X"}], tokenize=False)
     tail = proc.apply_chat_template([user, {"role": "assistant", "content": "X"}, {
@@ -181,6 +187,10 @@ def test_vllm_continues_from_the_raw_ids_and_the_tools_picture(tiny, monkeypatch
     assert s["response_ids"][:2] == [call, end] and s["response_ids"].count(tok.convert_tokens_to_ids(
         "<|image_pad|>")) == 4 and s["policy_mask"][:2] == [1, 1] and s["tool_stats"]["turns"] == 2
     assert s["rollout_logp"][:2] == [-0.1, -0.2] and len(s["rollout_logp"]) == len(s["response_ids"])
+    want = tools.merge_mm(recs[0]["mm_inputs"], tools.pixels([tools.render_answers(  # the threads' pixels
+        proc, [[{"name": "zoom", "result": req["multi_modal_data"]["image"][1]}]], [""], **PIX)[0][3]]))
+    got = s["prompt"]["mm_inputs"]
+    assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
 
 
 def test_the_mask_covers_exactly_the_sampled_tokens(tiny):

@@ -84,7 +84,7 @@ def test_the_variants_give_each_trajectory_its_picture_or_make_the_pixels_first(
 
 
 def test_pixels_made_in_processes_are_the_threads_pixels():
-    """render_answers' `pool` (benchmarks/two_turn.py pixel_pool): each answer gets the pixels the threads give it,
+    """render_answers' `pool` (tools.pixel_pool): each answer gets the pixels the threads give it,
     answers of one size in a few jobs (a process sends its group's tensors back once: the answers' are views)."""
     import data
     import tools
@@ -92,29 +92,35 @@ def test_pixels_made_in_processes_are_the_threads_pixels():
     proc = data.load_processor(path, min_pixels=56 * 56, max_pixels=112 * 112)
     pictures = [two_turn.picture(56, seed=i) for i in range(3)] + [two_turn.picture(84, seed=9)]
     recs = [[{"name": "zoom", "result": pictures[i % 4]}] for i in range(11)]
-    pool = two_turn.pixel_pool(path, 56 * 56, 112 * 112, workers=2)
+    pool = tools.pixel_pool(path, 56 * 56, 112 * 112, pictures, workers=2)
+    assert pool is not None
     try:
         got = [tools.pixels([a[3]]) for a in tools.render_answers(proc, recs, [""] * 11, 56 * 56, 112 * 112, pool=pool)]
     finally:
-        pool.shutdown()
+        tools._POOLS.pop((path, 56 * 56, 112 * 112)).shutdown()  # (the run's pool: made once, kept)
     want = [tools.pixels([a[3]]) for a in tools.render_answers(proc, recs, [""] * 11, 56 * 56, 112 * 112)]
     assert all(g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w) for g, w in zip(got, want))
     assert len({g["pixel_values"].untyped_storage().data_ptr() for g in got}) < 11  # (views of a job's tensors)
 
 
-def test_a_small_dev_shm_leaves_the_processes_variant_out_not_the_run(tmp_path, monkeypatch, capsys):
+def test_a_small_dev_shm_leaves_the_pixels_on_threads(monkeypatch):
     """Docker gives a container 64 MB of /dev/shm unless told otherwise: the pool's pixels (in shared memory) would
-    fail there mid-run, so the variant is left out at the start, in one line, and the ratio's rows still run."""
+    fail there mid-run, so tools.pixel_pool gives no pool (render_answers then uses threads) where /dev/shm can't hold
+    the pictures' pixels twice over, and one pool a run where it can."""
     import collections
     import shutil
+    import tools
+    free = [16 << 20]
     monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("du", "total used free")(
-        64 << 20, 48 << 20, 16 << 20))  # (the 4 answers' 512^2 pixels: ~25 MB, twice over wanted)
-    cfg = config(tiny_model.build_tiny_model(), rollout_engine="hf", n=2, max_response_length=64,
-                 output_dir=str(tmp_path / "out"))
-    r = two_turn.run(cfg, repeats=1, first=3, second=2, size=512, rows=("one_turn", "two_turn",
-                                                                         "two_turn_pixels_in_processes"))
-    assert list(r["runs"]) == ["one_turn", "two_turn"] and r["ratio"] > 0
-    assert "two_turn_pixels_in_processes left out: /dev/shm has 0.02 GiB free" in capsys.readouterr().out
+        64 << 20, 48 << 20, free[0]))
+    pics = [two_turn.picture(512)] * 4  # (their 512^2 pixels: ~25 MB, twice over wanted)
+    monkeypatch.setattr(tools, "_POOLS", {})
+    assert tools.pixel_pool("m", 1, 2, pics) is None and tools._POOLS == {}
+    free[0] = 64 << 20
+    monkeypatch.setattr(tools, "ProcessPoolExecutor", lambda *a, **k: object())  # (not started here)
+    pool = tools.pixel_pool("m", 1, 2, pics)
+    assert pool is not None and tools.pixel_pool("m", 1, 2, pics[:1]) is pool and tools.pixel_pool("m", 1, 3, pics) is not pool
+    assert tools.pixel_pool("m", 1, 2, ["a text answer"]) is None  # (no picture: no processes)
 
 
 def test_rows_without_both_runs_of_the_ratio_are_refused_in_one_line():
