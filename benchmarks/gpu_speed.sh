@@ -48,7 +48,7 @@
 #   two_turn   (~5 min at REPEATS=3 with the model build; 2026-12-04) bench.py two-turn on the 3B shape: the bar's 64
 #              prompts x 8, 512 forced tokens, a tool's 512x512 picture, 512 more, against one turn of 1024 forced
 #              tokens, REPEATS=2 rounds each (benchmarks/two_turn.py; the bar: at most 1.3x); its variants with
-#              ARGS="--rows one_turn,two_turn,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_in_processes"
+#              ARGS="--rows one_turn,two_turn,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_on_threads"
 #              (~30 s more each a round; longer than a call at REPEATS=4: run it through benchmarks/gpu_detach.sh).
 #              One GPU. Twice on one machine (the bar's proof; 4.8 min each on an H100 at REPEATS=3, 2026-12-06):
 #              bash benchmarks/gpu_detach.sh start tt bash -c 'for r in 1 2; do OUT=$OUT/r$r REPEATS=3 \
