@@ -213,9 +213,9 @@ def pixel_pool(model_path, min_pixels, max_pixels, pics=(), workers=None):
     if not need or need > (shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0):
         return None
     key = (model_path, min_pixels, max_pixels)
-    if key not in _POOLS:
-        _POOLS[key] = ProcessPoolExecutor(workers or min(8, os.cpu_count() or 1),
-                                          get_context("forkserver"), initializer=_pool_init, initargs=key)
+    if key not in _POOLS:  # (each rank its share of the node's cores)
+        _POOLS[key] = ProcessPoolExecutor(workers or max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get(
+            "LOCAL_WORLD_SIZE", 1)))), get_context("forkserver"), initializer=_pool_init, initargs=key)
     return _POOLS[key]
 
 

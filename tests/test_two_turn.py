@@ -2,6 +2,7 @@
 runs generate the same forced tokens, and turn two's prompts carry the tool's picture (processor tensors and image
 tokens) after the first turn's tokens, as tools.rollout continues a trajectory."""
 import json
+import os
 
 import pytest
 import torch
@@ -117,10 +118,13 @@ def test_a_small_dev_shm_leaves_the_pixels_on_threads(monkeypatch):
     monkeypatch.setattr(tools, "_POOLS", {})
     assert tools.pixel_pool("m", 1, 2, pics) is None and tools._POOLS == {}
     free[0] = 64 << 20
-    monkeypatch.setattr(tools, "ProcessPoolExecutor", lambda *a, **k: object())  # (not started here)
+    made = []  # (the pools' sizes; none started here)
+    monkeypatch.setattr(tools, "ProcessPoolExecutor", lambda n, *a, **k: made.append(n) or object())
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # (torchrun's: four ranks on this node share its cores)
     pool = tools.pixel_pool("m", 1, 2, pics)
     assert pool is not None and tools.pixel_pool("m", 1, 2, pics[:1]) is pool and tools.pixel_pool("m", 1, 3, pics) is not pool
-    assert tools.pixel_pool("m", 1, 2, ["a text answer"]) is None  # (no picture: no processes)
+    assert tools.pixel_pool("m", 1, 2, ["a text answer"]) is None and made == [4, 4]  # (no picture: no processes)
 
 
 def test_rows_without_both_runs_of_the_ratio_are_refused_in_one_line():
