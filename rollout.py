@@ -166,14 +166,13 @@ class HFRollout:
             raise RuntimeError(f"the engine started without weights and these were not sent: {missing[:5]}...")
         self.weights_lost = False
 
-    def sleep(self):  # the HF engine keeps its weights; nothing to free
-        pass
-
     def pool_bytes(self):  # the HF engine's weights are ordinary allocations: the trainer's peaks include them
         return 0
 
-    def wake(self, tags=None):
+    def sleep(self, tags=None):  # the HF engine keeps its weights: nothing to free, nothing to map again
         pass
+
+    wake = sleep
 
 
 # ------------------------------------------------------------------------------------------------ vLLM engine
@@ -256,7 +255,9 @@ class VLLMRollout:
         kw.update(engine_kwargs)
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         dropped = [k for k in kw if k not in known]
-        if dropped:  # (a newer or older vLLM's)
+        if "logprobs_mode" in dropped:  # (without it the log-probs would be the raw model's, not the sampler's)
+            raise UserError(f"vLLM {self.version} is older than 0.10.1 (no logprobs_mode): install vllm >= 0.10.1")
+        if dropped:  # (a newer vLLM's)
             warnings.warn(f"vLLM {self.version} does not know {dropped}; ignoring them")
         self.llm = LLM(**{k: v for k, v in kw.items() if k in known})
         # V1's sampler draws a seeded request's noise in a Python loop: a kernel per sequence per step (_requests)

@@ -206,9 +206,8 @@ def _pool_init(model_path, min_pixels, max_pixels):
 
 
 def pixel_pool(model_path, min_pixels, max_pixels, pics=(), workers=None):
-    """The run's processes for the trainer's pixels of later turns' pictures (render_answers' `pool`; forkserver's), or
-    None (threads) without pictures or where /dev/shm can't hold their tensors twice (~24 bytes a pixel). Threads share
-    the GIL with vLLM's intake and loop: on an H100's host 8 made its intake 2.0-2.2x slower, 8 processes 1.0-1.2x."""
+    """The run's processes for later turns' pixels (render_answers' `pool`), or None (threads: they share the GIL with
+    vLLM's intake and loop) without pictures or where /dev/shm can't hold their tensors twice (~24 bytes a pixel)."""
     need = 48 * sum(im.width * im.height for im in pics if isinstance(im, Image.Image))
     if not need or need > (shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0):
         return None

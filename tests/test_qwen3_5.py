@@ -259,7 +259,7 @@ def test_hybrid_engine_asks_for_a_steps_sequences_only(tiny, monkeypatch):
         def __init__(self, **kw):
             got.append(kw)
             self.llm_engine = types.SimpleNamespace(vllm_config=None)
-    names = ("model", "max_num_seqs", "seed", "dtype", "gpu_memory_utilization", "additional_config")
+    names = ("model", "max_num_seqs", "seed", "dtype", "gpu_memory_utilization", "additional_config", "logprobs_mode")
     engine_args = dataclasses.make_dataclass("EngineArgs", names)
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.26.0", LLM=LLM))
     monkeypatch.setitem(sys.modules, "vllm.engine", types.SimpleNamespace())
@@ -271,3 +271,8 @@ def test_hybrid_engine_asks_for_a_steps_sequences_only(tiny, monkeypatch):
         rollout.make_rollout("vllm", tiny, **opts)
         rollout.make_rollout("vllm", tiny_model.build_tiny_model(), **opts)
     assert got[0]["max_num_seqs"] == 15 and "max_num_seqs" not in got[1]
+    # a vLLM without logprobs_mode (< 0.10.1) would return the raw model's log-probs, not the sampler's: one line
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", types.SimpleNamespace(
+        EngineArgs=dataclasses.make_dataclass("EngineArgs", names[:-1])))
+    with pytest.raises(rollout.UserError, match="older than 0.10.1 .no logprobs_mode.: install vllm >= 0.10.1"):
+        rollout.make_rollout("vllm", tiny, **opts)

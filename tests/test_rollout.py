@@ -237,7 +237,7 @@ def test_vllm_samples_of_a_run_never_share_a_seed(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=SamplingParams))
     eng = object.__new__(rollout.VLLMRollout)
     eng.llm, eng.tp_group, eng.weights_lost, eng.asleep = LLM(), None, False, set()
-    eng.eos_ids, eng.forbidden_ids, eng.model_type, eng.processed_logprobs = [1], [], "qwen2_5_vl", True
+    eng.eos_ids, eng.forbidden_ids, eng.model_type = [1], [], "qwen2_5_vl"
     cfg = grpo.Config(seed=1)
     prompt = {"raw_prompt_ids": [3, 4]}
     n, batch = 16, 16

@@ -125,7 +125,7 @@ def standin_vllm(monkeypatch, sampling_params=StandInSamplingParams):
         built.append(self)
         self.llm, self.tp, self.tp_group, self.weights_lost, self.asleep = StandInLLM(), 1, None, False, set()
         self.eos_ids, self.forbidden_ids = rollout.special_token_ids(model_path)
-        self.model_type, self.processed_logprobs, self.version = "qwen2_5_vl", True, "stand-in"
+        self.model_type, self.version = "qwen2_5_vl", "stand-in"
         self.sleep_mode, self.sleep_level = True, sleep_level
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=sampling_params))
