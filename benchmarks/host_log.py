@@ -10,6 +10,7 @@ import collections
 import csv
 import datetime
 import json
+import lzma
 import os
 import sys
 import time
@@ -100,9 +101,10 @@ ORDER = ["sync", "gen", "old_logprob", "ref_logprob", "update"]  # a step's phas
 
 
 def _timed_rows(path):
-    """(unix time, row) of a once-a-second CSV log whose first column is nvidia-smi's local timestamp."""
-    return [(datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp(), r)
-            for r in list(csv.reader(open(path)))[1:]]
+    """(unix time, row) of a once-a-second CSV log (.xz too) whose first column is nvidia-smi's local timestamp."""
+    with (lzma.open if path.endswith(".xz") else open)(path, "rt") as f:
+        return [(datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp(), r)
+                for r in list(csv.reader(f))[1:]]
 
 
 def phases(metrics_path, csv_path, host_path=None):

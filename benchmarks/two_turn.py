@@ -29,8 +29,8 @@ The host's part alone (no engine; CPU is enough): the work between the two calls
 idle meanwhile: the tools' answers rendered one at a time and all at once (render_answers: alike ones together, on
 threads), the continuations with the trainer's pixel tensors (the HF engine's) and without (vLLM's).
 """
+import datetime
 import json
-import lzma
 import os
 import time
 from dataclasses import replace
@@ -44,7 +44,7 @@ import data
 import fsdp_actor as actor
 import rollout
 import tools
-from benchmarks import engine_bench
+from benchmarks import engine_bench, host_log
 
 
 def picture(size, seed=0):
@@ -179,14 +179,12 @@ def gpu_busy(result, csv_path):
     prompts, seeds and engine state), from nvidia-smi's log of the run (gpu_speed.sh's <run>_gpu.csv, once a second;
     each window's first and last second left out). Where it is low, vLLM's engine loop (Python, one host core) fed
     the GPU too slowly: the same work then takes longer."""
-    seconds = lambda hms: sum(float(x) * m for x, m in zip(hms.split(":"), (3600, 60, 1)))  # noqa: E731
-    with (lzma.open if csv_path.endswith(".xz") else open)(csv_path, "rt") as f:
-        log = [(seconds(row[0].split()[1]), float(row[6].split()[0])) for row in
-               (line.split(", ") for line in f.read().splitlines()[1:]) if len(row) > 6]
+    log = [(t, float(r[6].split()[0])) for t, r in host_log._timed_rows(csv_path)]  # (unix time, utilisation %)
+    day = datetime.date.fromtimestamp(log[0][0])  # ("ended": the run's clock time, whole seconds, on the log's day)
     out = {}
     for name in ("one_turn", "two_turn"):
         for x in result["runs"].get(name, []):
-            end = seconds(x["ended"]) + 0.5  # ("ended": whole seconds)
+            end = datetime.datetime.combine(day, datetime.time.fromisoformat(x["ended"])).timestamp() + 0.5
             start = end - x["seconds"]
             end = start + x["first_seconds"] if name == "two_turn" else end
             busy = [u for t, u in log if start + 1 <= t <= end - 1]
