@@ -225,6 +225,11 @@ def gpu_log(path, paths):
     return next((p for p in paths if p in (path[:-5] + "_gpu.csv", path[:-5] + "_gpu.csv.xz")), None)
 
 
+def opts(t):
+    """A Table's NAME=VALUE args (pyspy's top, answers' answer, text's tail) as a dict."""
+    return dict(a.split("=", 1) for a in t.args if "=" in a)
+
+
 def table_args(t):
     """matrix.table's options from a Table's command and args (`--ran`, `--rows A,B`, `--last`)."""
     a = list(t.args)
@@ -243,7 +248,7 @@ def output(t):
         "benchmarks.bench report": lambda: bench.report(paths),
         "benchmarks.bench table": lambda: bench.table(paths),
         "benchmarks.bench pyspy": lambda: engine_bench.pyspy_table(paths[0], "LLMEngine.step",
-                                                                   int(dict(a.split("=") for a in t.args)["top"])),
+                                                                   int(opts(t)["top"])),
         "benchmarks.record parity": lambda: parity_table(paths),
         "benchmarks.record curves": lambda: curves_table(paths),
         "benchmarks.record spikes": lambda: spikes_table(paths),
@@ -251,10 +256,10 @@ def output(t):
                                                         for p in paths),
         "benchmarks.record two-turn": lambda: two_turn.runs_table([
             (os.path.basename(p), json.load(open(p)), gpu_log(p, paths)) for p in paths if p.endswith(".json")]),
-        "benchmarks.record text": lambda: "\n\n".join(named("\n".join(open(p).read().strip().split("\n")[-int(dict(
-            a.split("=") for a in t.args).get("tail", 0)):]), p) for p in paths),  # (tail=N: its last N lines)
+        "benchmarks.record text": lambda: "\n\n".join(named("\n".join(open(p).read().strip().split("\n")[
+            -int(opts(t).get("tail", 0)):]), p) for p in paths),  # (tail=N: its last N lines)
         "benchmarks.record steps": lambda: "\n\n".join(named(steps_lines(p), p) for p in paths),
-        "benchmarks.record answers": lambda: answers_table(paths, dict(a.split("=") for a in t.args)["answer"]),
+        "benchmarks.record answers": lambda: answers_table(paths, opts(t)["answer"]),
     }
     return run[t.command]()
 
@@ -265,8 +270,8 @@ COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "text", "steps",
 def main(argv):
     by_name = {t.name: t for t in TABLES}
     if argv and argv[0] in COMMANDS:  # TABLES' benchmarks.record
-        opts = [a for a in argv[1:] if "=" in a and not os.path.exists(a)]  # (answers' answer=NAME)
-        print(output(Table("-", "-", "benchmarks.record " + argv[0], [a for a in argv[1:] if a not in opts], opts)))
+        kv = [a for a in argv[1:] if "=" in a and not os.path.exists(a)]  # (answer=NAME, tail=N)
+        print(output(Table("-", "-", "benchmarks.record " + argv[0], [a for a in argv[1:] if a not in kv], kv)))
         return 0
     unknown = [a for a in argv if a not in by_name]
     if unknown:
