@@ -86,7 +86,8 @@ TABLES = [
     Table("tools_gpu", TOOLS_GPU, "benchmarks.record curves", [H + "test_tools_gpu_2026-12-05_*steps_metrics.jsonl"]),
     Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-05*.log"]),
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json", H1 + "two_turn3b_*.json",
-                                                              H1 + "two_turn3b_*_gpu.csv.xz"]),
+                                                              H1 + "two_turn3b_*_gpu.csv.xz",
+                                                              H1 + "two_turn3b_*_host.csv.xz"]),
     Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-06_keys.txt"], ("tail=11",)),
     Table("vllm_intake_h100", TWO_TURN, "benchmarks.record text", [H1 + "vllm_intake_2026-12-06_host_pil.txt"],
           ("tail=11",)),
@@ -220,9 +221,10 @@ def steps_lines(path):
     return "```\n" + "\n".join(dict.fromkeys(keep)) + "\n```"
 
 
-def gpu_log(path, paths):
-    """The GPU log given beside a run's JSON (NAME_gpu.csv[.xz] for NAME.json), or None."""
-    return next((p for p in paths if p in (path[:-5] + "_gpu.csv", path[:-5] + "_gpu.csv.xz")), None)
+def run_log(path, paths, kind="gpu"):
+    """The GPU's or the host's log given beside a run's JSON (NAME_gpu.csv[.xz], NAME_host.csv[.xz] for NAME.json),
+    or None."""
+    return next((p for p in paths if p in (f"{path[:-5]}_{kind}.csv", f"{path[:-5]}_{kind}.csv.xz")), None)
 
 
 def opts(t):
@@ -255,7 +257,8 @@ def output(t):
         "benchmarks.record engine": lambda: "\n\n".join(named(engine_bench.table(json.load(open(p))), p)
                                                         for p in paths),
         "benchmarks.record two-turn": lambda: two_turn.runs_table([
-            (os.path.basename(p), json.load(open(p)), gpu_log(p, paths)) for p in paths if p.endswith(".json")]),
+            (os.path.basename(p), json.load(open(p)), run_log(p, paths), run_log(p, paths, "host"))
+            for p in paths if p.endswith(".json")]),
         "benchmarks.record text": lambda: "\n\n".join(named("\n".join(open(p).read().strip().split("\n")[
             -int(opts(t).get("tail", 0)):]), p) for p in paths),  # (tail=N: its last N lines)
         "benchmarks.record steps": lambda: "\n\n".join(named(steps_lines(p), p) for p in paths),
