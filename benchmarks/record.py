@@ -37,8 +37,7 @@ MEMORY = "Memory cells: measured against the memory model (H200, 2026-12-01 to 2
 LONG = "Long answers: the Qwen3-4B shape at 16k response tokens (H100, 2026-12-05)"
 SHAPES = "Model shapes: Qwen3.5-9B, Qwen3.5-35B-A3B, Gemma-4-E2B (H200, 2026-12-03 to 2026-12-05)"
 TOOLS_GPU = "The zoom demo with vLLM: the tools GPU test (H200 and H100, 2026-12-05)"
-TWO_TURN = ("Two-turn rollout: a tool's picture between turns (H200 and H100, 2026-12-04 to 2026-12-06; "
-            "CPU, 2026-12-05 to 2026-12-06)")
+TWO_TURN = "Two-turn rollout: a tool's picture between turns (H200 and H100, 2026-12-04 to 2026-12-06)"
 CPU = "CPU demos: each built-in demo learns, at its own lr schedule (2-core CPU, 2026-12-05)"
 TOOLS = "CPU: the zoom tool demo on five seeds (2-core CPU, 2026-12-05)"
 
@@ -88,7 +87,6 @@ TABLES = [
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json", H1 + "two_turn3b_*.json",
                                                               H1 + "two_turn3b_*_gpu.csv.xz",
                                                               H1 + "two_turn3b_*_host.csv.xz"]),
-    Table("vllm_intake", TWO_TURN, "benchmarks.record text", [C + "vllm_intake_2026-12-06_keys.txt"], ("tail=11",)),
     Table("vllm_intake_h100", TWO_TURN, "benchmarks.record text", [H1 + "vllm_intake_2026-12-06_host_pil.txt"],
           ("tail=11",)),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
