@@ -501,12 +501,11 @@ def check_main(argv) -> int:
     check_model_path(cfg.model_path)
     model_path = cfg.model_path or tiny_model.build_tiny_model(arch=cfg.demo_model)
     train_files, val_files, fmt = data_files(cfg)
-    sources = [("--train-files", train_files), ("--val-files", val_files)]
     proc = load_processor(model_path, cfg.min_pixels, cfg.max_pixels)
     kw = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, image_key=cfg.image_key, image_dir=cfg.image_dir,
               format_prompt=fmt, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, **video.video_options(cfg))
     any_bad = False
-    for option, source in sources:
+    for option, source in (("--train-files", train_files), ("--val-files", val_files)):
         if not source:
             continue
         try:

@@ -302,10 +302,9 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
         if not routers(hf):
             raise UserError(f"--router-aux-loss-coef {router_aux_loss_coef}: {type(hf).__name__} has no MoE router")
         model.router_logits = []
-        for r in routers(hf):  # output 0: the logits [tokens, experts] (its OutputRecorder's index); log-prob
-            # passes (no gradient) keep none
+        for r in routers(hf):  # output 0: the logits [tokens, experts] (its OutputRecorder's index)
             r.register_forward_hook(lambda m, args, out: model.router_logits.append(out[0])
-                                    if torch.is_grad_enabled() else None)
+                                    if torch.is_grad_enabled() else None)  # log-prob passes (no gradient) keep none
     model.packed = use_varlen["text"]  # collate() packs this model's micro-batches into one row
     model.rope = "mrope" if model.packed and model.rope is None else model.rope  # (Qwen3-VL: positions from collate)
     # a shared prompt's keys serve each response in attention; a recurrent layer would need its state forked instead
@@ -327,8 +326,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
         model.chunk_kernels = varlen.compile_elementwise(hf)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    # a frozen reference is not offloaded by FSDP2: it waits whole on the host and visits the GPU for its pass
-    # (memory.resident); only a trainable policy gets the offload policy
+    # FSDP2 offloads a trainable policy only: a frozen reference waits whole on the host till its pass (memory.resident)
     kw = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda")
               if offload and trainable else OffloadPolicy())
     blocks = set(getattr(hf, "_no_split_modules", None) or [])
@@ -358,12 +356,9 @@ def collate(samples, pad_id, device, model=None):
     shared = packed and model.share_prompts
     seqs = [s["prompt"]["prompt_ids"] + list(s["response_ids"]) for s in samples]
     # the distinct prompts of the batch (the n samples of a prompt share its images) and which one each row shows
-    index, prompts, owner = {}, [], []
-    for s in samples:
-        if id(s["prompt"]) not in index:
-            index[id(s["prompt"])] = len(prompts)
-            prompts.append(s["prompt"])
-        owner.append(index[id(s["prompt"])])
+    prompts = list({id(s["prompt"]): s["prompt"] for s in samples}.values())  # in order of first appearance
+    index = {id(p): i for i, p in enumerate(prompts)}
+    owner = [index[id(s["prompt"])] for s in samples]
     varlen_kw = None  # packed: the attention's boundaries (varlen.packed_layout)
     if packed:
         pieces, resp_idx, varlen_kw = varlen.packed_layout([len(p["prompt_ids"]) for p in prompts],

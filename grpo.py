@@ -127,7 +127,6 @@ def setup(cfg: Config):
                                   router_aux_loss_coef=cfg.router_aux_loss_coef,
                                   checkpoint_layers=cfg.checkpoint_layers, share_prompts=cfg.share_prompts,
                                   ulysses_group=sp)
-    ctx.ref = None
     if cfg.kl_coef > 0 and not ctx.lora:  # with LoRA the reference is the policy with its adapters switched off
         ctx.ref = actor.build_actor(ctx.model_path, device, ctx.compute_dtype, ctx.compute_dtype,
                                     attn_implementation=cfg.attn_implementation, trainable=False,
@@ -386,8 +385,7 @@ def micro_batch_loss(cfg, logp, ent, mask, mb, norm, log, first_pass):
         log.add("rollout_corr/weight_mean", *st["mean"])
         log.add("rollout_corr/capped_frac", *st["capped_frac"])
         log.add_max("rollout_corr/weight_max", st["max"])
-    pg_loss = agg_loss(tok_loss, mask, cfg.loss_avg_mode, **norm)
-    loss = pg_loss
+    loss = pg_loss = agg_loss(tok_loss, mask, cfg.loss_avg_mode, **norm)
     if cfg.kl_coef > 0 and not cfg.kl_in_reward:
         ref = actor.stack_padded([s["ref_logp"] for s in mb], R, dev)  # [b, R]
         kl = kl_penalty(logp, ref, cfg.kl_penalty)  # [b, R]

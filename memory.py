@@ -182,11 +182,10 @@ def metrics(engine, peaks, step_metrics):
     out = {"memory/host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     if not torch.cuda.is_available():
         return out
-    pool = engine.pool_bytes() / 2**30
     phases = {k: v for k, v in peaks.items() if k != "start"}
     out.update({f"memory/trainer_peak_{k}_gb": v for k, v in phases.items()})
     out["memory/trainer_peak_gb"] = max(phases.values())
-    out["memory/engine_pool_gb"] = pool
+    out["memory/engine_pool_gb"] = engine.pool_bytes() / 2**30
     out["memory/engine_other_gb"] = getattr(engine, "other_bytes", 0) / 2**30
     out["memory/engine_awake_gb"] = (step_metrics["memory/free_engine_asleep_gb"]
                                      - step_metrics["memory/free_engine_awake_gb"])
@@ -199,8 +198,7 @@ def metrics(engine, peaks, step_metrics):
 def host_bytes_to_come(cfg, model, engine):
     """Host memory (bytes, this rank) the offload modes take after setup (what is there already is out of
     MemAvailable): the optimizer's state, with --offload-params the gradients, a level-1 sleeping engine's weights."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    n = sum(local(p).numel() for p in trainable)
+    n = sum(local(p).numel() for p in model.parameters() if p.requires_grad)
     b = STATE_BYTES[cfg.precision]
     state = n * (b["optim"] + KAHAN_BYTES * (cfg.precision == "bf16" and cfg.bf16_rounding == "kahan"))
     grads = n * b["grads"] if cfg.offload_params else 0
@@ -290,8 +288,7 @@ def memory_model(dims, precision="amp", lora_rank=0, kahan=True, world=1, offloa
                                     + (0 if dims.get("moe") else 3 * (H + dims["inter"])))
         if lora_experts:  # --lora-target-experts: per expert, gate_up [2I', H]: H + 2I'; down [H, I']: I' + H
             adapters += lora_rank * L * dims["experts"] * (2 * H + 3 * dims["expert_inter"])
-        train = adapters
-        base = P * b["weights"]
+        train, base = adapters, P * b["weights"]
     else:
         train, base = P - dims.get("idle", 0), dims.get("idle", 0) * b["weights"]
     weights = base + train * b["weights"]
@@ -465,8 +462,7 @@ def check_before_loading(cfg, world, card_gib=None):
         check_fits(asdict(cfg), dims, world, card_gib, f"--model-path {cfg.model_path}")
 
 
-# Where in a step the memory ran out (the first stage with one of its functions in the traceback), and what moves
-# memory there.
+# Where in a step memory ran out (the first stage with one of its functions in the traceback), and what moves it there
 _OOM_STAGES = [
     (("update_policy",), "the policy update", "fewer tokens per micro-batch (--max-token-len-per-device {mb}), more "
      "recomputed layers ({ck}) or a smaller --logprob-chunk-size; less state: --precision bf16, "

@@ -470,9 +470,8 @@ class RunLog:
         if self.on:
             self.bar.close()
             self.close_trackers()
-            self.metrics_f.close()
-            self.samples_f.close()
-            self.val_f.close()
+            for f in (self.metrics_f, self.samples_f, self.val_f):
+                f.close()
 
 
 if __name__ == "__main__":  # python rundir.py a/metrics.jsonl b/metrics.jsonl --labels cpu gpu --out compare.png
