@@ -65,7 +65,7 @@ def setup(cfg):
     return eng, processor, data.draw_prompts(train, 0, cfg.rollout_batch_size, rank, world, cfg.seed)
 
 
-def one_turn(eng, prompts, seeds, n, tokens, cfg=None):
+def one_turn(eng, prompts, seeds, n, tokens):
     outs = eng.generate(prompts, n, 1.0, 1.0, tokens, seeds, lengths=[[tokens] * n for _ in prompts])
     return sum(len(o["response_ids"]) for g in outs for o in g), {}
 
@@ -109,8 +109,8 @@ def cold(eng):
         engine_bench.cold(eng)
 
 
-ROWS = ("one_turn", "two_turn", "one_turn_one_intake", "two_turn_one_intake", "two_turn_distinct", "two_turn_pixels_first",
-        "two_turn_pixels_on_threads")
+ROWS = ("one_turn", "two_turn", "one_turn_one_intake", "two_turn_one_intake", "two_turn_distinct",
+        "two_turn_pixels_first", "two_turn_pixels_on_threads")
 
 
 def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
@@ -125,8 +125,8 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
             if isinstance(eng, rollout.VLLMRollout) else None)  # (tools.rollout's: the HF engine waits for them)
     if isinstance(eng, rollout.VLLMRollout) and pool is None:
         print("[two-turn] /dev/shm can't hold the pixels of the pictures: threads make them, as tools.rollout's would")
-    variant = {"two_turn": dict(image=image, pool=pool), "two_turn_one_intake": dict(image=image, pool=pool, apart=True),
-               "two_turn_distinct": dict(image=distinct, pool=pool),
+    variant = {"two_turn": dict(image=image, pool=pool), "two_turn_distinct": dict(image=distinct, pool=pool),
+               "two_turn_one_intake": dict(image=image, pool=pool, apart=True),
                "two_turn_pixels_first": dict(image=image, pixels_first=True, pool=pool),  # name -> two_turn's kwargs
                "two_turn_pixels_on_threads": dict(image=image)}
     runs = {name: [] for name in rows}
@@ -194,7 +194,7 @@ def busy(result, csv_path, column=6):
     turn one (the same prompts, seeds and engine state); each window's first and last second left out. Column 6 of
     nvidia-smi's log (gpu_speed.sh's <run>_gpu.csv): the GPU's utilisation; column 5 of the host's
     (benchmarks/host_log.py, <run>_host.csv): the run's busiest thread's share of a core. The GPU's low and that
-    thread's ~100 %: vLLM's engine loop (Python, one host core) fed the GPU too slowly, and the same work took longer."""
+    thread's ~100 %: vLLM's engine loop (Python, one host core) fed the GPU too slowly; the same work took longer."""
     log = [(t, float(r[column].split()[0])) for t, r in host_log._timed_rows(csv_path)]  # (unix time, value)
     day = datetime.date.fromtimestamp(log[0][0])  # ("ended": the run's clock time, whole seconds, on the log's day)
     out = {}
@@ -213,8 +213,9 @@ def runs_table(runs):
     turns, mean (rounds), their ratio (and the variants': two_turn_X over one_turn_X where run, else over one_turn),
     vLLM's intake of turn two (each two-turn row's that timed it apart), and from the logs (busy) per round while
     one turn and turn one generated: the GPU's utilisation and the engine loop's share of its core."""
-    out = [f"{r['prompts']} prompts x {r['n']}, {r['engine']} (vLLM {r['vllm']}): one turn of {r['first'] + r['second']}"
-           f" tokens against {r['first']} + a {r['image']}^2 picture + {r['second']}" for _, r, _, _ in runs[:1]]
+    out = [f"{r['prompts']} prompts x {r['n']}, {r['engine']} (vLLM {r['vllm']}): one turn of "
+           f"{r['first'] + r['second']} tokens against {r['first']} + a {r['image']}^2 picture + {r['second']}"
+           for _, r, _, _ in runs[:1]]
     out += ["", "| run | one turn s (rounds) | two turns s (rounds) | x one turn | intake s | GPU busy % while one "
             "turn / turn one generated (rounds) | loop thread % of a core, the same |", "|---|---|---|---|---|---|---|"]
     for name, r, gpu_path, host_path in runs:

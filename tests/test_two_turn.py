@@ -144,7 +144,7 @@ def test_rows_without_both_runs_of_the_ratio_are_refused_in_one_line():
 
 def test_busy_is_the_logs_mean_inside_each_generation_and_the_runs_table_shows_the_gpu_and_the_loop(tmp_path):
     # one_turn ran 10:00:00.5-10:00:10.5 (ended 10:00:10, 10 s), two_turn 10:00:20.5-10:00:40.5 with a 6 s turn one
-    seconds = [(0, 100), (1, 10), (2, 20), (3, 30), (9, 90), (10, 100)] + [(21, 5), (22, 40), (25, 60), (26, 99), (30, 1)]
+    seconds = [(0, 100), (1, 10), (2, 20), (3, 30), (9, 90), (10, 100), (21, 5), (22, 40), (25, 60), (26, 99), (30, 1)]
     gpu, host = tmp_path / "x_gpu.csv", tmp_path / "x_host.csv"
     gpu.write_text("timestamp, index, sm, mem, temp, power, utilization.gpu [%], why\n" + "\n".join(
         f"2026/12/06 10:00:{s:02d}.100, 0, 1980 MHz, 2619 MHz, 50, 500 W, {u} %, 0x0" for s, u in seconds) + "\n")
