@@ -335,7 +335,8 @@ class VLLMRollout:
                 reqs, params, per_item = self._requests(items, n, temperature, top_p, max_tokens)
             if self.per_prompt_seeds and self.v1_runner:  # unseeded requests (_requests): the call's seeds seed the
                 torch.cuda.manual_seed(hash(tuple(s for _, s, _, _ in items)))  # sampler's stream (same on resume)
-            outs = self.llm.wait_for_completion(use_tqdm=False) if queued else self._run(reqs, params)
+            outs = self.llm.wait_for_completion(use_tqdm=False) if queued else self.llm.generate(reqs, params,
+                                                                                                  use_tqdm=False)
             # (enqueue gives vLLM's internal ids, "<id>-<8 random characters>"; the outputs carry <id>)
             if queued and (len(outs) != len(ids) or any(i != o.request_id and not i.startswith(f"{o.request_id}-")
                                                          for i, o in zip(ids, outs))):
@@ -343,18 +344,6 @@ class VLLMRollout:
             return self._results(outs, items, per_item, mine, n, temperature, top_p, max_tokens)
 
     queued = None  # submit()'s requests: (call key, request ids, items, mine, requests per item)
-    intake_chunk = 32  # requests vLLM takes in between two engine steps (_run; 0: all before the first step)
-
-    def _run(self, reqs, params):
-        """llm.generate with its intake a chunk of requests at a time, an engine step after each: a chunk's input
-        processing (Python) overlaps the GPU's work on those before (async scheduling: a step returns once launched)."""
-        done, k = [], self.intake_chunk or len(reqs)
-        if len(reqs) <= k or not hasattr(self.llm, "enqueue"):  # (LLM.enqueue: not in older vLLMs)
-            return self.llm.generate(reqs, params, use_tqdm=False)
-        for i in range(0, len(reqs), k):
-            done += [o for o in self.llm.llm_engine.step() if o.finished] if i else []
-            self.llm.enqueue(reqs[i:i + k], params[i:i + k], use_tqdm=False)
-        return sorted(done + self.llm.wait_for_completion(use_tqdm=False), key=lambda o: int(o.request_id))
 
     def submit(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
         """vLLM's intake of a later generate call's requests, now: input processing (the HF processor on its images)

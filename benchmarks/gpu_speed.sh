@@ -48,18 +48,17 @@
 #   two_turn   (~5 min at REPEATS=3 with the model build; 2026-12-04) bench.py two-turn on the 3B shape: the bar's 64
 #              prompts x 8, 512 forced tokens, a tool's 512x512 picture, 512 more, against one turn of 1024 forced
 #              tokens, REPEATS=2 rounds each (benchmarks/two_turn.py; the bar: at most 1.3x, in two runs on one
-#              machine; both rows call the engine as tools.rollout does: the pixels in processes, vLLM's intake a
-#              chunk at a time between steps, since 2026-12-06); its variants with ARGS="--rows one_turn,two_turn,
-#              one_turn_one_intake,two_turn_one_intake,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_on_threads"
-#              (~30 s more each a round; longer than a call at REPEATS=4: run it through benchmarks/gpu_detach.sh).
-#              One GPU. Twice on one machine (the bar's proof; 4.8 min each on an H100 at REPEATS=3, 2026-12-06):
+#              machine; two_turn makes the trainer's pixels as tools.rollout does: in processes since 2026-12-06); its
+#              variants with ARGS="--rows one_turn,two_turn,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_on_threads"
+#              (~30 s more each a round, past the 500 s LIMIT at REPEATS=3 with two of them: give LIMIT=590 and run
+#              it through benchmarks/gpu_detach.sh; the JSON is written after every round, so a stopped run keeps its
+#              rounds). One GPU. Twice on one machine (the bar's proof; 4.8 min each on an H100 at REPEATS=3):
 #              bash benchmarks/gpu_detach.sh start tt bash -c 'for r in 1 2; do OUT=$OUT/r$r REPEATS=3 \
 #                bash benchmarks/gpu_speed.sh two_turn; done'; then, in calls while it runs, `bash
 #                benchmarks/gpu_detach.sh wait tt 540` (at once: a machine idle 30 s goes back; tar only what is
 #              needed) (keep each run's two_turn3b.json, two_turn3b_gpu.csv and two_turn3b_host.csv, xz'd, as
 #              benchmarks/h100/two_turn3b_DATE_X_N*: record.py's two-turn table reads them). With ARGS="--rows
-#              one_turn,two_turn,one_turn_one_intake,two_turn_one_intake" each run also times the old intake (all of a
-#              call's requests before the first step) beside the chunks (~9 min a run; 6.5 with three rows, 2026-12-06)
+#              one_turn,two_turn,two_turn_pixels_on_threads" each run also times the threads (~6.5 min a run)
 #   two        (~8 min) bar on GPU 0 beside realistic on GPU 1
 # ARGS: more bench.py flags for every run (e.g. ARGS="--torch-compile off"); STEPS and LIMIT (seconds per run)
 # override a mode's. Results in $OUT: <run>.log, <run>_metrics.jsonl, <run>_summary.json, <run>_gpu.csv (clocks,

@@ -4,7 +4,7 @@ From the repository root:
     python -m benchmarks.record                 # every table: its section, its command, then what the command prints
     python -m benchmarks.record speed           # one table, by name (names: TABLES below)
     python -m benchmarks.record parity FILES    # the tables no other tool prints: parity, curves,
-                                                #   spikes, engine, two-turn, text, steps
+                                                #   spikes, engine, two-turn, calls, text, steps
 
 BENCHMARKS.md quotes each command's output verbatim under its section, and tests/test_benchmarks_record.py holds it
 so: every file a table names exists, every run file kept in benchmarks/cpu and benchmarks/h200 is named by a table,
@@ -36,7 +36,7 @@ SPEED = "Speed: the Qwen2.5-VL-3B step (H200, 2026-12-02)"
 MEMORY = "Memory cells: measured against the memory model (H200, 2026-12-01 to 2026-12-05)"
 LONG = "Long answers: the Qwen3-4B shape at 16k response tokens (H100, 2026-12-05)"
 SHAPES = "Model shapes: Qwen3.5-9B, Qwen3.5-35B-A3B, Gemma-4-E2B (H200, 2026-12-03 to 2026-12-05)"
-TOOLS_GPU = "The zoom demo with vLLM: the tools GPU test (H200 and H100, 2026-12-05)"
+TOOLS_GPU = "The zoom demo with vLLM: the tools GPU test (H200 and H100, 2026-12-05 to 2026-12-06)"
 TWO_TURN = "Two-turn rollout: a tool's picture between turns (H200 and H100, 2026-12-04 to 2026-12-06)"
 CPU = "CPU demos: each built-in demo learns, at its own lr schedule (2-core CPU, 2026-12-05)"
 TOOLS = "CPU: the zoom tool demo on five seeds (2-core CPU, 2026-12-05)"
@@ -83,10 +83,12 @@ TABLES = [
     Table("long16k", LONG, "benchmarks.record steps", [H1 + "long_qwen3_4b_16k_4x4_2026-12-05.log"]),
     Table("engine9b", SHAPES, "benchmarks.record engine", [H + "engine9b_qwen35_2026-12-04.json"]),
     Table("tools_gpu", TOOLS_GPU, "benchmarks.record curves", [H + "test_tools_gpu_2026-12-05_*steps_metrics.jsonl"]),
-    Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-05*.log"]),
+    Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-0*.log"]),
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json", H1 + "two_turn3b_*.json",
                                                               H1 + "two_turn3b_*_gpu.csv.xz",
                                                               H1 + "two_turn3b_*_host.csv.xz"]),
+    Table("chunked_intake", TWO_TURN, "benchmarks.record calls", [H1 + "chunked_intake_2026-12-06_e" + f for f in (
+        ".log.xz", "_gpu.csv.xz", "_host.csv.xz")]),
     Table("vllm_intake_h100", TWO_TURN, "benchmarks.record text", [H1 + "vllm_intake_2026-12-06_host_pil.txt"],
           ("tail=11",)),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
@@ -257,6 +259,7 @@ def output(t):
         "benchmarks.record two-turn": lambda: two_turn.runs_table([
             (os.path.basename(p), json.load(open(p)), run_log(p, paths), run_log(p, paths, "host"))
             for p in paths if p.endswith(".json")]),
+        "benchmarks.record calls": lambda: two_turn.calls_table(*paths),
         "benchmarks.record text": lambda: "\n\n".join(named("\n".join(open(p).read().strip().split("\n")[
             -int(opts(t).get("tail", 0)):]), p) for p in paths),  # (tail=N: its last N lines)
         "benchmarks.record steps": lambda: "\n\n".join(named(steps_lines(p), p) for p in paths),
@@ -265,7 +268,7 @@ def output(t):
     return run[t.command]()
 
 
-COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "text", "steps", "answers")  # tables only this prints
+COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "calls", "text", "steps", "answers")  # tables only this prints
 
 
 def main(argv):

@@ -11,13 +11,11 @@ call: the tool's picture (image x image pixels) rendered by the model's chat tem
 message and the next assistant header, the processor on the picture) and the trajectory continued (tools.continuation),
 then one engine call of `second` tokens for every trajectory. Both start cold (prefix, encoder and processor caches
 emptied); their order alternates by round. Results: <output_dir>/two_turn.json and a table, with two turns' parts
-(turn one, the render, the continuations, vLLM's intake of turn two where timed apart, turn two, the wait for the
-pixels made meanwhile). `--rows one_turn,two_turn,...` adds variants (the bar's ratio stays two_turn's). Both rows call
-the engine as tools.rollout does: VLLMRollout's intake a chunk of requests at a time between engine steps (its
-intake_chunk, since 2026-12-06), the trainer's pixels in processes (tools.pixel_pool) where /dev/shm holds them:
-- one_turn_one_intake, two_turn_one_intake: the two rows with all of a call's requests taken in before the first step
-  (intake_chunk 0; the way until 2026-12-06), turn two's intake timed apart (its submit, the GPU idle); the table's
-  ratio for two_turn_one_intake is over one_turn_one_intake;
+(turn one, the render, the continuations, vLLM's intake of turn two, turn two, the wait for the pixels made meanwhile).
+The JSON is written after every round, so a run stopped by its time limit keeps the rounds it finished. `--rows
+one_turn,two_turn,...` adds variants of two_turn (the bar's ratio stays two_turn's). two_turn makes the trainer's pixels
+as tools.rollout does: with vLLM in processes (tools.pixel_pool, since 2026-12-06) where /dev/shm holds them, else on
+threads:
 - two_turn_distinct: each trajectory gets a picture of its own, as a real tool's crops are. two_turn's one picture
   lets vLLM's processor cache and encoder cache serve every trajectory from the first (same bytes, same hash), while
   render_answers makes the trainer's pixels for each;
@@ -34,7 +32,9 @@ threads), the continuations with the trainer's pixel tensors (the HF engine's) a
 """
 import datetime
 import json
+import lzma
 import os
+import re
 import time
 from dataclasses import replace
 
@@ -70,11 +70,10 @@ def one_turn(eng, prompts, seeds, n, tokens):
     return sum(len(o["response_ids"]) for g in outs for o in g), {}
 
 
-def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_first=False, pool=None, apart=False):
+def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_first=False, pool=None):
     """Returns (generated tokens, the seconds of each part: turn one, the render between the calls, the
-    continuations, vLLM's intake of turn two's requests where `apart` (its submit: their input processing, the GPU
-    idle; else None: generate takes them in, as tools.rollout's turns do) and turn two, and the prompt tokens turn two
-    added). image: one picture for every trajectory, or a list of one each; pixels_first: the render waits for the
+    continuations, vLLM's intake of turn two's requests (its submit: their input processing, the GPU idle; None for
+    the HF engine) and turn two, and the prompt tokens turn two added). image: one picture for every trajectory, or a list of one each; pixels_first: the render waits for the
     trainer's pixels too; pool: processes make them (tools.pixel_pool), not threads."""
     t0 = time.perf_counter()
     outs = eng.generate(prompts, n, 1.0, 1.0, first, seeds, lengths=[[first] * n for _ in prompts])
@@ -93,7 +92,7 @@ def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_fir
     conts = [tools.continuation(x, expand=not vllm) for x in trajs]
     call = (conts, 1, 1.0, 1.0, second, [s * n + j for s in seeds for j in range(n)])
     t2 = time.perf_counter()
-    queued = vllm and apart and eng.submit(*call, lengths=[[second]] * len(conts))
+    queued = vllm and eng.submit(*call, lengths=[[second]] * len(conts))
     t3 = time.perf_counter()
     outs2 = eng.generate(*call, lengths=[[second]] * len(conts))  # (runs what submit queued)
     t4 = time.perf_counter()
@@ -109,8 +108,7 @@ def cold(eng):
         engine_bench.cold(eng)
 
 
-ROWS = ("one_turn", "two_turn", "one_turn_one_intake", "two_turn_one_intake", "two_turn_distinct",
-        "two_turn_pixels_first", "two_turn_pixels_on_threads")
+ROWS = ("one_turn", "two_turn", "two_turn_distinct", "two_turn_pixels_first", "two_turn_pixels_on_threads")
 
 
 def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
@@ -126,20 +124,27 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
     if isinstance(eng, rollout.VLLMRollout) and pool is None:
         print("[two-turn] /dev/shm can't hold the pixels of the pictures: threads make them, as tools.rollout's would")
     variant = {"two_turn": dict(image=image, pool=pool), "two_turn_distinct": dict(image=distinct, pool=pool),
-               "two_turn_one_intake": dict(image=image, pool=pool, apart=True),
                "two_turn_pixels_first": dict(image=image, pixels_first=True, pool=pool),  # name -> two_turn's kwargs
                "two_turn_pixels_on_threads": dict(image=image)}
     runs = {name: [] for name in rows}
 
+    def save():  # after every round (atomic): a run its time limit stops keeps the rounds it finished
+        done = {k: v for k, v in runs.items() if v}
+        mean = {k: sum(r["seconds"] for r in v) / len(v) for k, v in done.items()}
+        result = dict(runs=done, seconds=mean, ratio=mean["two_turn"] / mean["one_turn"], prompts=len(prompts), n=n,
+                      first=first, second=second, image=size, engine=type(eng).__name__,
+                      vllm=getattr(eng, "version", None), model=cfg.model_path, rounds=min(map(len, runs.values())))
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        path = os.path.join(cfg.output_dir, "two_turn.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(path + ".tmp", path)
+        return result
+
     def call(name, first=first, second=second):
-        if name.endswith("_one_intake"):  # (an attribute of the instance: the class's default comes back after)
-            eng.intake_chunk = 0
-        try:
-            if name.startswith("one_turn"):
-                return one_turn(eng, prompts, seeds, n, first + second)
-            return two_turn(eng, proc, prompts, seeds, n, first, second, cfg=cfg, **variant[name])
-        finally:
-            vars(eng).pop("intake_chunk", None)
+        if name == "one_turn":
+            return one_turn(eng, prompts, seeds, n, first + second)
+        return two_turn(eng, proc, prompts, seeds, n, first, second, cfg=cfg, **variant[name])
 
     for name in rows:  # warm-up, untimed: short turns
         cold(eng)
@@ -155,13 +160,7 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
             runs[name][-1]["ended"] = time.strftime("%H:%M:%S")  # (beside the GPU's clocks: gpu_speed.sh's csv)
             print(f"[two-turn] round {k + 1}: {name} {runs[name][-1]['seconds']:.2f} s, {tokens} tokens, ended "
                   f"{runs[name][-1]['ended']}", flush=True)
-    mean = {k: sum(r["seconds"] for r in v) / len(v) for k, v in runs.items()}
-    result = dict(runs=runs, seconds=mean, ratio=mean["two_turn"] / mean["one_turn"], prompts=len(prompts), n=n,
-                  first=first, second=second, image=size, engine=type(eng).__name__,
-                  vllm=getattr(eng, "version", None), model=cfg.model_path)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    with open(os.path.join(cfg.output_dir, "two_turn.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        result = save()
     print(table(result), flush=True)
     return result
 
@@ -170,11 +169,11 @@ def table(result):
     r = result
     out = [f"{r['prompts']} prompts x {r['n']}, {r['engine']} (vLLM {r['vllm']}): one turn of "
            f"{r['first'] + r['second']} tokens against {r['first']} + a {r['image']}^2 picture + {r['second']}", "",
-           "| run | seconds (rounds) | tokens | x its one turn (base) |", "|---|---|---|---|"]
+           "| run | seconds (rounds) | tokens | x one turn |", "|---|---|---|---|"]
     for name, rs in r["runs"].items():
         rounds = ", ".join(f"{x['seconds']:.2f}" for x in rs)
         out.append(f"| {name} | {r['seconds'][name]:.2f} ({rounds}) | {rs[-1]['tokens']} | "
-                   f"{r['seconds'][name] / r['seconds'][base(name, r['runs'])]:.3f} |")
+                   f"{r['seconds'][name] / r['seconds']['one_turn']:.3f} |")
     for name in [x for x in r["runs"] if x.startswith("two_turn")]:
         parts = [(k[:-8], [x[k] for x in r["runs"][name] if x.get(k) is not None]) for k in PARTS]
         out += ["", f"{name}, by part (mean s): " + ", ".join(f"{k} {sum(v) / len(v):.2f}" for k, v in parts if v)]
@@ -184,25 +183,21 @@ def table(result):
 PARTS = ("first_seconds", "render_seconds", "continue_seconds", "intake_seconds", "second_seconds", "pixels_seconds")
 
 
-def base(row, runs):
-    """The one-turn row a two-turn row is timed against: one_turn_X for two_turn_X where it ran, else one_turn."""
-    return "one_turn" + row[len("two_turn"):] if "one_turn" + row[len("two_turn"):] in runs else "one_turn"
-
-
-def busy(result, csv_path, column=6):
+def busy(result, csv_path, column=6, rows=("one_turn", "two_turn")):
     """{row: a once-a-second log's column, its mean per round while the row generated}: one_turn's call, two_turn's
-    turn one (the same prompts, seeds and engine state); each window's first and last second left out. Column 6 of
+    turn one (the same prompts, seeds and engine state; a round without first_seconds: its whole call); each window's
+    first and last second left out. Column 6 of
     nvidia-smi's log (gpu_speed.sh's <run>_gpu.csv): the GPU's utilisation; column 5 of the host's
     (benchmarks/host_log.py, <run>_host.csv): the run's busiest thread's share of a core. The GPU's low and that
     thread's ~100 %: vLLM's engine loop (Python, one host core) fed the GPU too slowly; the same work took longer."""
     log = [(t, float(r[column].split()[0])) for t, r in host_log._timed_rows(csv_path)]  # (unix time, value)
     day = datetime.date.fromtimestamp(log[0][0])  # ("ended": the run's clock time, whole seconds, on the log's day)
     out = {}
-    for name in ("one_turn", "two_turn"):
+    for name in rows:
         for x in result["runs"].get(name, []):
             end = datetime.datetime.combine(day, datetime.time.fromisoformat(x["ended"])).timestamp() + 0.5
             start = end - x["seconds"]
-            end = start + x["first_seconds"] if name == "two_turn" else end
+            end = start + x["first_seconds"] if "first_seconds" in x else end
             inside = [u for t, u in log if start + 1 <= t <= end - 1]
             out.setdefault(name, []).append(sum(inside) / len(inside) if inside else float("nan"))
     return out
@@ -210,9 +205,9 @@ def busy(result, csv_path, column=6):
 
 def runs_table(runs):
     """One row per run ((file name, result, its GPU log or None, its host log or None) quadruples): one turn and two
-    turns, mean (rounds), their ratio (and the variants': two_turn_X over one_turn_X where run, else over one_turn),
-    vLLM's intake of turn two (each two-turn row's that timed it apart), and from the logs (busy) per round while
-    one turn and turn one generated: the GPU's utilisation and the engine loop's share of its core."""
+    turns, mean (rounds), their ratio (and the variants'), vLLM's intake of turn two (and the variants'), and from
+    the logs (busy) per round while one turn and turn one generated: the GPU's utilisation and the engine loop's share
+    of its core."""
     out = [f"{r['prompts']} prompts x {r['n']}, {r['engine']} (vLLM {r['vllm']}): one turn of "
            f"{r['first'] + r['second']} tokens against {r['first']} + a {r['image']}^2 picture + {r['second']}"
            for _, r, _, _ in runs[:1]]
@@ -225,13 +220,37 @@ def runs_table(runs):
         def rounds(path, column):
             b = busy(r, path, column) if path else {}
             return " / ".join(", ".join(f"{u:.0f}" for u in b[k]) for k in ("one_turn", "two_turn")) if b else "-"
-        ratios = [f"{r['seconds'][v] / r['seconds'][base(v, r['runs'])]:.3f}" + ("" if v == "two_turn" else f" ({v})")
+        ratios = [f"{r['seconds'][v] / r['seconds']['one_turn']:.3f}" + ("" if v == "two_turn" else f" ({v})")
                   for v in r["runs"] if v.startswith("two_turn")]
-        intake = [(v, t) for v in r["runs"] if v.startswith("two_turn") and (t := [  # (none: the HF engine's, or
-            x["intake_seconds"] for x in r["runs"][v] if x.get("intake_seconds") is not None])]  # taken in by generate)
+        intake = [(v, t) for v in r["runs"] if v.startswith("two_turn") and (t := [  # (none: the HF engine's)
+            x["intake_seconds"] for x in r["runs"][v] if x.get("intake_seconds") is not None])]
         intake = ", ".join(f"{sum(t) / len(t):.2f}" + ("" if v == "two_turn" else f" ({v})") for v, t in intake) or "-"
         out.append(f"| {name} | {cell('one_turn')} | {cell('two_turn')} | {', '.join(ratios)} | {intake} | "
                    f"{rounds(gpu_path, 6)} | {rounds(host_path, 5)} |")
+    return "\n".join(out)
+
+
+def log_runs(path):
+    """{row: [{seconds, tokens, ended} a round]} from a bench's log (.xz too), its "[two-turn] round" lines: the rounds
+    of a run stopped before it wrote its JSON (before 2026-12-06 the JSON came at the end only)."""
+    with (lzma.open if path.endswith(".xz") else open)(path, "rt", errors="replace") as f:
+        found = re.findall(r"^\[two-turn\] round \d+: (\S+) ([\d.]+) s, (\d+) tokens, ended (\S+)$", f.read(), re.M)
+    runs = {}
+    for name, seconds, tokens, ended in found:
+        runs.setdefault(name, []).append(dict(seconds=float(seconds), tokens=int(tokens), ended=ended))
+    return runs
+
+
+def calls_table(log_path, gpu_path, host_path):
+    """Each row's calls in a bench's log (log_runs): seconds, mean (rounds), and per round over the whole call (busy)
+    the GPU's utilisation (nvidia-smi's log) and the engine loop's share of its core (the host's log)."""
+    r = dict(runs=log_runs(log_path))
+    gpu, loop = busy(r, gpu_path, 6, list(r["runs"])), busy(r, host_path, 5, list(r["runs"]))
+    out = ["| row | seconds, mean (rounds) | GPU busy % (rounds) | loop thread % of a core (rounds) |", "|---|---|---|---|"]
+    for name, rs in r["runs"].items():
+        out.append(f"| {name} | {sum(x['seconds'] for x in rs) / len(rs):.2f} ("
+                   + ", ".join(f"{x['seconds']:.2f}" for x in rs) + ") | " + ", ".join(f"{u:.0f}" for u in gpu[name])
+                   + " | " + ", ".join(f"{u:.0f}" for u in loop[name]) + " |")
     return "\n".join(out)
 
 

@@ -494,27 +494,17 @@ def test_vllm_generate_runs_with_the_collector_paused(path, monkeypatch):
         gc.enable()
 
 
-def test_vllms_intake_comes_a_chunk_at_a_time_between_engine_steps_and_the_answers_are_unchanged(path, monkeypatch):
-    """VLLMRollout._run hands vLLM a call's requests intake_chunk at a time with an engine step after each chunk (the
-    chunk's input processing overlaps the GPU's work on the ones before it): the outputs the steps finished are kept,
-    in request order, and the answers are those of one intake; a vLLM without LLM.enqueue takes them in one generate
-    (and submit queues nothing)."""
+def test_a_vllm_without_enqueue_queues_nothing_ahead_and_generate_takes_the_requests_in(path, monkeypatch):
+    """LLM.enqueue is newer than some vLLMs the code guards for: there submit queues nothing (returns False, no
+    error) and the generate call takes its requests in itself."""
     standin_vllm(monkeypatch)
     eng = rollout.make_rollout("vllm", path)
-    prompts = [{"raw_prompt_ids": [3 + i, 4, 5]} for i in range(5)]
-    kw = dict(n=8, temperature=1.0, top_p=1.0, max_tokens=4, seeds=[11, 12, 13, 14, 15], lengths=[[4] * 8] * 5)
-    eng.intake_chunk = 0
-    whole = eng.generate(prompts, **kw)  # 40 requests (forced lengths: one a sample), one intake
-    assert eng.llm.events[-1] == "generate"
-    eng.intake_chunk = 16
-    del eng.llm.events[:]
-    assert eng.generate(prompts, **kw) == whole
-    assert eng.llm.events == ["enqueue", "step", "enqueue", "step", "enqueue", "wait"]
-    assert [len(c["reqs"]) for c in eng.llm.calls[-3:]] == [16, 16, 8]
-    assert [len(r) for r in eng.llm.ran[-1:]] == [38]  # two finished in the steps: kept, in their places
+    prompts = [{"raw_prompt_ids": [3 + i, 4, 5]} for i in range(3)]
+    kw = dict(n=2, temperature=1.0, top_p=1.0, max_tokens=4, seeds=[11, 12, 13])
+    whole = eng.generate(prompts, **kw)
     monkeypatch.delattr(type(eng.llm), "enqueue")
+    assert not eng.submit(prompts, **kw) and eng.queued is None
     assert eng.generate(prompts, **kw) == whole and eng.llm.events[-1] == "generate"
-    assert not eng.submit(prompts, **kw)
 
 
 def test_requests_queued_ahead_are_the_ones_generate_runs(path, monkeypatch):

@@ -23,21 +23,16 @@ def config(path, **kw):
 def test_two_turns_generate_as_many_tokens_as_one_and_continue_with_the_picture(tmp_path, monkeypatch):
     seen = []
     generate = rollout.HFRollout.generate
-    monkeypatch.setattr(rollout.HFRollout, "generate", lambda self, prompts, *a, **k: seen.append(
-        (prompts, getattr(self, "intake_chunk", None))) or generate(self, prompts, *a, **k))
+    monkeypatch.setattr(rollout.HFRollout, "generate", lambda self, prompts, *a, **k: seen.append(prompts) or
+                        generate(self, prompts, *a, **k))
     cfg = config(tiny_model.build_tiny_model(), rollout_engine="hf", n=2, max_response_length=64,
                  output_dir=str(tmp_path / "out"))
     r = two_turn.run(cfg, repeats=1, first=3, second=2, size=56, rows=two_turn.ROWS)
     assert [rs[0]["tokens"] for rs in r["runs"].values()] == [2 * 2 * 5] * len(two_turn.ROWS)
-    assert all(f"{name}, by part" in two_turn.table(r) for name in two_turn.ROWS if name.startswith("two_turn"))
+    assert all(f"{name}, by part" in two_turn.table(r) for name in two_turn.ROWS[1:])
     assert r["runs"]["two_turn"][0]["tool_tokens"] >= 4  # the picture's 4 image tokens and the template's around it
-    # turn two of the timed two_turn run: then the variants' calls, one a one-turn row, two a two-turn row; the
-    # *_one_intake rows' calls with the engine's intake in one chunk (0), the others with the class's (none on HF)
-    calls = [1 if name.startswith("one_turn") else 2 for name in two_turn.ROWS]
-    chunks = [c for name, k in zip(two_turn.ROWS, calls) for c in [0 if "one_intake" in name else None] * k]
-    assert [c for _, c in seen[-len(chunks):]] == chunks
-    later = sum(calls[2:])
-    (second, _), (first, _) = seen[-1 - later], seen[-2 - later]
+    later = 2 * (len(two_turn.ROWS) - 2)  # turn two of the timed two_turn run: then the variants' two calls each
+    second, first = seen[-1 - later], seen[-2 - later]
     assert len(second) == 4 and all(len(p["images"]) == 2 for p in second)
     assert all(c["prompt_ids"][:len(p["prompt_ids"])] == p["prompt_ids"] for c, p in zip(second[::2], first))
     assert all(c["mm_inputs"]["image_grid_thw"].shape[0] == 2 for c in second)
@@ -45,9 +40,8 @@ def test_two_turns_generate_as_many_tokens_as_one_and_continue_with_the_picture(
 
 
 def test_turn_twos_intake_is_timed_apart_and_its_queue_is_what_runs(tmp_path, monkeypatch):
-    """With vLLM (the stand-in: tests/vllm_standin.py) the bench's *_one_intake rows time turn two's intake (submit)
-    apart from its run, and generate runs the queued requests themselves: one enqueue, no abort, no second intake.
-    two_turn's turn two is one generate call, as tools.rollout's."""
+    """With vLLM (the stand-in: tests/vllm_standin.py) the bench times turn two's intake (submit) apart from its run,
+    and generate runs the queued requests themselves: one enqueue, no abort, no second intake."""
     from vllm_standin import standin_vllm
     import data
     import fsdp_actor
@@ -59,17 +53,14 @@ def test_turn_twos_intake_is_timed_apart_and_its_queue_is_what_runs(tmp_path, mo
     cfg = config(path)
     train = data.load_datasets(cfg, path)[1]
     prompts = [p for _, p in data.draw_prompts(train, 0, 2, 0, 1, 0)]
-    tokens, parts = two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, two_turn.picture(56), cfg, apart=True)
+    tokens, parts = two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, two_turn.picture(56), cfg)
     assert tokens == 2 * 2 * 5 and parts["intake_seconds"] is not None and parts["second_seconds"] > 0
     assert eng.llm.events[-3:] == ["generate", "enqueue", "wait"]  # turn one, turn two's intake, then its run
-    tokens, parts = two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, two_turn.picture(56), cfg)
-    assert tokens == 2 * 2 * 5 and parts["intake_seconds"] is None  # (tools.rollout's way: generate takes them in)
-    assert eng.llm.events[-2:] == ["generate", "generate"]
 
 
 def test_the_variants_give_each_trajectory_its_picture_or_make_the_pixels_first(tmp_path, monkeypatch):
     """--rows: two_turn_distinct continues each trajectory with a picture of its own (two_turn: one for all), and
-    two_turn_pixels_first has the trainer's pixels made before turn two's call (two_turn: after turn two)."""
+    two_turn_pixels_first has the trainer's pixels made before turn two's intake (two_turn: after turn two)."""
     from vllm_standin import standin_vllm
     import data
     import fsdp_actor
@@ -89,9 +80,8 @@ def test_the_variants_give_each_trajectory_its_picture_or_make_the_pixels_first(
         two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, image, cfg, pixels_first=first)
         shown = {p["multi_modal_data"]["image"][1].tobytes() for p in eng.llm.calls[-1]["reqs"]}  # turn two
         assert len(shown) == (4 if isinstance(image, list) else 1)
-        ev = [e for e in eng.llm.events if e in ("pixels", "generate")]  # turn one, then turn two
-        turn_two = len(ev) - 1 - ev[::-1].index("generate")
-        assert ev.count("generate") == 2 and ("pixels" in ev[:turn_two]) == first, ev
+        ev = [e for e in eng.llm.events if e in ("pixels", "enqueue")]
+        assert ev.count("enqueue") == 1 and ("pixels" in ev[:ev.index("enqueue")]) == first, ev
 
 
 def test_pixels_made_in_processes_are_the_threads_pixels():
@@ -161,10 +151,44 @@ def test_busy_is_the_logs_mean_inside_each_generation_and_the_runs_table_shows_t
     text = two_turn.runs_table([("x.json", r, str(gpu), str(host)), ("y.json", r, None, None)])
     assert "| x.json | 10.00 (10.00) | 20.00 (20.00) | 2.000 | 1.50 | 47 / 50 | 98 / 98 |" in text
     assert "| y.json | 10.00 (10.00) | 20.00 (20.00) | 2.000 | 1.50 | - | - |" in text
-    # the *_one_intake pair: its ratio over its own one turn; the intake of each two-turn row that timed it apart
-    runs = dict(r["runs"], two_turn=[dict(r["runs"]["two_turn"][0], intake_seconds=None)],
-                one_turn_one_intake=[dict(seconds=12.0, ended="10:01:00")],
-                two_turn_one_intake=[dict(seconds=18.0, ended="10:01:30", first_seconds=6.0, intake_seconds=2.5)])
-    r2 = dict(r, runs=runs, seconds=dict(r["seconds"], one_turn_one_intake=12.0, two_turn_one_intake=18.0))
-    assert "| 2.000, 1.500 (two_turn_one_intake) | 2.50 (two_turn_one_intake) | - | - |" in two_turn.runs_table(
-        [("z.json", r2, None, None)])
+
+
+def test_a_run_stopped_mid_way_keeps_the_rounds_it_finished(tmp_path, monkeypatch):
+    """The bench writes its JSON after every round: a run its time limit stops (gpu_speed.sh's LIMIT) keeps them."""
+    calls, generate = [], rollout.HFRollout.generate
+
+    def stopped_in_round_two(self, *a, **k):
+        calls.append(1)
+        if len(calls) > 6:  # warm-up's 3 calls (one_turn's one, two_turn's two), then round one's 3
+            raise KeyboardInterrupt
+        return generate(self, *a, **k)
+    monkeypatch.setattr(rollout.HFRollout, "generate", stopped_in_round_two)
+    cfg = config(tiny_model.build_tiny_model(), rollout_engine="hf", n=2, max_response_length=64,
+                 output_dir=str(tmp_path / "out"))
+    with pytest.raises(KeyboardInterrupt):
+        two_turn.run(cfg, repeats=2, first=3, second=2, size=56)
+    r = json.load(open(tmp_path / "out" / "two_turn.json"))
+    assert r["rounds"] == 1 and [len(v) for v in r["runs"].values()] == [1, 1] and r["ratio"] > 0
+
+
+def test_a_runs_calls_from_its_log_beside_the_gpu_and_the_loop(tmp_path):
+    """calls_table: the rounds a bench's log printed (log_runs), each call's whole window in the logs (less its first
+    and last second), for a run that wrote no JSON."""
+    log = tmp_path / "x.log"
+    log.write_text("INFO noise\n[two-turn] round 1: one_turn 10.00 s, 20 tokens, ended 10:00:10\nCapturing 4%|\r"
+                   "\n[two-turn] round 1: two_turn_x 20.00 s, 20 tokens, ended 10:00:40\n"
+                   "[two-turn] round 2: one_turn 12.00 s, 20 tokens, ended 10:00:59\n")
+    seconds = [(1, 10), (2, 20), (9, 90), (22, 40), (38, 60), (39, 99), (48, 30), (57, 50)]
+    gpu, host = tmp_path / "x_gpu.csv", tmp_path / "x_host.csv"
+    gpu.write_text("timestamp, index, sm, mem, temp, power, utilization.gpu [%], why\n" + "\n".join(
+        f"2026/12/06 10:00:{s:02d}.100, 0, 1980 MHz, 2619 MHz, 50, 500 W, {u} %, 0x0" for s, u in seconds) + "\n")
+    host.write_text("timestamp, cores_busy, steal_pct, cpu_mhz, proc_cpu_pct, top_thread_pct, top_thread\n" + "\n".join(
+        f"2026/12/06 10:00:{s:02d}.600, 1.1, 0.0, 2100, 110, {100 - u / 10:.0f}, python" for s, u in seconds) + "\n")
+    assert two_turn.log_runs(str(log)) == dict(one_turn=[dict(seconds=10.0, tokens=20, ended="10:00:10"),
+                                                         dict(seconds=12.0, tokens=20, ended="10:00:59")],
+                                               two_turn_x=[dict(seconds=20.0, tokens=20, ended="10:00:40")])
+    # windows: 10:00:01.5-09.5, 48.5-58.5 and 21.5-39.5 (the whole call: a log has no first_seconds); the GPU's rows
+    # at .1 inside: 02, 09 | 57 | 22, 38, 39; the host's at .6: 01, 02 | 48, 57 | 22, 38
+    text = two_turn.calls_table(str(log), str(gpu), str(host))
+    assert "| one_turn | 11.00 (10.00, 12.00) | 55, 50 | 98, 96 |" in text  # (98.5 and 96 of a core)
+    assert "| two_turn_x | 20.00 (20.00) | 66 | 95 |" in text

@@ -164,25 +164,6 @@ def test_logprobs_match_hf_recompute(setup):
     assert raw_mean > 3 * mean  # the engine reports the tempered ("processed") distribution, not the raw one
 
 
-def test_a_call_taken_in_by_chunks_returns_each_prompts_own_samples(setup):
-    """VLLMRollout._run hands vLLM a call's requests intake_chunk at a time, an engine step between chunks: forced
-    lengths (prompt i's samples 1 + i % 5 tokens: the short ones finish inside those steps) come back in each prompt's
-    place, and the log-probs are the reference's for each prompt's own picture and samples."""
-    eng, ref, recs = setup["eng"], setup["ref"], setup["prompts"]
-    prompts = recs * 10  # 40 prompts x 2 forced samples: 80 requests, 10 chunks of 8
-    lengths = [[1 + i % 5] * 2 for i in range(len(prompts))]
-    eng.intake_chunk = 8
-    try:
-        out = eng.generate(prompts, n=2, temperature=T_SAMPLE, top_p=1.0, max_tokens=8,
-                           seeds=list(range(len(prompts))), lengths=lengths)
-    finally:
-        del eng.intake_chunk  # (the class's again)
-    assert [[len(o["response_ids"]) for o in g] for g in out] == lengths
-    diffs = [(torch.tensor(o["logprobs"]) - ref_logprobs(ref, rec, o["response_ids"], T_SAMPLE, eng.forbidden_ids))
-             .abs() for rec, g in zip(prompts, out) for o in g]
-    assert torch.cat(diffs).mean().item() < 0.1
-
-
 def test_seeds(setup):
     eng, recs = setup["eng"], setup["prompts"]
     kw = dict(n=3, temperature=1.0, top_p=0.9, max_tokens=24)

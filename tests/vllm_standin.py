@@ -54,7 +54,7 @@ class StandInLLM:
         self.ran = []  # the request ids of each run of the queue
         model = StandInModel(self)
         self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.events.append("reset_encoder"),
-                                                abort_request=self.abort, step=self.step,
+                                                abort_request=self.abort,
                                                 vllm_config=types.SimpleNamespace(use_v2_model_runner=True),
                                                 model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(
                                                     get_model=lambda: model)))
@@ -83,20 +83,9 @@ class StandInLLM:
         self.queue += [(str(next(self.ids)), r, p) for r, p in zip(reqs, params)]
         return self.run()
 
-    def step(self):
-        """One engine step: the stand-in has none, so the request held last finishes (vLLM's step returns what it
-        finished, in any order: a short answer before longer ones)."""
-        self.events.append("step")
-        last, self.queue = self.queue[-1:], self.queue[:-1]
-        return self.answer(last) if last else []
-
     def run(self):
-        held, self.queue = self.queue, []
+        outs, held, self.queue = [], self.queue, []
         self.ran.append([q[0] for q in held])
-        return self.answer(held)
-
-    def answer(self, held):
-        outs = []
         for i, (rid, r, p) in enumerate(held):
             comps = []
             for j in range(p.n):
@@ -106,7 +95,7 @@ class StandInLLM:
                 lps = (-torch.rand(p.max_tokens, generator=g, dtype=torch.float64)).tolist()
                 lp = None if p.logprobs is None else [{t: types.SimpleNamespace(logprob=x)} for t, x in zip(ids, lps)]
                 comps.append(types.SimpleNamespace(token_ids=ids, logprobs=lp))
-            outs.append(types.SimpleNamespace(request_id=rid, outputs=comps, finished=True))
+            outs.append(types.SimpleNamespace(request_id=rid, outputs=comps))
         return outs
 
     def reset_prefix_cache(self):
