@@ -14,6 +14,7 @@ import time
 import types
 import typing
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 
 import torch
@@ -25,7 +26,7 @@ from common import UserError, all_reduce_cpu
 
 HIDDEN = ("images",)  # parameters the loop fills in (the images of the trajectory so far), not the model
 SENTINEL = "\x00end of the assistant's turn\x00"  # where the model's own tokens end in a rendered chat
-_WORKER, _POOLS = {}, {}  # a pixel_pool process's processor; the run's pixel_pool by (model, min, max pixels)
+_WORKER, _POOLS, _SAID = {}, {}, set()  # a pixel_pool process's processor; the run's pools by (model, min, max pixels)
 
 
 # ------------------------------------------------------------------------------------------------ tools, schemas
@@ -195,9 +196,17 @@ def render_answers(proc, recs, ended, min_pixels, max_pixels, pool=None):
         out, c = {**out, **dict.fromkeys(idx, lambda mm=first[key][2]: mm)}, max(1, -(-(len(idx) - 1) // workers))
         for k in range(1, len(idx) if key[1] else 1, c):
             job = (pool or ex).submit(_render, None if pool else proc, key[0], [texts[i][1] for i in idx[k:k + c]])
-            out.update({i: (lambda job=job, j=j: job.result()[j][1]) for j, i in enumerate(idx[k:k + c])})
+            out.update({i: (lambda job=job, j=j: _share(job, j)) for j, i in enumerate(idx[k:k + c])})
     ex.shutdown(wait=False)  # (the threads finish the pixels; the next turn starts now)
     return [(*first[k][:2], texts[i][1], out[i]) for i, k in enumerate(kinds)]
+
+
+def _share(job, j):
+    try:
+        return job.result()[j][1]
+    except BrokenProcessPool:  # (one line, not the pool's traceback)
+        raise UserError("a tool picture's pixel process (tools.pixel_pool) died, most often killed for memory: give "
+                        "the node more host memory, or run fewer ranks on it", rank_local=True) from None
 
 
 def _pool_init(model_path, min_pixels, max_pixels):
@@ -209,7 +218,11 @@ def pixel_pool(model_path, min_pixels, max_pixels, pics=(), workers=None):
     """The run's processes for later turns' pixels (render_answers' `pool`), or None (threads: they share the GIL with
     vLLM's intake and loop) without pictures or where /dev/shm can't hold their tensors twice (~24 bytes a pixel)."""
     need = 48 * sum(im.width * im.height for im in pics if isinstance(im, Image.Image))
-    if not need or need > (shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0):
+    free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+    if not need or need > free:
+        if need and "shm" not in _SAID:  # (said once a run)
+            _SAID.add("shm") or print(f"[tools] /dev/shm has {free >> 20} MB free, the tool pictures' pixels want "
+                                      f"{need >> 20} MB: made on threads, slower beside vLLM (docker: --shm-size)")
         return None
     key = (model_path, min_pixels, max_pixels)
     if key not in _POOLS:  # (each rank its share of the node's cores)

@@ -104,10 +104,10 @@ def test_pixels_made_in_processes_are_the_threads_pixels():
     assert len({g["pixel_values"].untyped_storage().data_ptr() for g in got}) < 11  # (views of a job's tensors)
 
 
-def test_a_small_dev_shm_leaves_the_pixels_on_threads(monkeypatch):
+def test_a_small_dev_shm_leaves_the_pixels_on_threads(monkeypatch, capsys):
     """Docker gives a container 64 MB of /dev/shm unless told otherwise: the pool's pixels (in shared memory) would
     fail there mid-run, so tools.pixel_pool gives no pool (render_answers then uses threads) where /dev/shm can't hold
-    the pictures' pixels twice over, and one pool a run where it can."""
+    the pictures' pixels twice over (saying so once a run), and one pool a run where it can."""
     import collections
     import shutil
     import tools
@@ -116,7 +116,11 @@ def test_a_small_dev_shm_leaves_the_pixels_on_threads(monkeypatch):
         64 << 20, 48 << 20, free[0]))
     pics = [two_turn.picture(512)] * 4  # (their 512^2 pixels: ~25 MB, twice over wanted)
     monkeypatch.setattr(tools, "_POOLS", {})
-    assert tools.pixel_pool("m", 1, 2, pics) is None and tools._POOLS == {}
+    monkeypatch.setattr(tools, "_SAID", set())
+    assert tools.pixel_pool("m", 1, 2, pics) is None and tools.pixel_pool("m", 1, 2, pics) is None
+    assert tools._POOLS == {} and capsys.readouterr().out.splitlines() == [
+        "[tools] /dev/shm has 16 MB free, the tool pictures' pixels want 48 MB: made on threads, slower beside vLLM "
+        "(docker: --shm-size)"]
     free[0] = 64 << 20
     made = []  # (the pools' sizes; none started here)
     monkeypatch.setattr(tools, "ProcessPoolExecutor", lambda n, *a, **k: made.append(n) or object())
@@ -192,3 +196,15 @@ def test_a_runs_calls_from_its_log_beside_the_gpu_and_the_loop(tmp_path):
     text = two_turn.calls_table(str(log), str(gpu), str(host))
     assert "| one_turn | 11.00 (10.00, 12.00) | 55, 50 | 98, 96 |" in text  # (98.5 and 96 of a core)
     assert "| two_turn_x | 20.00 (20.00) | 66 | 95 |" in text
+
+
+def test_a_pixel_process_that_dies_is_one_line_not_the_pools_traceback():
+    """A process of tools.pixel_pool killed (the kernel's OOM killer, most often): the trajectory's pixels, when asked
+    for, end the run with one line naming the pool and what to do."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    import tools
+    with ProcessPoolExecutor(1, multiprocessing.get_context("forkserver")) as pool:
+        job = pool.submit(os._exit, 9)
+        with pytest.raises(UserError, match=r"pixel process \(tools.pixel_pool\) died, most often killed for memory"):
+            tools._share(job, 0)
