@@ -268,7 +268,8 @@ def output(t):
     return run[t.command]()
 
 
-COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "calls", "text", "steps", "answers")  # tables only this prints
+COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "calls", "text", "steps",
+            "answers")  # the tables only this module prints
 
 
 def main(argv):

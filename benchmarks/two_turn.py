@@ -73,8 +73,9 @@ def one_turn(eng, prompts, seeds, n, tokens):
 def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_first=False, pool=None):
     """Returns (generated tokens, the seconds of each part: turn one, the render between the calls, the
     continuations, vLLM's intake of turn two's requests (its submit: their input processing, the GPU idle; None for
-    the HF engine) and turn two, and the prompt tokens turn two added). image: one picture for every trajectory, or a list of one each; pixels_first: the render waits for the
-    trainer's pixels too; pool: processes make them (tools.pixel_pool), not threads."""
+    the HF engine) and turn two, and the prompt tokens turn two added). image: one picture for every trajectory, or a
+    list of one each; pixels_first: the render waits for the trainer's pixels too; pool: processes make them
+    (tools.pixel_pool), not threads."""
     t0 = time.perf_counter()
     outs = eng.generate(prompts, n, 1.0, 1.0, first, seeds, lengths=[[first] * n for _ in prompts])
     t, trajs = time.perf_counter(), []
@@ -186,9 +187,9 @@ PARTS = ("first_seconds", "render_seconds", "continue_seconds", "intake_seconds"
 def busy(result, csv_path, column=6, rows=("one_turn", "two_turn")):
     """{row: a once-a-second log's column, its mean per round while the row generated}: one_turn's call, two_turn's
     turn one (the same prompts, seeds and engine state; a round without first_seconds: its whole call); each window's
-    first and last second left out. Column 6 of
-    nvidia-smi's log (gpu_speed.sh's <run>_gpu.csv): the GPU's utilisation; column 5 of the host's
-    (benchmarks/host_log.py, <run>_host.csv): the run's busiest thread's share of a core. The GPU's low and that
+    first and last second left out. Column 6 of nvidia-smi's log (gpu_speed.sh's <run>_gpu.csv): the GPU's
+    utilisation; column 5 of the host's (benchmarks/host_log.py, <run>_host.csv): the run's busiest thread's share of
+    a core. The GPU's low and that
     thread's ~100 %: vLLM's engine loop (Python, one host core) fed the GPU too slowly; the same work took longer."""
     log = [(t, float(r[column].split()[0])) for t, r in host_log._timed_rows(csv_path)]  # (unix time, value)
     day = datetime.date.fromtimestamp(log[0][0])  # ("ended": the run's clock time, whole seconds, on the log's day)
@@ -246,7 +247,8 @@ def calls_table(log_path, gpu_path, host_path):
     the GPU's utilisation (nvidia-smi's log) and the engine loop's share of its core (the host's log)."""
     r = dict(runs=log_runs(log_path))
     gpu, loop = busy(r, gpu_path, 6, list(r["runs"])), busy(r, host_path, 5, list(r["runs"]))
-    out = ["| row | seconds, mean (rounds) | GPU busy % (rounds) | loop thread % of a core (rounds) |", "|---|---|---|---|"]
+    out = ["| row | seconds, mean (rounds) | GPU busy % (rounds) | loop thread % of a core (rounds) |",
+           "|---|---|---|---|"]
     for name, rs in r["runs"].items():
         out.append(f"| {name} | {sum(x['seconds'] for x in rs) / len(rs):.2f} ("
                    + ", ".join(f"{x['seconds']:.2f}" for x in rs) + ") | " + ", ".join(f"{u:.0f}" for u in gpu[name])
