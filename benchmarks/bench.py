@@ -15,6 +15,7 @@ From the repository root (the trainer's files import from there):
     python -m benchmarks.bench engine-ablation --preset qwen2_5_vl_3b     # a step's generation: the engine alone,
                                                                           # then each of our additions (engine_bench)
     python -m benchmarks.bench two-turn [--rows one_turn,two_turn,two_turn_distinct]  # a tool's picture between turns
+    python -m benchmarks.bench two-turn --repeats 1 --profile            # where turn two's intake goes (cProfile)
     python -m benchmarks.bench --sample-stacks 5                          # + the generation loop's stacks
     bash benchmarks/gpu_moe30b.sh                                         # Qwen3-VL-30B-A3B on one H200 (no weights)
     bash benchmarks/gpu_qwen3_5.sh 9b; bash benchmarks/gpu_gemma4.sh e2b  # Qwen3.5-9B's, Gemma 4 E2B's shapes
@@ -526,7 +527,8 @@ def main():
     if two:
         with one_line_errors():  # (a bad --rows: one line)
             two_turn.run(cfg, int(opts["--repeats"]), int(opts["--first"]), int(opts["--second"]),
-                         int(opts["--image"]), tuple(r for r in opts["--rows"].split(",") if r) or two_turn.ROWS[:2])
+                         int(opts["--image"]), tuple(r for r in opts["--rows"].split(",") if r) or two_turn.ROWS[:2],
+                         flags["--profile"])
     elif ablation:
         engine_bench.run(cfg, [r for r in opts["--rows"].split(",") if r], int(opts["--repeats"]),
                          int(opts["--warmup-tokens"]), float(opts["--bare-memory-share"]), sys.argv[1:],

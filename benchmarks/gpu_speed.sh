@@ -121,11 +121,13 @@ case "$MODE" in
   ablation) ablation 0; exit ;;  # (no metrics.jsonl: no report.md)
   two_turn)
     prepare qwen2_5_vl_3b
+    rm -rf /tmp/two_turn3b  # (an earlier run's JSON is not this one's)
     smi_start two_turn3b  # (2026-12-04: one turn took 20.1 s in round 1 and 28.8-29.3 in rounds 2-3: clocks?)
     timeout -k 20 "${LIMIT:-500}" python -m benchmarks.bench two-turn --preset qwen2_5_vl_3b \
       --repeats "${REPEATS:-2}" --output-dir /tmp/two_turn3b ${ARGS:-} > "$OUT/two_turn3b.log" 2>&1  # (the dir:
     # what smi_start's host log finds the process by)
     rc=$?; smi_stop; echo "two_turn3b: exit $rc"; cp /tmp/two_turn3b/two_turn.json "$OUT/two_turn3b.json" 2> /dev/null
+    cp /tmp/two_turn3b/intake_profile.txt "$OUT/" 2> /dev/null  # (ARGS=--profile: where turn two's intake goes)
     tail -6 "$OUT/two_turn3b.log"; exit ;;
   realistic) realistic 0 ;;
   knobs) knobs 0 ;;

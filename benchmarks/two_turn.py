@@ -30,10 +30,12 @@ The host's part alone (no engine; CPU is enough): the work between the two calls
 idle meanwhile: the tools' answers rendered one at a time and all at once (render_answers: alike ones together, on
 threads), the continuations with the trainer's pixel tensors (the HF engine's) and without (vLLM's).
 """
+import cProfile
 import datetime
 import json
 import lzma
 import os
+import pstats
 import re
 import time
 from dataclasses import replace
@@ -70,12 +72,12 @@ def one_turn(eng, prompts, seeds, n, tokens):
     return sum(len(o["response_ids"]) for g in outs for o in g), {}
 
 
-def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_first=False, pool=None):
+def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_first=False, pool=None, profile=None):
     """Returns (generated tokens, the seconds of each part: turn one, the render between the calls, the
     continuations, vLLM's intake of turn two's requests (its submit: their input processing, the GPU idle; None for
     the HF engine) and turn two, and the prompt tokens turn two added). image: one picture for every trajectory, or a
     list of one each; pixels_first: the render waits for the trainer's pixels too; pool: processes make them
-    (tools.pixel_pool), not threads."""
+    (tools.pixel_pool), not threads; profile: a cProfile.Profile that records the intake."""
     t0 = time.perf_counter()
     outs = eng.generate(prompts, n, 1.0, 1.0, first, seeds, lengths=[[first] * n for _ in prompts])
     t, trajs = time.perf_counter(), []
@@ -93,7 +95,9 @@ def two_turn(eng, proc, prompts, seeds, n, first, second, image, cfg, pixels_fir
     conts = [tools.continuation(x, expand=not vllm) for x in trajs]
     call = (conts, 1, 1.0, 1.0, second, [s * n + j for s in seeds for j in range(n)])
     t2 = time.perf_counter()
+    profile and profile.enable()
     queued = vllm and eng.submit(*call, lengths=[[second]] * len(conts))
+    profile and profile.disable()
     t3 = time.perf_counter()
     outs2 = eng.generate(*call, lengths=[[second]] * len(conts))  # (runs what submit queued)
     t4 = time.perf_counter()
@@ -112,7 +116,9 @@ def cold(eng):
 ROWS = ("one_turn", "two_turn", "two_turn_distinct", "two_turn_pixels_first", "two_turn_pixels_on_threads")
 
 
-def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
+def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2], profile=False):
+    """profile (bench.py's --profile): two_turn's intake of turn two under cProfile in every timed round (its times
+    then the profiler's, not the bar's), vLLM's functions by their own seconds in <output_dir>/intake_profile.txt."""
     if not {"one_turn", "two_turn"} <= set(rows) <= set(ROWS):
         raise UserError(f"--rows {','.join(rows)}: give one_turn, two_turn and any of {', '.join(ROWS[2:])}")
     cfg = replace(cfg, limit_images=max(cfg.limit_images, 2))  # the tool's picture: a second image per prompt
@@ -142,10 +148,13 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
         os.replace(path + ".tmp", path)
         return result
 
-    def call(name, first=first, second=second):
+    prof = cProfile.Profile() if profile else None
+
+    def call(name, first=first, second=second, timed=False):
         if name == "one_turn":
             return one_turn(eng, prompts, seeds, n, first + second)
-        return two_turn(eng, proc, prompts, seeds, n, first, second, cfg=cfg, **variant[name])
+        return two_turn(eng, proc, prompts, seeds, n, first, second, cfg=cfg, **variant[name],
+                        profile=prof if timed and name == "two_turn" else None)
 
     for name in rows:  # warm-up, untimed: short turns
         cold(eng)
@@ -156,12 +165,16 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2]):
             if hasattr(eng, "wake"):
                 eng.wake()
             t = time.perf_counter()
-            tokens, extra = call(name)
+            tokens, extra = call(name, timed=True)
             runs[name].append(dict(seconds=time.perf_counter() - t, tokens=tokens, **extra))
             runs[name][-1]["ended"] = time.strftime("%H:%M:%S")  # (beside the GPU's clocks: gpu_speed.sh's csv)
             print(f"[two-turn] round {k + 1}: {name} {runs[name][-1]['seconds']:.2f} s, {tokens} tokens, ended "
                   f"{runs[name][-1]['ended']}", flush=True)
         result = save()
+    if prof:
+        with open(os.path.join(cfg.output_dir, "intake_profile.txt"), "w") as f:
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(prof, stream=f).sort_stats(order).print_stats(45)
     print(table(result), flush=True)
     return result
 

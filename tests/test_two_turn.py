@@ -1,8 +1,10 @@
 """benchmarks/two_turn.py (the two-turn rollout's timing) on the CPU with the HF engine and the tiny Qwen2.5-VL: both
 runs generate the same forced tokens, and turn two's prompts carry the tool's picture (processor tensors and image
 tokens) after the first turn's tokens, as tools.rollout continues a trajectory."""
+import cProfile
 import json
 import os
+import pstats
 
 import pytest
 import torch
@@ -53,9 +55,12 @@ def test_turn_twos_intake_is_timed_apart_and_its_queue_is_what_runs(tmp_path, mo
     cfg = config(path)
     train = data.load_datasets(cfg, path)[1]
     prompts = [p for _, p in data.draw_prompts(train, 0, 2, 0, 1, 0)]
-    tokens, parts = two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, two_turn.picture(56), cfg)
+    prof = cProfile.Profile()
+    tokens, parts = two_turn.two_turn(eng, proc, prompts, [0, 1], 2, 3, 2, two_turn.picture(56), cfg, profile=prof)
     assert tokens == 2 * 2 * 5 and parts["intake_seconds"] is not None and parts["second_seconds"] > 0
     assert eng.llm.events[-3:] == ["generate", "enqueue", "wait"]  # turn one, turn two's intake, then its run
+    seen = {f[2] for f in pstats.Stats(prof).stats}  # --profile: the intake and only it
+    assert {"submit", "enqueue"} <= seen and not {"wait_for_completion", "render_answers"} & seen
 
 
 def test_the_variants_give_each_trajectory_its_picture_or_make_the_pixels_first(tmp_path, monkeypatch):
