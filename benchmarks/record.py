@@ -4,7 +4,7 @@ From the repository root:
     python -m benchmarks.record                 # every table: its section, its command, then what the command prints
     python -m benchmarks.record speed           # one table, by name (names: TABLES below)
     python -m benchmarks.record parity FILES    # the tables no other tool prints: parity, curves,
-                                                #   spikes, engine, two-turn, calls, text, steps
+                                                #   spikes, engine, two-turn, text, steps
 
 BENCHMARKS.md quotes each command's output verbatim under its section, and tests/test_benchmarks_record.py holds it
 so: every file a table names exists, every run file kept in benchmarks/cpu and benchmarks/h200 is named by a table,
@@ -87,8 +87,6 @@ TABLES = [
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json", H1 + "two_turn3b_*.json",
                                                               H1 + "two_turn3b_*_gpu.csv.xz",
                                                               H1 + "two_turn3b_*_host.csv.xz"]),
-    Table("chunked_intake", TWO_TURN, "benchmarks.record calls", [H1 + "chunked_intake_2026-12-06_e" + f for f in (
-        ".log.xz", "_gpu.csv.xz", "_host.csv.xz")]),
     Table("vllm_intake_h100", TWO_TURN, "benchmarks.record text", [H1 + "vllm_intake_2026-12-06_host_pil.txt"],
           ("tail=11",)),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
@@ -259,7 +257,6 @@ def output(t):
         "benchmarks.record two-turn": lambda: two_turn.runs_table([
             (os.path.basename(p), json.load(open(p)), run_log(p, paths), run_log(p, paths, "host"))
             for p in paths if p.endswith(".json")]),
-        "benchmarks.record calls": lambda: two_turn.calls_table(*paths),
         "benchmarks.record text": lambda: "\n\n".join(named("\n".join(open(p).read().strip().split("\n")[
             -int(opts(t).get("tail", 0)):]), p) for p in paths),  # (tail=N: its last N lines)
         "benchmarks.record steps": lambda: "\n\n".join(named(steps_lines(p), p) for p in paths),
@@ -268,8 +265,7 @@ def output(t):
     return run[t.command]()
 
 
-COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "calls", "text", "steps",
-            "answers")  # the tables only this module prints
+COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "text", "steps", "answers")  # (only this module prints)
 
 
 def main(argv):

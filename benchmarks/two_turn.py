@@ -33,10 +33,8 @@ threads), the continuations with the trainer's pixel tensors (the HF engine's) a
 import cProfile
 import datetime
 import json
-import lzma
 import os
 import pstats
-import re
 import time
 from dataclasses import replace
 
@@ -241,31 +239,6 @@ def runs_table(runs):
         intake = ", ".join(f"{sum(t) / len(t):.2f}" + ("" if v == "two_turn" else f" ({v})") for v, t in intake) or "-"
         out.append(f"| {name} | {cell('one_turn')} | {cell('two_turn')} | {', '.join(ratios)} | {intake} | "
                    f"{rounds(gpu_path, 6)} | {rounds(host_path, 5)} |")
-    return "\n".join(out)
-
-
-def log_runs(path):
-    """{row: [{seconds, tokens, ended} a round]} from a bench's log (.xz too), its "[two-turn] round" lines: the rounds
-    of a run stopped before it wrote its JSON (before 2026-12-06 the JSON came at the end only)."""
-    with (lzma.open if path.endswith(".xz") else open)(path, "rt", errors="replace") as f:
-        found = re.findall(r"^\[two-turn\] round \d+: (\S+) ([\d.]+) s, (\d+) tokens, ended (\S+)$", f.read(), re.M)
-    runs = {}
-    for name, seconds, tokens, ended in found:
-        runs.setdefault(name, []).append(dict(seconds=float(seconds), tokens=int(tokens), ended=ended))
-    return runs
-
-
-def calls_table(log_path, gpu_path, host_path):
-    """Each row's calls in a bench's log (log_runs): seconds, mean (rounds), and per round over the whole call (busy)
-    the GPU's utilisation (nvidia-smi's log) and the engine loop's share of its core (the host's log)."""
-    r = dict(runs=log_runs(log_path))
-    gpu, loop = busy(r, gpu_path, 6, list(r["runs"])), busy(r, host_path, 5, list(r["runs"]))
-    out = ["| row | seconds, mean (rounds) | GPU busy % (rounds) | loop thread % of a core (rounds) |",
-           "|---|---|---|---|"]
-    for name, rs in r["runs"].items():
-        out.append(f"| {name} | {sum(x['seconds'] for x in rs) / len(rs):.2f} ("
-                   + ", ".join(f"{x['seconds']:.2f}" for x in rs) + ") | " + ", ".join(f"{u:.0f}" for u in gpu[name])
-                   + " | " + ", ".join(f"{u:.0f}" for u in loop[name]) + " |")
     return "\n".join(out)
 
 

@@ -180,29 +180,6 @@ def test_a_run_stopped_mid_way_keeps_the_rounds_it_finished(tmp_path, monkeypatc
     assert r["rounds"] == 1 and [len(v) for v in r["runs"].values()] == [1, 1] and r["ratio"] > 0
 
 
-def test_a_runs_calls_from_its_log_beside_the_gpu_and_the_loop(tmp_path):
-    """calls_table: the rounds a bench's log printed (log_runs), each call's whole window in the logs (less its first
-    and last second), for a run that wrote no JSON."""
-    log = tmp_path / "x.log"
-    log.write_text("INFO noise\n[two-turn] round 1: one_turn 10.00 s, 20 tokens, ended 10:00:10\nCapturing 4%|\r"
-                   "\n[two-turn] round 1: two_turn_x 20.00 s, 20 tokens, ended 10:00:40\n"
-                   "[two-turn] round 2: one_turn 12.00 s, 20 tokens, ended 10:00:59\n")
-    seconds = [(1, 10), (2, 20), (9, 90), (22, 40), (38, 60), (39, 99), (48, 30), (57, 50)]
-    gpu, host = tmp_path / "x_gpu.csv", tmp_path / "x_host.csv"
-    gpu.write_text("timestamp, index, sm, mem, temp, power, utilization.gpu [%], why\n" + "\n".join(
-        f"2026/12/06 10:00:{s:02d}.100, 0, 1980 MHz, 2619 MHz, 50, 500 W, {u} %, 0x0" for s, u in seconds) + "\n")
-    host.write_text("timestamp, cores_busy, steal_pct, cpu_mhz, proc_cpu_pct, top_thread_pct, top_thread\n" + "\n".join(
-        f"2026/12/06 10:00:{s:02d}.600, 1.1, 0.0, 2100, 110, {100 - u / 10:.0f}, python" for s, u in seconds) + "\n")
-    assert two_turn.log_runs(str(log)) == dict(one_turn=[dict(seconds=10.0, tokens=20, ended="10:00:10"),
-                                                         dict(seconds=12.0, tokens=20, ended="10:00:59")],
-                                               two_turn_x=[dict(seconds=20.0, tokens=20, ended="10:00:40")])
-    # windows: 10:00:01.5-09.5, 48.5-58.5 and 21.5-39.5 (the whole call: a log has no first_seconds); the GPU's rows
-    # at .1 inside: 02, 09 | 57 | 22, 38, 39; the host's at .6: 01, 02 | 48, 57 | 22, 38
-    text = two_turn.calls_table(str(log), str(gpu), str(host))
-    assert "| one_turn | 11.00 (10.00, 12.00) | 55, 50 | 98, 96 |" in text  # (98.5 and 96 of a core)
-    assert "| two_turn_x | 20.00 (20.00) | 66 | 95 |" in text
-
-
 def test_a_pixel_process_that_dies_is_one_line_not_the_pools_traceback():
     """A process of tools.pixel_pool killed (the kernel's OOM killer, most often): the trajectory's pixels, when asked
     for, end the run with one line naming the pool and what to do."""
