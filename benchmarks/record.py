@@ -84,11 +84,10 @@ TABLES = [
     Table("engine9b", SHAPES, "benchmarks.record engine", [H + "engine9b_qwen35_2026-12-04.json"]),
     Table("tools_gpu", TOOLS_GPU, "benchmarks.record curves", [H + "test_tools_gpu_2026-12-05_*steps_metrics.jsonl"]),
     Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-0*.log"]),
-    Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [H + "two_turn3b_*.json", H1 + "two_turn3b_*.json",
-                                                              H1 + "two_turn3b_*_gpu.csv.xz",
-                                                              H1 + "two_turn3b_*_host.csv.xz"]),
-    Table("vllm_intake_h100", TWO_TURN, "benchmarks.record text", [H1 + "vllm_intake_2026-12-06_host_pil.txt"],
-          ("tail=11",)),
+    Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [d + "two_turn3b_*" + f for d in (H, H1) for f in (
+        ".json", "_gpu.csv.xz", "_host.csv.xz")]),
+    Table("intake_profile", TWO_TURN, "benchmarks.record text", [H + "two_turn_intake_profile_2026-12-06_f.txt"],
+          ("head=87", "tail=16")),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
         "demo_cosine", "demo_torchrun2_cosine", "demo_cosine_bf16", "demo_qwen2vl_cosine", "demo_qwen3vl_cosine",
         "demo_qwen3vl_moe_cosine", "demo_qwen3_5_cosine", "demo_qwen3_5_moe_cosine_t1.2", "demo_internvl_cosine",
@@ -258,7 +257,8 @@ def output(t):
             (os.path.basename(p), json.load(open(p)), run_log(p, paths), run_log(p, paths, "host"))
             for p in paths if p.endswith(".json")]),
         "benchmarks.record text": lambda: "\n\n".join(named("\n".join(open(p).read().strip().split("\n")[
-            -int(opts(t).get("tail", 0)):]), p) for p in paths),  # (tail=N: its last N lines)
+            :int(opts(t).get("head", 0)) or None][-int(opts(t).get("tail", 0)):]), p) for p in paths),  # (its first
+        # `head` lines, of those the last `tail`)
         "benchmarks.record steps": lambda: "\n\n".join(named(steps_lines(p), p) for p in paths),
         "benchmarks.record answers": lambda: answers_table(paths, opts(t)["answer"]),
     }
