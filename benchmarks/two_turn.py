@@ -154,9 +154,9 @@ def run(cfg, repeats=2, first=512, second=512, size=512, rows=ROWS[:2], profile=
         return two_turn(eng, proc, prompts, seeds, n, first, second, cfg=cfg, **variant[name],
                         profile=prof if timed and name == "two_turn" else None)
 
-    for name in rows:  # warm-up, untimed: short turns
-        cold(eng)
-        call(name, 4, 4)
+    for name in rows:  # warm-up, untimed, at full length (until 2026-12-06 4-token turns, after which round 1's one
+        cold(eng)  # turn was its run's slowest in 7 of 11 runs: perhaps a first long call pays what short ones don't)
+        call(name)
     for k in range(repeats):
         for name in (rows if k % 2 == 0 else rows[::-1]):
             cold(eng)

@@ -23,14 +23,15 @@ def config(path, **kw):
 
 
 def test_two_turns_generate_as_many_tokens_as_one_and_continue_with_the_picture(tmp_path, monkeypatch):
-    seen = []
+    seen, tokens = [], []
     generate = rollout.HFRollout.generate
     monkeypatch.setattr(rollout.HFRollout, "generate", lambda self, prompts, *a, **k: seen.append(prompts) or
-                        generate(self, prompts, *a, **k))
+                        tokens.append(a[3]) or generate(self, prompts, *a, **k))
     cfg = config(tiny_model.build_tiny_model(), rollout_engine="hf", n=2, max_response_length=64,
                  output_dir=str(tmp_path / "out"))
     r = two_turn.run(cfg, repeats=1, first=3, second=2, size=56, rows=two_turn.ROWS)
     assert [rs[0]["tokens"] for rs in r["runs"].values()] == [2 * 2 * 5] * len(two_turn.ROWS)
+    assert tokens[:3] == [5, 3, 2]  # the untimed warm-up: one turn, then two turns, at the timed calls' lengths
     assert all(f"{name}, by part" in two_turn.table(r) for name in two_turn.ROWS[1:])
     assert r["runs"]["two_turn"][0]["tool_tokens"] >= 4  # the picture's 4 image tokens and the template's around it
     later = 2 * (len(two_turn.ROWS) - 2)  # turn two of the timed two_turn run: then the variants' two calls each
