@@ -47,8 +47,9 @@
 #   8b_x2      (~9 min) the 8B shape in AMP, FSDP over both GPUs, one engine each, 3 steps (not yet run)
 #   two_turn   (~6 min at REPEATS=3 with the model build; a full-length warm-up since 2026-12-06) bench.py two-turn
 #              on the 3B shape: the bar's 64 prompts x 8, 512 forced tokens, a tool's 512x512 picture, 512 more,
-#              against one turn of 1024 forced tokens, REPEATS=2 rounds each (benchmarks/two_turn.py; the bar: at most 1.3x, in two runs on one
-#              machine; two_turn makes the trainer's pixels as tools.rollout does: in processes since 2026-12-06); its
+#              against one turn of 1024 forced tokens, REPEATS=2 rounds each (benchmarks/two_turn.py; the bar: at
+#              most 1.3x, in two runs on one machine; two_turn makes the trainer's pixels as tools.rollout does: in
+#              processes since 2026-12-06); its
 #              variants with ARGS="--rows one_turn,two_turn,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_on_threads"
 #              (~30 s more each a round, past the 500 s LIMIT at REPEATS=3 with two of them: give LIMIT=590 and run
 #              it through benchmarks/gpu_detach.sh; the JSON is written after every round, so a stopped run keeps its
