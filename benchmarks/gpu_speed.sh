@@ -49,11 +49,12 @@
 #              on the 3B shape: the bar's 64 prompts x 8, 512 forced tokens, a tool's 512x512 picture, 512 more,
 #              against one turn of 1024 forced tokens, REPEATS=2 rounds each (benchmarks/two_turn.py; the bar: at
 #              most 1.3x, in two runs on one machine; two_turn makes the trainer's pixels as tools.rollout does: in
-#              processes since 2026-12-06); its
-#              variants with ARGS="--rows one_turn,two_turn,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_on_threads"
-#              (~30 s more each a round, past the 500 s LIMIT at REPEATS=3 with two of them: give LIMIT=590 and run
-#              it through benchmarks/gpu_detach.sh; the JSON is written after every round, so a stopped run keeps its
-#              rounds). One GPU. Twice on one machine (the bar's proof; 4.8 min each on an H100 at REPEATS=3):
+#              processes since 2026-12-06); its variants with
+#              ARGS="--rows one_turn,two_turn,two_turn_distinct,two_turn_pixels_first,two_turn_pixels_on_threads"
+#              (~30 s more each a round and in the warm-up, past the 500 s LIMIT at REPEATS=3 with two of them: give
+#              LIMIT=590 and run it through benchmarks/gpu_detach.sh; the JSON is written after every round, so a
+#              stopped run keeps its rounds). One GPU. Twice on one machine (the bar's proof; 4.8 min each on an H100
+#              at REPEATS=3 with the short warm-up, ~1 min more now):
 #              bash benchmarks/gpu_detach.sh start tt bash -c 'for r in 1 2; do OUT=$OUT/r$r REPEATS=3 \
 #                bash benchmarks/gpu_speed.sh two_turn; done'; then, in calls while it runs, `bash
 #                benchmarks/gpu_detach.sh wait tt 540` (at once: a machine idle 30 s goes back; tar only what is
