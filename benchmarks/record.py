@@ -4,7 +4,7 @@ From the repository root:
     python -m benchmarks.record                 # every table: its section, its command, then what the command prints
     python -m benchmarks.record speed           # one table, by name (names: TABLES below)
     python -m benchmarks.record parity FILES    # the tables no other tool prints: parity, curves,
-                                                #   spikes, engine, two-turn, text, steps
+                                                #   spikes, engine, two-turn, seconds, text, steps
 
 BENCHMARKS.md quotes each command's output verbatim under its section, and tests/test_benchmarks_record.py holds it
 so: every file a table names exists, every run file kept in benchmarks/cpu and benchmarks/h200 is named by a table,
@@ -86,6 +86,8 @@ TABLES = [
     Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-0*.log"]),
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [d + "two_turn3b_*" + f for d in (H, H1) for f in (
         ".json", "_gpu.csv.xz", "_host.csv.xz")]),
+    Table("two_turn_seconds", TWO_TURN, "benchmarks.record seconds", [H + "two_turn3b_2026-12-06_f_2" + f for f in (
+        ".json", "_gpu.csv.xz")], ("round=2",)),
     Table("intake_profile", TWO_TURN, "benchmarks.record text", [H + "two_turn_intake_profile_2026-12-06_f.txt"],
           ("head=87", "tail=16")),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
@@ -256,6 +258,8 @@ def output(t):
         "benchmarks.record two-turn": lambda: two_turn.runs_table([
             (os.path.basename(p), json.load(open(p)), run_log(p, paths), run_log(p, paths, "host"))
             for p in paths if p.endswith(".json")]),
+        "benchmarks.record seconds": lambda: two_turn.seconds_table(json.load(open(paths[0])), paths[1],
+                                                                    int(opts(t).get("round", 1)) - 1),
         "benchmarks.record text": lambda: "\n\n".join(named("\n".join(open(p).read().strip().split("\n")[
             :int(opts(t).get("head", 0)) or None][-int(opts(t).get("tail", 0)):]), p) for p in paths),  # (its first
         # `head` lines, of those the last `tail`)
@@ -265,7 +269,8 @@ def output(t):
     return run[t.command]()
 
 
-COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "text", "steps", "answers")  # (only this module prints)
+COMMANDS = ("parity", "curves", "spikes", "engine", "two-turn", "seconds", "text", "steps",
+            "answers")  # (the tables only this module prints)
 
 
 def main(argv):

@@ -202,17 +202,43 @@ def busy(result, csv_path, column=6, rows=("one_turn", "two_turn")):
     utilisation; column 5 of the host's (benchmarks/host_log.py, <run>_host.csv): the run's busiest thread's share of
     a core. The GPU's low and that
     thread's ~100 %: vLLM's engine loop (Python, one host core) fed the GPU too slowly; the same work took longer."""
-    log = [(t, float(r[column].split()[0])) for t, r in host_log._timed_rows(csv_path)]  # (unix time, value)
-    day = datetime.date.fromtimestamp(log[0][0])  # ("ended": the run's clock time, whole seconds, on the log's day)
+    log = _log(csv_path, column)
     out = {}
     for name in rows:
         for x in result["runs"].get(name, []):
-            end = datetime.datetime.combine(day, datetime.time.fromisoformat(x["ended"])).timestamp() + 0.5
-            start = end - x["seconds"]
+            start, end = _span(log, x)
             end = start + x["first_seconds"] if "first_seconds" in x else end
             inside = [u for t, u in log if start + 1 <= t <= end - 1]
             out.setdefault(name, []).append(sum(inside) / len(inside) if inside else float("nan"))
     return out
+
+
+def _log(csv_path, column):
+    return [(t, float(r[column].split()[0])) for t, r in host_log._timed_rows(csv_path)]  # (unix time, value)
+
+
+def _span(log, x):
+    """(start, end) unix times of a timed call: "ended" is the run's clock time in whole seconds, on the log's day."""
+    end = datetime.datetime.combine(datetime.date.fromtimestamp(log[0][0]),
+                                    datetime.time.fromisoformat(x["ended"])).timestamp() + 0.5
+    return end - x["seconds"], end
+
+
+def seconds_table(result, csv_path, k=1):
+    """Round k's (from 0) one turn and two turns second by second: the GPU's utilisation from nvidia-smi's log (column
+    6) from each call's start, and where two turns' parts begin (the render and continuations counted in the intake).
+    A 0 at a call's start: vLLM's intake of its requests, before the first step."""
+    log, out = _log(csv_path, 6), ["| call | parts, s from its start | GPU busy % each second from its start |",
+                                   "|---|---|---|"]
+    for name in ("one_turn", "two_turn"):
+        x = result["runs"][name][k]
+        start, end = _span(log, x)
+        t1 = x.get("first_seconds", 0)
+        t2 = t1 + sum(x.get(p) or 0 for p in ("render_seconds", "continue_seconds", "intake_seconds"))
+        parts = f"turn one 0-{t1:.1f}, intake -{t2:.1f}, turn two -{x['seconds']:.1f}" if t1 else f"0-{x['seconds']:.1f}"
+        out.append(f"| {name}, round {k + 1} | {parts} | " + " ".join(f"{u:.0f}" for t, u in log if start <= t <= end)
+                   + " |")
+    return "\n".join(out)
 
 
 def runs_table(runs):

@@ -181,6 +181,21 @@ def test_a_run_stopped_mid_way_keeps_the_rounds_it_finished(tmp_path, monkeypatc
     assert r["rounds"] == 1 and [len(v) for v in r["runs"].values()] == [1, 1] and r["ratio"] > 0
 
 
+def test_a_rounds_calls_second_by_second_beside_the_gpu(tmp_path):
+    """seconds_table: each call's window (its end is "ended" + 0.5 s, whole seconds in the log), the GPU's utilisation
+    of every log row inside it in order, and where two turns' parts begin."""
+    gpu = tmp_path / "x_gpu.csv"
+    gpu.write_text("timestamp, index, sm, mem, temp, power, utilization.gpu [%], why\n" + "\n".join(
+        f"2026/12/06 10:00:{s:02d}.100, 0, 1980 MHz, 2619 MHz, 50, 500 W, {10 * s} %, 0x0" for s in range(20)) + "\n")
+    one = dict(seconds=5.0, ended="10:00:05")  # 10:00:00.5 to 05.5: the rows at 01-05
+    two = dict(seconds=8.0, ended="10:00:14", first_seconds=3.0, render_seconds=0.1, continue_seconds=0.1,
+               intake_seconds=1.8, second_seconds=3.0)  # 06.5 to 14.5: 07-14
+    r = dict(runs=dict(one_turn=[dict(seconds=1.0, ended="10:00:00"), one], two_turn=[dict(one), two]))
+    text = two_turn.seconds_table(r, str(gpu), k=1)
+    assert "| one_turn, round 2 | 0-5.0 | 10 20 30 40 50 |" in text
+    assert "| two_turn, round 2 | turn one 0-3.0, intake -5.0, turn two -8.0 | 70 80 90 100 110 120 130 140 |" in text
+
+
 def test_a_pixel_process_that_dies_is_one_line_not_the_pools_traceback():
     """A process of tools.pixel_pool killed (the kernel's OOM killer, most often): the trajectory's pixels, when asked
     for, end the run with one line naming the pool and what to do."""
