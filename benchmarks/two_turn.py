@@ -235,7 +235,7 @@ def seconds_table(result, csv_path, k=1):
         start, end = _span(log, x)
         t1 = x.get("first_seconds", 0)
         t2 = t1 + sum(x.get(p) or 0 for p in ("render_seconds", "continue_seconds", "intake_seconds"))
-        parts = f"turn one 0-{t1:.1f}, intake -{t2:.1f}, turn two -{x['seconds']:.1f}" if t1 else f"0-{x['seconds']:.1f}"
+        parts = (f"turn one 0-{t1:.1f}, intake -{t2:.1f}, turn two -" if t1 else "0-") + f"{x['seconds']:.1f}"
         out.append(f"| {name}, round {k + 1} | {parts} | " + " ".join(f"{u:.0f}" for t, u in log if start <= t <= end)
                    + " |")
     return "\n".join(out)
