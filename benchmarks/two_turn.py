@@ -196,11 +196,10 @@ PARTS = ("first_seconds", "render_seconds", "continue_seconds", "intake_seconds"
 
 
 def busy(result, csv_path, column=6, rows=("one_turn", "two_turn")):
-    """{row: a once-a-second log's column, its mean per round while the row generated}: one_turn's call, two_turn's
-    turn one (the same prompts, seeds and engine state; a round without first_seconds: its whole call); each window's
-    first and last second left out. Column 6 of nvidia-smi's log (gpu_speed.sh's <run>_gpu.csv): the GPU's
-    utilisation; column 5 of the host's (benchmarks/host_log.py, <run>_host.csv): the run's busiest thread's share of
-    a core. The GPU's low and that
+    """{row: a once-a-second log's column, its mean per round while the row generated}: one_turn's whole call,
+    two_turn's turn one (the same prompts, seeds and engine state); each window's first and last second left out.
+    Column 6 of nvidia-smi's log (gpu_speed.sh's <run>_gpu.csv): the GPU's utilisation; column 5 of the host's
+    (benchmarks/host_log.py, <run>_host.csv): the run's busiest thread's share of a core. The GPU's low and that
     thread's ~100 %: vLLM's engine loop (Python, one host core) fed the GPU too slowly; the same work took longer."""
     log = _log(csv_path, column)
     out = {}
