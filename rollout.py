@@ -36,6 +36,9 @@ def _call_key(prompts, n, temperature, top_p, max_tokens, seeds, lengths, logpro
     return (tuple(map(id, prompts)), n, temperature, top_p, max_tokens, tuple(seeds), repr(lengths), repr(logprobs))
 
 
+_COMPOSED = ("prompt_token_ids", "mm_hashes", "mm_placeholders")  # what VLLMRollout._compose makes as vLLM would
+
+
 def request_seed(prompt_seed):
     return prompt_seed * SEED_STRIDE
 
@@ -239,8 +242,12 @@ class VLLMRollout:
             engine_kwargs.pop("mm_processor_kwargs", None)
         if hasattr(hf_config, "vision_config"):  # text-only models reject these
             kw["limit_mm_per_prompt"] = limit_mm_per_prompt or {"image": 1, "video": 0}
-            if kw["limit_mm_per_prompt"].get("video"):
-                # vLLM caches items one by one, a Qwen2(.5)-VL prompt's video_metadata covers all its videos: no cache
+            # Qwen-VL's pictures are composed (_inputs; vLLM >= 0.2x's renderer): vLLM's processor cache then stays
+            # off, its two halves (sender, engine) must see the same items. Videos: a Qwen2(.5)-VL prompt's
+            # video_metadata covers all its videos, vLLM caches items one by one: no cache either
+            composes = self.model_type in QWEN_VL and hasattr(LLM, "_render_and_add_requests")
+            self.pad, self.limit = hf_config.image_token_id if composes else None, kw["limit_mm_per_prompt"]["image"]
+            if kw["limit_mm_per_prompt"].get("video") or self.pad is not None:
                 kw["mm_processor_cache_gb"] = 0
         else:
             engine_kwargs.pop("mm_processor_kwargs", None)
@@ -273,6 +280,7 @@ class VLLMRollout:
 
     # ---- generation
     per_prompt_seeds, v1_runner, unused_params, keys = True, False, (), {}  # (make_rollout, __init__, _items set them)
+    pad, limit, pieces = None, 0, {}  # (__init__, _add)
 
     def _sampling_params(self, rows, temperature, top_p, max_tokens, seed, forced=False, logprobs=True, ban=True):
         """seed: the request's own (None: vLLM draws one); vLLM seeds its j-th of `rows` samples `seed + j` (hence
@@ -310,9 +318,10 @@ class VLLMRollout:
 
     def _image_key(self, img):
         """vLLM's key of a picture (multi_modal_uuids), hashed once per call where vLLM hashes it for each request that
-        holds it (turn two's n trajectories hold their prompt's picture). None: vLLM hashes it."""
-        if isinstance(img, Image.Image) and img.palette is None and id(img) not in self.keys:  # (kept: its id stays)
-            self.keys[id(img)] = (img, f"{img.mode}{img.size}" + hashlib.blake2b(img.tobytes()).hexdigest()[:32])
+        holds it (turn two's n trajectories hold their prompt's picture; a palette's colours with its bytes)."""
+        if isinstance(img, Image.Image) and id(img) not in self.keys:  # (kept: its id stays)
+            data = img.tobytes() + (img.palette.tobytes() if img.palette else b"")
+            self.keys[id(img)] = (img, f"{img.mode}{img.size}" + hashlib.blake2b(data).hexdigest()[:32])
         return self.keys.get(id(img), (None, None))[1]
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, lengths=None, logprobs=None):
@@ -335,8 +344,9 @@ class VLLMRollout:
                 reqs, params, per_item = self._requests(items, n, temperature, top_p, max_tokens)
             if self.per_prompt_seeds and self.v1_runner:  # unseeded requests (_requests): the call's seeds seed the
                 torch.cuda.manual_seed(hash(tuple(s for _, s, _, _ in items)))  # sampler's stream (same on resume)
-            outs = self.llm.wait_for_completion(use_tqdm=False) if queued else self.llm.generate(reqs, params,
-                                                                                                  use_tqdm=False)
+            added = not queued and self.pad is not None and self._add(reqs, params)  # (composed inputs: queued)
+            outs = (self.llm.wait_for_completion(use_tqdm=False) if queued or added
+                    else self.llm.generate(reqs, params, use_tqdm=False))
             # (enqueue gives vLLM's internal ids, "<id>-<8 random characters>"; the outputs carry <id>)
             if queued and (len(outs) != len(ids) or any(i != o.request_id and not i.startswith(f"{o.request_id}-")
                                                          for i, o in zip(ids, outs))):
@@ -356,8 +366,52 @@ class VLLMRollout:
         items, mine = self._items(prompts, seeds, lengths, logprobs)
         reqs, params, per_item = self._requests(items, n, temperature, top_p, max_tokens)
         key = _call_key(prompts, n, temperature, top_p, max_tokens, seeds, lengths, logprobs)
-        self.queued = (key, list(self.llm.enqueue(reqs, params, use_tqdm=False)), items, mine, per_item)
+        self.queued = (key, self._add(reqs, params), items, mine, per_item)
         return True
+
+    def _add(self, reqs, params):
+        """Into vLLM's queue -> vLLM's request ids. Qwen-VL prompts with pictures go composed: vLLM's processor
+        makes each picture's input once, on its pad alone, and a prompt's is its ids with each pad replaced by its
+        picture's. (vLLM's processor does that for each request with Python scans of the whole prompt, and its HF
+        processor even on cached pictures: ~5 ms a request, 2.6 s with the GPU idle before turn two of 512
+        trajectories on an H200's host.) The call's first composed input is checked against vLLM's own."""
+        if self.pad is None:
+            return list(self.llm.enqueue(reqs, params, use_tqdm=False))
+        old, self.pieces = self.pieces, {}  # (the pictures of this call and the last: turn two finds turn one's)
+        made = [self._compose(r, old) for r in reqs]
+        first = next((i for i, m in enumerate(made) if m is not None), None)
+        if first is not None:
+            want = self.llm.renderer.render_cmpl([reqs[first]])[0]
+            if [want[k] for k in _COMPOSED] != [made[first][k] for k in _COMPOSED]:
+                warnings.warn(f"vLLM {self.version} expands {self.model_type}'s pictures unlike VLLMRollout._compose: "
+                              "its own processing from here (slower: ~5 ms a request)")
+                self.pad, made = None, [None] * len(made)
+        rest = [r for r, m in zip(reqs, made) if m is None]
+        own = iter(self.llm.renderer.render_cmpl(rest) if rest else [])
+        return list(self.llm._render_and_add_requests(prompts=[m or next(own) for m in made], params=params))
+
+    def _compose(self, req, old):
+        """A request's processed input from its pictures' (None: one for vLLM's processor: no pictures, videos,
+        pictures without keys, or other than one pad each)."""
+        from vllm.multimodal.inputs import MultiModalKwargsItems  # optional: the GPU engine
+        ids, keys = req["prompt_token_ids"], req.get("multi_modal_uuids", {}).get("image", [None])
+        if (set(req.get("multi_modal_data", {})) != {"image"} or None in keys or len(keys) > self.limit
+                or ids.count(self.pad) != len(keys)):
+            return None
+        out, items, hashes, ranges, at = [], [], [], [], 0
+        for im, k in zip(req["multi_modal_data"]["image"], keys):
+            if k not in self.pieces:
+                self.pieces[k] = old.get(k) or self.llm.renderer.render_cmpl([{
+                    "prompt_token_ids": [self.pad], "multi_modal_data": {"image": [im]},
+                    "multi_modal_uuids": {"image": [k]}}])[0]
+            piece, j = self.pieces[k], ids.index(self.pad, at)
+            out += ids[at:j]
+            ranges += [dataclasses.replace(r, offset=r.offset + len(out)) for r in piece["mm_placeholders"]["image"]]
+            items, hashes = items + piece["mm_kwargs"]["image"], hashes + piece["mm_hashes"]["image"]
+            out += piece["prompt_token_ids"]
+            at = j + 1
+        return {"type": "multimodal", "prompt_token_ids": out + ids[at:], "mm_hashes": {"image": hashes},
+                "mm_kwargs": MultiModalKwargsItems({"image": items}), "mm_placeholders": {"image": ranges}}
 
     def _items(self, prompts, seeds, lengths=None, logprobs=None):
         """(vLLM prompt, seed, lengths, samples with log-probs) of the TP group's prompts; this rank's slice of them."""

@@ -249,6 +249,7 @@ def cold(eng):
     """Empty what a training step never finds warm: the prefix cache (KV blocks of these prompts), the encoder cache
     (their image embeddings) and vLLM's multimodal-processor cache (their processed images; sleep empties it too)."""
     eng._reset_caches()
+    eng.pieces = {}  # (the pictures VLLMRollout._add composes from: the last call's kept)
     reset_mm = getattr(eng.llm, "reset_mm_cache", None)
     if reset_mm is not None:  # vLLM >= 0.10-ish
         reset_mm()

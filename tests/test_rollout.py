@@ -1,6 +1,7 @@
 """The rollout engines: HF on CPU with the tiny Qwen2.5-VL (seeding, EOS handling, forbidden tokens, log-probs, weight
 sync) and VLLMRollout against a stand-in vLLM (tests/vllm_standin.py): requests, seeds, log-probs, sleep, queue."""
 import gc
+import sys
 import types
 
 import pytest
@@ -258,21 +259,23 @@ def test_vllm_samples_of_a_run_never_share_a_seed(monkeypatch):
 def test_vllm_gets_each_pictures_key_made_once_a_call(monkeypatch):
     """vLLM hashes a request's pictures' bytes for its caches (processor, encoder, prefix); turn two's n trajectories
     each hold their prompt's picture, so it hashed that picture n times. _vllm_prompt gives multi_modal_uuids instead:
-    a picture's key made once per call, equal for equal bytes, apart for other bytes or another size."""
+    a picture's key made once per call, equal for equal bytes, apart for other bytes, another size or palette."""
     eng = object.__new__(rollout.VLLMRollout)
     eng.model_type, eng.tp_group = "qwen2_5_vl", None
     hashed, blake2b = [], rollout.hashlib.blake2b
     monkeypatch.setattr(rollout.hashlib, "blake2b", lambda b: hashed.append(len(b)) or blake2b(b))
     blue, tool = Image.new("RGB", (8, 8), "blue"), Image.new("RGB", (8, 8), "red")
     pics = [[blue, tool], [blue, tool], [Image.new("RGB", (8, 8), "blue"), Image.new("RGB", (4, 16), "blue")],
-            [Image.new("P", (8, 8))]]
+            [Image.new("P", (8, 8)), Image.new("P", (8, 8), 1)]]
     items, _ = eng._items([{"raw_prompt_ids": [1, 2], "images": p} for p in pics], [1, 2, 3, 4])
     keys = [pr["multi_modal_uuids"]["image"] for pr, *_ in items]
-    assert len(hashed) == 4  # blue, tool, the other blue and the 4 x 16 one: once each
+    assert len(hashed) == 6  # blue, tool, the other blue, the 4 x 16 one and the palette pictures: once each
     assert keys[0] == keys[1] and keys[2][0] == keys[0][0] and len({keys[0][0], keys[0][1], keys[2][1]}) == 3
-    assert keys[3] == [None]  # a palette picture: vLLM hashes it (its colours are not in its bytes)
+    red, green = Image.new("P", (8, 8)), Image.new("P", (8, 8))  # (a palette picture's bytes are indices)
+    red.putpalette([255, 0, 0] * 256), green.putpalette([0, 255, 0] * 256)
+    assert keys[3][0] != keys[3][1] and eng._image_key(red) != eng._image_key(green)
     eng._items([{"raw_prompt_ids": [1], "images": [blue]}], [1])
-    assert len(hashed) == 5  # the next call makes its own keys (none kept from call to call)
+    assert len(hashed) == 9  # the next call makes its own keys (none kept from call to call)
 
 
 def test_sleep_survives_another_process_allocating(monkeypatch):
@@ -537,3 +540,66 @@ def test_requests_queued_ahead_are_the_ones_generate_runs(path, monkeypatch):
     assert eng.generate(prompts, **kw) == plain and ev[-1] == "generate"
     eng.tp_group = object()
     assert not eng.submit(prompts, **kw) and ev[-1] == "generate"
+
+
+def test_vllm_inputs_are_composed_from_each_pictures_own(monkeypatch):
+    """VLLMRollout._add: a Qwen-VL request's input is its ids with each pad replaced by its picture's input (vLLM's
+    renderer on the pad alone, once a call; the last call's kept: turn two finds turn one's pictures). Requests it
+    cannot compose go to vLLM's renderer whole; where the call's first composed input is not vLLM's own, all do."""
+    import dataclasses
+    import warnings
+
+    @dataclasses.dataclass
+    class Range:  # vLLM's PlaceholderRange
+        offset: int
+        length: int
+
+    pad, rendered, added = 9, [], []
+
+    def render(p, wider=0):  # vLLM's processor: each pad -> one per 4 pixels of its picture's width
+        ids, keys, out, ranges = p["prompt_token_ids"], (p.get("multi_modal_uuids") or {}).get("image", []), [], []
+        widths = iter([im.width // 4 + wider for im in (p.get("multi_modal_data") or {}).get("image", [])])
+        for t in ids:
+            if t == pad:
+                ranges.append(Range(len(out), next(widths)))
+            out += [t] * (ranges[-1].length if t == pad else 1)
+        return {"type": "multimodal", "prompt_token_ids": out, "mm_hashes": {"image": list(keys)},
+                "mm_placeholders": {"image": ranges}, "mm_kwargs": {"image": [f"item {k}" for k in keys]}}
+
+    class Renderer:
+        wider = 0
+
+        def render_cmpl(self, prompts):
+            rendered.extend(len(p["prompt_token_ids"]) for p in prompts)
+            return [render(p, self.wider if len(p["prompt_token_ids"]) > 1 else 0) for p in prompts]
+
+    inputs = types.SimpleNamespace(MultiModalKwargsItems=dict)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(multimodal=types.SimpleNamespace(inputs=inputs)))
+    monkeypatch.setitem(sys.modules, "vllm.multimodal", types.SimpleNamespace(inputs=inputs))
+    monkeypatch.setitem(sys.modules, "vllm.multimodal.inputs", inputs)
+    eng = object.__new__(rollout.VLLMRollout)
+    eng.llm = types.SimpleNamespace(renderer=Renderer(), _render_and_add_requests=lambda prompts, params: (
+        added.extend(prompts) or [str(i) for i in range(len(prompts))]))
+    eng.pad, eng.limit, eng.pieces, eng.model_type, eng.version = pad, 2, {}, "qwen2_5_vl", "stand-in"
+    blue, tool, tool2 = Image.new("RGB", (8, 8), "blue"), Image.new("RGB", (12, 8), "red"), Image.new("RGB", (4, 8))
+
+    def req(ids, pics):
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": pics},
+                "multi_modal_uuids": {"image": [eng._image_key(p) for p in pics]}}
+
+    eng.keys = {}
+    reqs = [req([1, pad, 2, 3, pad, 4], [blue, tool]), req([1, pad, 5, 6, 7, pad], [blue, tool]),
+            {"prompt_token_ids": [1, 2]}, req([pad, pad, pad], [blue, tool, tool2]), req([1, pad], [tool2])]
+    assert eng._add(reqs, None) == ["0", "1", "2", "3", "4"]
+    assert added == [render(r) for r in reqs]
+    assert rendered == [1, 1, 1, 6, 2, 3]  # blue, tool, tool2: once; the check of the first; text, 3 pictures > 2
+    rendered.clear(), added.clear()
+    eng._add([req([pad, 8, pad], [blue, tool2])], None)
+    assert added == [render(req([pad, 8, pad], [blue, tool2]))] and rendered == [3]  # the last call's pictures kept
+    rendered.clear(), added.clear()
+    eng.llm.renderer.wider = 1  # a vLLM that expands a picture in a prompt unlike on its pad alone
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        eng._add(reqs[:2], None)
+    assert "unlike VLLMRollout._compose" in str(w[-1].message) and eng.pad is None
+    assert added == [render(r, 1) for r in reqs[:2]] and rendered == [1, 6, 6, 6]  # tool (blue kept), check, both

@@ -145,6 +145,24 @@ def test_prompt_expansion_matches_hf_processor(setup):
         assert list(o.prompt_token_ids) == r["prompt_ids"]
 
 
+def test_composed_inputs_are_vllms_own_and_generate_alike(setup):
+    """VLLMRollout._add composes a Qwen-VL request's input from its pictures' (vLLM's processor on each picture's pad
+    alone): for every request, what vLLM's processor makes of the whole (ids, keys, placeholder ranges), the ids the
+    trainer's prompt_ids, and greedy answers the same as from vLLM's own processing."""
+    eng, recs = setup["eng"], setup["prompts"]
+    assert eng.pad is not None
+    for (req, *_), rec in zip(eng._items(recs, [0] * len(recs))[0], recs):
+        got, want = eng._compose(req, {}), eng.llm.renderer.render_cmpl([req])[0]
+        assert [got[k] for k in rollout._COMPOSED] == [want[k] for k in rollout._COMPOSED]
+        assert got["prompt_token_ids"] == rec["prompt_ids"]
+    composed, pad = greedy(eng, recs), eng.pad
+    try:
+        eng.pad = None  # vLLM's own processing
+        assert greedy(eng, recs) == composed
+    finally:
+        eng.pad = pad
+
+
 def test_logprobs_match_hf_recompute(setup):
     eng, ref, recs = setup["eng"], setup["ref"], setup["prompts"]
     out = eng.generate(recs, n=4, temperature=T_SAMPLE, top_p=1.0, max_tokens=32, seeds=[1, 2, 3, 4])
