@@ -119,13 +119,11 @@ def policy_loss(logp, old_logp, adv, mask, loss_type="ppo_clip", clip_low=0.2, c
     loss1 = -adv * ratio
     loss2 = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(loss1, loss2)
-    clipfrac = (loss2 > loss1).float()
+    clipfrac, dual = (loss2 > loss1).float(), zeros
     if (loss_type in ("ppo_clip", "gspo_token") or gspo_dual_clip) and clip_dual > 1:  # negative advantages only
         loss3 = -adv * clip_dual
         dual = ((adv < 0) & (loss > loss3)).float()
         loss = torch.where(adv < 0, torch.minimum(loss, loss3), loss)
-    else:
-        dual = zeros
     return loss, {"clipfrac": clipfrac, "dual_clipfrac": dual}
 
 
@@ -169,10 +167,8 @@ def select_groups(samples, n, key="accuracy", limit=None, bounds=None):
     for i in range(0, len(samples), n):
         group = samples[i:i + n]
         scores = [float(s["scores"][key]) for s in group]
-        if bounds is None:
-            ok = len(set(scores)) > 1  # zero variance = zero advantage = no gradient
-        else:
-            ok = bounds[0] < sum(scores) / len(scores) < bounds[1]
+        # not all equal (zero variance = zero advantage = no gradient), or EasyR1's bounds on the mean
+        ok = len(set(scores)) > 1 if bounds is None else bounds[0] < sum(scores) / len(scores) < bounds[1]
         if not ok:
             failed += 1
         elif limit is None or len(kept) < limit * n:

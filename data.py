@@ -28,8 +28,7 @@ from config import Config
 from video import to_pil
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = "<image>", "<video>"
-# Text-only keys of the processor output: per-token tensors that are rebuilt by whoever builds
-# the full (prompt + response) sequence, so they do not belong in the per-prompt mm_inputs.
+# the processor's per-token outputs: rebuilt with the full (prompt + response) sequence, not a prompt's mm_inputs
 TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 DATA_EXTS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
 
@@ -88,8 +87,7 @@ def _undecoded_images(rows):
         new = undecoded(inner) if inner is not None else None
         return datasets.List(new) if new is not None else None
     for key, feature in rows.features.items():
-        new = undecoded(feature)
-        if new is not None:
+        if (new := undecoded(feature)) is not None:
             was_on = not datasets.utils.are_progress_bars_disabled()
             datasets.disable_progress_bars()  # no "Casting the dataset" bar for what is a metadata change
             try:
@@ -146,8 +144,7 @@ def load_processor(model_path: str, min_pixels: int | None = None, max_pixels: i
                         "give a model folder (with config.json) or a hub name") from e
     ip = getattr(proc, "image_processor", None)
     if hasattr(ip, "merge_size") and (min_pixels or max_pixels):  # Qwen-VL's budget (other families: their own)
-        lo = min_pixels or ip.size["shortest_edge"]
-        hi = max_pixels or ip.size["longest_edge"]
+        lo, hi = min_pixels or ip.size["shortest_edge"], max_pixels or ip.size["longest_edge"]
         ip.size = {"shortest_edge": lo, "longest_edge": hi}  # transformers 5
         if hasattr(ip, "min_pixels"):  # transformers 4.x reads these (5 warns when they are set)
             ip.min_pixels, ip.max_pixels = lo, hi
@@ -290,8 +287,7 @@ def prompt_length(row: dict, proc, **encode_kwargs) -> int:
         n += len(video.expand_video_pads([pad] * len(videos), grids, fps, proc)) - len(videos)
     try:
         ip = proc.image_processor if images else None
-        return n + sum(ip.get_number_of_image_patches(im.height, im.width, {}) // ip.merge_size**2 - 1
-                       for im in images)
+        return n + sum(ip.get_number_of_image_patches(im.height, im.width, {}) // ip.merge_size**2 - 1 for im in images)
     except (AttributeError, NotImplementedError):  # a processor that cannot count: encode for real
         return len(encode_prompt(row, proc, **encode_kwargs)["prompt_ids"])
 
@@ -346,8 +342,7 @@ class PromptDataset:
             problems = check_rows(self.rows, processor_or_tokenizer, max_prompt_length, **encode_kwargs)
         except UserError as e:
             raise UserError(f"{where}: {e}") from e
-        self.processor = processor_or_tokenizer
-        self.encode_kwargs = encode_kwargs
+        self.processor, self.encode_kwargs = processor_or_tokenizer, encode_kwargs
         dropped = [p for p in problems if filter_overlong and p[1] == TOO_LONG]
         bad = [p for p in problems if not (filter_overlong and p[1] == TOO_LONG)]
         if bad and not skip_bad_rows:
@@ -462,9 +457,8 @@ def load_datasets(cfg, model_path, say=print, tools=None):
     kw = dict(processor_or_tokenizer=processor, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
               image_key=cfg.image_key, image_dir=cfg.image_dir, format_prompt=fmt, min_pixels=cfg.min_pixels,
               max_pixels=cfg.max_pixels, max_prompt_length=cfg.max_prompt_length, **video.video_options(cfg),
-              filter_overlong=cfg.filter_overlong_prompts, skip_bad_rows=cfg.skip_bad_rows)
-    if tools:  # the tools' JSON schemas (tools.schemas) go into the chat template
-        kw["tools"] = tools
+              filter_overlong=cfg.filter_overlong_prompts, skip_bad_rows=cfg.skip_bad_rows,
+              tools=tools)  # the tools' JSON schemas (tools.schemas; None: none) go into the chat template
     train = PromptDataset(train_files, option="--train-files", **kw)
     val = PromptDataset(val_files, option="--val-files", **kw) if val_files else None
     for note in train.notes + (val.notes if val else []):

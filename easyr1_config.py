@@ -404,8 +404,7 @@ def cli(cls, demo, args=None, text_demo=None, video_demo=None, tools_demo=None, 
 
 
 def check(cfg, world):
-    """The options' values, once parsed: what can be checked before any process group or model loads (every rank
-    raises the same UserError)."""
+    """The parsed options' checks before any process group or model loads (every rank raises the same UserError)."""
     positive = {"lr": cfg.lr, "max-response-length": cfg.max_response_length,
                 "max-prompt-length": cfg.max_prompt_length, "temperature": cfg.temperature}  # log-probs divide by it
     for opt, v in positive.items():

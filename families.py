@@ -81,8 +81,7 @@ def special_token_ids(model_path):
 
 
 def head_dims(t):
-    """Each decoder layer's head size of text config `t` (Gemma 4's differ: transformers keeps them per layer and
-    refuses the global head_dim)."""
+    """Each decoder layer's head size of text config `t` (Gemma 4's differ: transformers refuses a global head_dim)."""
     try:
         return [getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads] * t.num_hidden_layers
     except RuntimeError:  # (AmbiguousGlobalPerLayerAttributeError)

@@ -110,13 +110,10 @@ class LogProbModel(nn.Module):
             resp_idx, targets = resp_idx[mine] - a, targets[mine]
         h = hidden.flatten(0, 1).index_select(0, resp_idx)  # [n, H] (an index, not a boolean mask: no host sync)
         head = self.hf.get_output_embeddings()
-        logps, ents = [], []
         kernels = soft_capped(self.chunk_kernels, self.softcap) if self.softcap else self.chunk_kernels
-        for hc, tc in zip(h.split(chunk_size), targets.split(chunk_size)):  # backward recomputes each chunk's logits
-            lp, ent = ChunkLogProbs.apply(hc, tc, head.weight, temperature, self.forbidden, entropy, kernels)
-            logps.append(lp)
-            ents.append(ent)
-        logp, ent = torch.cat(logps), torch.cat(ents) if entropy else None  # [n], [n]
+        logps, ents = zip(*[ChunkLogProbs.apply(hc, tc, head.weight, temperature, self.forbidden, entropy, kernels)
+                            for hc, tc in zip(h.split(chunk_size), targets.split(chunk_size))])  # a chunk at a time
+        logp, ent = torch.cat(logps), torch.cat(ents) if entropy else None  # [n]; backward redoes each chunk's logits
         if self.ulysses is not None:
             logp, ent = (None if x is None else ulysses.gather(x, all_idx, n, self.ulysses) for x in (logp, ent))
         return logp, ent
@@ -339,9 +336,7 @@ def build_actor(path, device, dtype, param_dtype, gradient_checkpointing=True, a
     elif device.type == "cuda" and trainable:  # weights on the host, buffers (rotary frequencies) on the GPU; an
         # offloaded reference stays on the host whole until its pass (memory.resident)
         for m in model.modules():
-            for name, b in m._buffers.items():
-                if b is not None:
-                    m._buffers[name] = b.to(device)
+            m._buffers.update({name: b.to(device) for name, b in m._buffers.items() if b is not None})
     model.train(trainable)
     return model
 
@@ -375,12 +370,10 @@ def collate(samples, pad_id, device, model=None):
             resp_mask[r, lp - 1:lp - 1 + lr] = True
         targets = input_ids.flatten()[1:][resp_mask.flatten()[:-1]]  # [n] the token each of those positions predicts
         resp_idx = resp_mask.flatten().nonzero().squeeze(1)  # [n]
-    mm = {}
     keys = {k for p in prompts for k in p["mm_inputs"]}  # Qwen-VL: pixel_values [P, D], image_grid_thw [I, 3]
     per_row = keys and not any(k.endswith("_grid_thw") for k in keys)  # another family's (generic): a copy per row
-    for key in keys:
-        mm[key] = to_device(torch.cat([p["mm_inputs"][key] for p in ([prompts[o] for o in owner] if per_row else
-                                                                      prompts) if key in p["mm_inputs"]]), device)
+    shown = [prompts[o] for o in owner] if per_row else prompts
+    mm = {k: to_device(torch.cat([p["mm_inputs"][k] for p in shown if k in p["mm_inputs"]]), device) for k in keys}
     counts = [len(p["mm_inputs"].get("image_grid_thw", ())) for p in prompts]  # images per distinct prompt
     vcounts = [len(p["mm_inputs"].get("video_grid_thw", ())) for p in prompts]  # videos per distinct prompt
     position_ids = None

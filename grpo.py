@@ -366,10 +366,8 @@ def micro_batch_loss(cfg, logp, ent, mask, mb, norm, log, first_pass):
     if "policy_mask" in mb[0]:  # multi-turn: the tokens the policy sampled only, not the tools' answers
         mask = mask & actor.stack_padded([s["policy_mask"] for s in mb], R, dev).bool()  # [b, R]
         logp = torch.where(mask, logp, 0.0)  # (a tool image's pads have log-prob -inf, and 0 x -inf is nan)
-    if mb[0].get("old_logp") is not None:
-        old = actor.stack_padded([s["old_logp"] for s in mb], R, dev)  # [b, R]
-    else:  # on-policy: the first forward *is* the old policy
-        old = logp.detach()
+    # [b, R]; on-policy (no old_logp) the first forward *is* the old policy
+    old = logp.detach() if mb[0].get("old_logp") is None else actor.stack_padded([s["old_logp"] for s in mb], R, dev)
     if isinstance(mb[0]["adv"], list):  # per token (REINFORCE++ with the KL penalty in the reward)
         adv = actor.stack_padded([s["adv"] for s in mb], R, dev).to(logp.dtype)  # [b, R]
     else:

@@ -24,10 +24,9 @@ import varlen
 from common import LORA_EXCLUDE, UserError, all_reduce_cpu
 from config import bf16_compute
 
-# bytes per parameter of the policy's state (weights, gradients, AdamW's two moments), per --precision; pure bf16
-# with Kahan's compensation keeps KAHAN_BYTES more
+# bytes per parameter of the policy's state (weights, gradients, AdamW's two moments), per --precision
 STATE_BYTES = {"amp": dict(weights=4, grads=4, optim=8), "bf16": dict(weights=2, grads=2, optim=4)}
-KAHAN_BYTES = 2
+KAHAN_BYTES = 2  # bytes more per parameter: pure bf16 with Kahan's compensation
 CHUNK = 1 << 24  # elements per piece of the fp32 scratch: bounds the step's extra memory to ~6 x 64 MB
 
 
@@ -105,10 +104,8 @@ class BF16AdamW(torch.optim.Optimizer):
                 st = self.state[p]
                 if not st:
                     st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if self.rounding == "kahan":
-                        st["comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    for k in ("exp_avg", "exp_avg_sq") + ("comp",) * (self.rounding == "kahan"):
+                        st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["step"] += 1
                 t = int(st["step"])
                 flat = [local(x).view(-1) for x in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]  # [numel] each
@@ -143,8 +140,7 @@ def resident(model, device, offload):
 
 
 # ----------------------------------------------------------------------------------------------- accounting
-# vLLM's sleep-mode pool (a torch MemPool) keeps its tensors while asleep, so max_memory_allocated() counts the whole
-# pool, awake or not: the trainer's own peak is that less the pool's bytes.
+# vLLM's sleep-mode pool (a torch MemPool) stays allocated asleep: the trainer's peak is torch's less the pool's bytes
 BALLAST = []  # benchmarks/bench.py --gpu-memory-cap-gb: memory taken away to emulate a smaller card (not the trainer's)
 
 def sleep(engine):
@@ -243,8 +239,7 @@ GIB = 2**30
 
 
 def dims_from_config(cfg):
-    """Parameter counts and the dimensions the activations scale with, of a model's config (a VLM's or a text
-    LLM's; meta device: no memory)."""
+    """Parameter counts and the dimensions activations scale with, of a VLM's or text LLM's config (meta device)."""
     t = cfg.get_text_config()
     params = presets.count_params(cfg)
     H, kv = t.hidden_size, t.num_key_value_heads / t.num_attention_heads

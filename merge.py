@@ -92,9 +92,8 @@ def merge(checkpoint, output, model_path=None, dtype=None, adapter_only=False):
 
 
 def copy_tokenizer_files(path, out):
-    """Tokenizer, processor, chat template and generation config, so the folder is complete. The generation config
-    is the base folder's file as it is (save_pretrained's is transformers' reading of it: EasyR1's merger lost Qwen3's
-    list of end tokens that way)."""
+    """Tokenizer, processor, chat template and generation config, so the folder is complete; the generation config as
+    the base folder has it (EasyR1's merger saved transformers' reading of it, and lost Qwen3's list of end tokens)."""
     if not os.path.isdir(path):  # a hub name: fetch the small files only
         from huggingface_hub import snapshot_download  # only for a hub name
         path = snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"])

@@ -68,8 +68,7 @@ PRESETS = {
     # the tiny demo MoE (tiny_model.tiny_config, its own small vocabulary) as a preset: bench.py's paths on the CPU
     "tiny_qwen3_vl_moe": dict(arch="qwen3_vl_moe", tiny=True),
 }
-# the hub's names of the checkpoints a preset has the dimensions of: grpo.py's check before loading (memory.py)
-# knows these models without their config.json
+# hub names of the checkpoints a preset matches: the check before loading (memory.py) knows them without config.json
 HUB_NAMES = {"Qwen/Qwen2.5-VL-3B-Instruct": "qwen2_5_vl_3b", "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2_5_vl_7b",
              "Qwen/Qwen2.5-VL-32B-Instruct": "qwen2_5_vl_32b", "Qwen/Qwen2.5-VL-72B-Instruct": "qwen2_5_vl_72b",
              "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl_8b", "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_30b_a3b",

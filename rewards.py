@@ -268,14 +268,9 @@ def get_reward_fn(name: str, kwargs: str | dict | None = None):
                         f"--reward-function-kwargs '{json.dumps(kwargs)}' that fails: {e}") from e
     except ValueError:  # no signature to read (a builtin or C function): calling it will tell
         pass
-    if reward_type == "sequential":
-        @functools.wraps(fn)
-        def batch_fn(items):
-            return [fn(item, **kwargs) for item in items]
-    else:
-        @functools.wraps(fn)
-        def batch_fn(items):
-            return fn(items, **kwargs)
+    @functools.wraps(fn)
+    def batch_fn(items):
+        return [fn(item, **kwargs) for item in items] if reward_type == "sequential" else fn(items, **kwargs)
     return batch_fn
 
 

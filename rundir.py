@@ -76,8 +76,7 @@ def find_resume(cfg):
 
 
 def truncate_jsonl(path, step):
-    """Keep the rows of steps <= `step` (none when starting over at step 0): the steps after the checkpoint will be
-    run again. Returns the number of rows dropped."""
+    """Keep the rows of steps <= `step` (none at step 0): the later steps run again. Returns the rows dropped."""
     if not os.path.isfile(path):
         return 0
     rows = open(path).read().splitlines()
@@ -246,8 +245,7 @@ def plot(files: Annotated[list[str], tyro.conf.Positional], out: str = "reward.p
             ax.plot(*zip(*val), "o-", color=line.get_color(), ms=3, label=f"{label} val")
     if chance is not None:
         ax.axhline(chance, color="grey", ls=":", lw=1, label="chance")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
+    ax.set(xlabel="step", ylabel="mean reward")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -271,8 +269,7 @@ def save_checkpoint(path, model, opt, sched, extra, keep=0, protect=None):
     msd, osd = get_state_dict(model, opt, options=_state_dict_options(model))
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
     if dist.get_rank() == 0:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({**extra, "scheduler": sched.state_dict()}, f)
+        write_atomic(os.path.join(tmp, "trainer_state.json"), json.dumps({**extra, "scheduler": sched.state_dict()}))
         if os.path.exists(path):  # a re-run of the same step
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -290,15 +287,13 @@ def load_checkpoint(path, model, opt, sched):
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        extra = json.load(f)
+    extra = _read_json(os.path.join(path, "trainer_state.json"))
     sched.load_state_dict(extra.pop("scheduler"))
     return extra
 
 
 def _state_dict_options(model):
-    """A LoRA checkpoint holds the adapters and their optimizer state only (megabytes): the frozen base weights
-    are the model_path's. Full training saves every weight."""
+    """A LoRA checkpoint holds the adapters and their optimizer state only (megabytes; the frozen base: model_path)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions  # ~1 s to import: only at a checkpoint
     lora = bool(memory.lora_layers(model))
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)

@@ -58,13 +58,12 @@ def gemma4_tokenizer(make_tokenizer):
 def gemma4_config(text, vision, ids, audio=None, **extra):
     """Gemma4Config of these sub-configs (dicts) with the special tokens' ids of `ids` (GEMMA4_SPECIALS -> id)."""
     import transformers  # slow to import (~2 s)
-    cfg = transformers.Gemma4Config(
+    return transformers.Gemma4Config(
         text_config={**text, "pad_token_id": ids["<pad>"], "eos_token_id": ids["<eos>"], "bos_token_id": ids["<bos>"]},
         vision_config=vision, audio_config=audio, image_token_id=ids["<|image|>"], boi_token_id=ids["<|image>"],
         eoi_token_id=ids["<image|>"], video_token_id=ids["<|video|>"], audio_token_id=ids["<|audio|>"],
-        boa_token_id=ids["<|audio>"], eoa_token_index=ids["<audio|>"], **extra)
-    cfg.architectures = ["Gemma4ForConditionalGeneration"]
-    return cfg
+        boa_token_id=ids["<|audio>"], eoa_token_index=ids["<audio|>"], architectures=["Gemma4ForConditionalGeneration"],
+        **extra)
 
 
 def save_gemma4(out, tok, ids, **image):

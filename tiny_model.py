@@ -21,8 +21,7 @@ from common import UserError
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 DEFAULT_SYSTEM = "You are a helpful assistant."
-# Qwen2-VL style template: string content or a list of {"type": "image"|"video"|"text"} items;
-# one <|image_pad|> per image (the processor expands it to the real number of patches).
+# Qwen2-VL style template: string content or a list of {"type": "image"|"video"|"text"} items; one pad per image
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}"
@@ -38,8 +37,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# Words of the synthetic colour task: frequent in the corpus so BPE gives each a single token
-# (a one-token answer keeps the demo's reward signal dense).
+# the colour task's words, frequent in the corpus so BPE gives each one token (one-token answers: a dense reward)
 TASK_WORDS = "red green blue white yellow shape color circle square triangle answer".split()
 FILLER_WORDS = ("the a of is what which this image picture shows one word with in it and "
                 "think so because therefore number count left right").split()
@@ -63,10 +61,8 @@ def _corpus(n_lines=3000, seed=0):
         if rng.random() < 0.2:
             words.append(str(rng.randint(0, 99)))
         lines.append(" ".join(words) + rng.choice([".", "?", "!", ",", ":", ""]))
-    # Lines that *start* with a task word make the no-leading-space variant frequent too; the
-    # chat scaffolding repeated so the template costs few tokens.
-    lines += [w for w in TASK_WORDS for _ in range(200)]
-    lines += [DEFAULT_SYSTEM, "system", "user", "assistant"] * 100
+    lines += [w for w in TASK_WORDS for _ in range(200)]  # alone on a line: the no-leading-space form frequent too
+    lines += [DEFAULT_SYSTEM, "system", "user", "assistant"] * 100  # the chat scaffolding: few tokens per template
     return lines
 
 
@@ -119,8 +115,7 @@ def _vl_classes(arch):
 def _text_config(ids, vocab_size, hidden, intermediate, layers, heads, kv_heads, mrope_section, tie, max_pos=4096):
     rope = {"rope_type": "default", "rope_theta": 1000000.0}
     if mrope_section is not None:
-        # transformers 5 reads M-RoPE from rope_parameters (4.x: rope_scaling, converted on load);
-        # the sections split head_dim/2 rotary frequencies over (time, height, width).
+        # transformers 5 reads M-RoPE here (4.x: rope_scaling); the sections split head_dim/2 frequencies over t, h, w
         rope["mrope_section"] = list(mrope_section)
     return dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
@@ -144,9 +139,8 @@ def tiny_config(arch, ids, vocab_size):
         text["rope_parameters"]["mrope_interleaved"] = True  # what vLLM reads; transformers always interleaves
     if arch in TEXT_ARCHS:
         from transformers import Qwen2Config, Qwen3Config  # slow to import (~2 s)
-        cfg = (Qwen3Config if arch == "qwen3" else Qwen2Config)(**text)
-        cfg.architectures = ["Qwen3ForCausalLM" if arch == "qwen3" else "Qwen2ForCausalLM"]
-        return cfg
+        Cfg = Qwen3Config if arch == "qwen3" else Qwen2Config
+        return Cfg(**text, architectures=[Cfg.__name__.replace("Config", "ForCausalLM")])
     Cfg, Model, _ = _vl_classes(arch)
     if arch == "qwen2_5_vl":
         vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=14,
@@ -184,24 +178,20 @@ def _llama_config(ids, vocab_size):
     no biases, rms_norm_eps 1e-5, tied embeddings as Llama 3.2 1B/3B; this file's tokenizer and Qwen's chat template
     (as the DeepSeek-R1 Llama distills), so the same data and reward code run on it."""
     from transformers import LlamaConfig  # slow to import (~2 s)
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
-                      max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,
-                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 8192},
-                      bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                      pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=True)
-    cfg.architectures = ["LlamaForCausalLM"]
-    return cfg
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
+                       max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192},
+                       bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                       pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
 
 
 def _vl_config(Cfg, Model, text, vision, ids, tie):
-    cfg = Cfg(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie)
-    cfg.architectures = [Model.__name__]
-    return cfg
+    return Cfg(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+               video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+               vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie, architectures=[Model.__name__])
 
 
 # ----------------------------------------------------------------------------- saving
@@ -356,8 +346,7 @@ def png_item(img):
 
 
 def write_parquet(rows, out_path, features=None):
-    """Rows (column -> list) to a parquet file, written whole and then renamed: a reader (or a crash) never sees
-    half a file. Returns the absolute path."""
+    """Rows (column -> list) to a parquet file, written whole then renamed (atomic). Returns its absolute path."""
     import datasets  # slow to import (~2 s): only where a task's data are written or read
     out_path = os.path.abspath(os.path.expanduser(out_path))
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
@@ -398,13 +387,10 @@ def make_color_dataset(out_path: str, n_rows: int, seed: int, draw=draw_color_im
     atomically; each 16 rows in a row hold every colour 4 times (why: DEMO)."""
     import datasets  # slow to import (~2 s): only where a task's data are written or read
     rng = random.Random(seed)
-    rows = {"problem": [], "answer": [], "images": []}
     order = [c for b in range(-(-n_rows // 16)) for c in random.Random(f"{seed}/{b}").sample([*COLORS] * 4, 16)]
-    for color in order[:n_rows]:
-        img = draw(rng, color)[0]
-        rows["problem"].append(question)
-        rows["answer"].append(color)
-        rows["images"].append([png_item(img)])
+    answers = order[:n_rows]
+    rows = {"problem": [question] * n_rows, "answer": answers,
+            "images": [[png_item(draw(rng, color)[0])] for color in answers]}
     features = datasets.Features({"problem": datasets.Value("string"),
                                   "answer": datasets.Value("string"), "images": datasets.List(datasets.Image())})
     return write_parquet(rows, out_path, features)
@@ -449,8 +435,7 @@ def demo_zoom_data(data_dir=None, n_train=2000, n_val=200):
 def max_question(rng: random.Random, lengths=(3, 4, 5)) -> tuple[str, str]:
     """One question of the text demo's task and its answer: the largest of k digits, which occurs once; the answer
     uniform from 2 to 9 (no constant answer pays more than 1/8), the others below it, the largest at a uniform place."""
-    k = rng.choice(lengths)
-    top = rng.randint(2, 9)
+    k, top = rng.choice(lengths), rng.randint(2, 9)
     digits = [rng.randrange(top) for _ in range(k - 1)]
     digits.insert(rng.randrange(k), top)
     return MAX_QUESTION.format(digits=", ".join(map(str, digits))), str(top)
@@ -517,12 +502,9 @@ def make_video_dataset(out_path: str, n_rows: int, seed: int) -> str:
     """EasyR1-format parquet (problem, answer, videos=[[frame PNGs]]) of the video demo; written atomically."""
     import datasets  # slow to import (~2 s): only where a task's data are written or read
     rng = random.Random(seed)
-    rows = {"problem": [], "answer": [], "videos": []}
-    for _ in range(n_rows):
-        frames, _, last = draw_clip(rng)
-        rows["problem"].append(VIDEO_QUESTION)
-        rows["answer"].append(last)
-        rows["videos"].append([[png_item(f) for f in frames]])
+    clips = [draw_clip(rng) for _ in range(n_rows)]  # (frames, first colour, last colour)
+    rows = {"problem": [VIDEO_QUESTION] * n_rows, "answer": [last for _, _, last in clips],
+            "videos": [[[png_item(f) for f in frames]] for frames, _, _ in clips]}
     features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
                                   "videos": datasets.List(datasets.List(datasets.Image()))})
     return write_parquet(rows, out_path, features)

@@ -18,8 +18,7 @@ def hub_layout(out):
     """Qwen3-VL-MoE's expert tensors on disk as the hub checkpoints hold them, gate_up_proj [E, H, 2I] and down_proj
     [E, I, H] (transformers 5 keeps [E, 2I, H] / [E, H, I] in memory): a file written here loads like the real one in
     transformers and vLLM. The config names the count num_experts, as the hub's."""
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
+    cfg = json.load(open(os.path.join(out, "config.json")))
     text = cfg.get("text_config", cfg)
     if "num_local_experts" in text:
         text["num_experts"] = text.pop("num_local_experts")

@@ -57,12 +57,11 @@ def shard_inputs(group, module, args, kwargs):
         mine = int(kw["visual_pos_masks"].sum())
         kw["deepstack_visual_embeds"] = [d[first:first + mine] for d in kw["deepstack_visual_embeds"]]
     if pad:
-        cu, cu_k = kw["cu_seq_lens_q"], kw["cu_seq_lens_k"]
-        kw["cu_seq_lens_q"] = torch.cat([cu, cu[-1:] + pad])
-        kw["cu_seq_lens_k"] = torch.cat([cu_k, cu_k[-1:] + pad])
-        kw["max_length_q"], kw["max_length_k"] = max(kw["max_length_q"], pad), max(kw["max_length_k"], pad)
+        for s in ("q", "k"):  # queries' and keys' boundaries: the pads, a sequence of their own
+            kw[f"cu_seq_lens_{s}"] = torch.cat([kw[f"cu_seq_lens_{s}"], kw[f"cu_seq_lens_{s}"][-1:] + pad])
+            kw[f"max_length_{s}"] = max(kw[f"max_length_{s}"], pad)
         if "kv_index" in kw:  # a shared-prompt row: the pads' keys are themselves
-            kw["kv_index"] = torch.cat([kw["kv_index"], torch.arange(n, n + pad, device=cu.device)])
+            kw["kv_index"] = torch.cat([kw["kv_index"], torch.arange(n, n + pad, device=kw["kv_index"].device)])
     kw["ulysses"] = group
     return args, kw
 
@@ -132,8 +131,7 @@ def gather(x, resp_idx, n, group):
 
 
 def gather_samples(samples, group):
-    """The samples of every rank of the group, in rank order (each rank's list pickled whole: the samples of a
-    prompt still share its record)."""
+    """The group's samples in rank order (each rank's list pickled whole: a prompt's samples still share its record)."""
     if group is None:
         return samples
     out = [None] * dist.get_world_size(group)

@@ -121,8 +121,7 @@ def smart_resize(h, w, factor, min_pixels, max_pixels, frames=1):
     hb, wb = round(h / factor) * factor, round(w / factor) * factor
     if frames * hb * wb > max_pixels:
         beta = math.sqrt(frames * h * w / max_pixels)
-        hb = max(factor, math.floor(h / beta / factor) * factor)
-        wb = max(factor, math.floor(w / beta / factor) * factor)
+        hb, wb = (max(factor, math.floor(x / beta / factor) * factor) for x in (h, w))
     elif frames * hb * wb < min_pixels:
         beta = math.sqrt(min_pixels / (frames * h * w))
         hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
