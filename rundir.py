@@ -287,7 +287,8 @@ def load_checkpoint(path, model, opt, sched):
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
-    extra = _read_json(os.path.join(path, "trainer_state.json"))
+    with open(os.path.join(path, "trainer_state.json")) as f:  # (missing: its own FileNotFoundError)
+        extra = json.load(f)
     sched.load_state_dict(extra.pop("scheduler"))
     return extra
 

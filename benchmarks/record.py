@@ -86,10 +86,6 @@ TABLES = [
     Table("tools_gpu_h100", TOOLS_GPU, "benchmarks.record text", [H1 + "test_tools_gpu_2026-12-0*.log"]),
     Table("two_turn", TWO_TURN, "benchmarks.record two-turn", [d + "two_turn3b_*" + f for d in (H, H1) for f in (
         ".json", "_gpu.csv.xz", "_host.csv.xz")]),
-    Table("two_turn_seconds", TWO_TURN, "benchmarks.record seconds", [H + "two_turn3b_2026-12-06_f_2" + f for f in (
-        ".json", "_gpu.csv.xz")], ("round=2",)),
-    Table("intake_profile", TWO_TURN, "benchmarks.record text", [H + "two_turn_intake_profile_2026-12-06_f.txt"],
-          ("head=87", "tail=16")),
     Table("cpu_demos", CPU, "benchmarks.record curves", [C + f + "_metrics.jsonl.xz" for f in (
         "demo_cosine", "demo_torchrun2_cosine", "demo_cosine_bf16", "demo_qwen2vl_cosine", "demo_qwen3vl_cosine",
         "demo_qwen3vl_moe_cosine", "demo_qwen3_5_cosine", "demo_qwen3_5_moe_cosine_t1.2", "demo_internvl_cosine",

@@ -2,8 +2,9 @@
 tools.rollout (multi-turn tools; the two-turn bar's ~2.4-4.4 s on the H200's host, BENCHMARKS.md,
 2026-12-05). No GPU and no engine: vLLM's input processing (InputProcessor.process_inputs: its multimodal processor and
 cache, the placeholders) and the engine core's Request (the prefix cache's block hashes) for `--requests` requests as
-turn two sends them (rollout.VLLMRollout._vllm_prompt): ~100 prompt tokens around the prompt's picture, the first
-turn's 512 tokens, the tool's answer with its picture, each picture one <|image_pad|> that vLLM expands. Rows:
+turn two sent them before VLLMRollout composed Qwen-VL inputs (2026-12-06; its _vllm_prompt, what vLLM still
+processes for other families): ~100 prompt tokens around the prompt's picture, the first turn's 512 tokens, the
+tool's answer with its picture, each picture one <|image_pad|> that vLLM expands. Rows:
 - alone: one tool picture for all (the two-turn bar's: vLLM's processor cache serves all from the first);
 - uuids: the same with `multi_modal_uuids` given for both pictures (vLLM hashes neither; fixed names: the floor);
 - keys: the same with the keys rollout.VLLMRollout gives (multi_modal_uuids: each picture's bytes hashed once per call,
