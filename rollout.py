@@ -36,7 +36,10 @@ def _call_key(prompts, n, temperature, top_p, max_tokens, seeds, lengths, logpro
     return (tuple(map(id, prompts)), n, temperature, top_p, max_tokens, tuple(seeds), repr(lengths), repr(logprobs))
 
 
-_COMPOSED = ("prompt_token_ids", "mm_hashes", "mm_placeholders")  # what VLLMRollout._compose makes as vLLM would
+# What VLLMRollout._compose must make as vLLM would. The items' names (mm_hashes) are the pieces': vLLM's keys, or
+# with both its caches off (Qwen3.5: no prefix caching) a name for each request's item, so a picture's pieces name it
+# once and the engine encodes it once
+_COMPOSED = ("prompt_token_ids", "mm_placeholders")
 
 
 def request_seed(prompt_seed):
@@ -246,7 +249,8 @@ class VLLMRollout:
             # off, its two halves (sender, engine) must see the same items. Videos: a Qwen2(.5)-VL prompt's
             # video_metadata covers all its videos, vLLM caches items one by one: no cache either
             composes = self.model_type in QWEN_VL and hasattr(LLM, "_render_and_add_requests")
-            self.pad, self.limit = hf_config.image_token_id if composes else None, kw["limit_mm_per_prompt"]["image"]
+            self.pad = getattr(hf_config, "image_token_id", None) if composes else None
+            self.limit = kw["limit_mm_per_prompt"].get("image", 0)
             if kw["limit_mm_per_prompt"].get("video") or self.pad is not None:
                 kw["mm_processor_cache_gb"] = 0
         else:

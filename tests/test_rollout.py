@@ -556,8 +556,9 @@ def test_vllm_inputs_are_composed_from_each_pictures_own(monkeypatch):
 
     pad, rendered, added = 9, [], []
 
-    def render(p, wider=0):  # vLLM's processor: each pad -> one per 4 pixels of its picture's width
+    def render(p, wider=0, names=None):  # vLLM's processor: each pad -> one per 4 pixels of its picture's width
         ids, keys, out, ranges = p["prompt_token_ids"], (p.get("multi_modal_uuids") or {}).get("image", []), [], []
+        keys = keys if names is None else [f"request {next(names)}" for _ in keys]  # (both caches off: its own)
         widths = iter([im.width // 4 + wider for im in (p.get("multi_modal_data") or {}).get("image", [])])
         for t in ids:
             if t == pad:
@@ -567,11 +568,11 @@ def test_vllm_inputs_are_composed_from_each_pictures_own(monkeypatch):
                 "mm_placeholders": {"image": ranges}, "mm_kwargs": {"image": [f"item {k}" for k in keys]}}
 
     class Renderer:
-        wider = 0
+        wider, names = 0, None
 
         def render_cmpl(self, prompts):
             rendered.extend(len(p["prompt_token_ids"]) for p in prompts)
-            return [render(p, self.wider if len(p["prompt_token_ids"]) > 1 else 0) for p in prompts]
+            return [render(p, self.wider if len(p["prompt_token_ids"]) > 1 else 0, self.names) for p in prompts]
 
     inputs = types.SimpleNamespace(MultiModalKwargsItems=dict)
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(multimodal=types.SimpleNamespace(inputs=inputs)))
@@ -597,9 +598,15 @@ def test_vllm_inputs_are_composed_from_each_pictures_own(monkeypatch):
     eng._add([req([pad, 8, pad], [blue, tool2])], None)
     assert added == [render(req([pad, 8, pad], [blue, tool2]))] and rendered == [3]  # the last call's pictures kept
     rendered.clear(), added.clear()
-    eng.llm.renderer.wider = 1  # a vLLM that expands a picture in a prompt unlike on its pad alone
+    eng.llm.renderer.names, eng.pieces = iter(range(100)), {}  # a vLLM naming each request's items (no pieces kept):
+    # the composed inputs carry the pieces' names, one a picture
+    eng._add([req([pad, 8, pad], [tool, blue]), req([pad, pad], [tool, tool])], None)
+    assert [a["mm_hashes"]["image"] for a in added] == [["request 0", "request 1"], ["request 0", "request 0"]]
+    assert eng.pad is not None and added[0]["prompt_token_ids"] == [pad] * 3 + [8] + [pad] * 2  # (12, 8 wide)
+    rendered.clear(), added.clear()
+    eng.llm.renderer.names, eng.llm.renderer.wider = None, 1  # a vLLM that expands a picture in a prompt unlike alone
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         eng._add(reqs[:2], None)
     assert "unlike VLLMRollout._compose" in str(w[-1].message) and eng.pad is None
-    assert added == [render(r, 1) for r in reqs[:2]] and rendered == [1, 6, 6, 6]  # tool (blue kept), check, both
+    assert added == [render(r, 1) for r in reqs[:2]] and rendered == [6, 6, 6]  # (both pictures kept) the check, both
