@@ -245,8 +245,8 @@ class VLLMRollout:
             engine_kwargs.pop("mm_processor_kwargs", None)
         if hasattr(hf_config, "vision_config"):  # text-only models reject these
             kw["limit_mm_per_prompt"] = limit_mm_per_prompt or {"image": 1, "video": 0}
-            # Qwen-VL's pictures are composed (_inputs; vLLM >= 0.2x's renderer): vLLM's processor cache then stays
-            # off, its two halves (sender, engine) must see the same items. Videos: a Qwen2(.5)-VL prompt's
+            # Qwen-VL's pictures are composed (_add; a vLLM with the renderer API, 0.26 run): vLLM's processor cache
+            # then stays off, its two halves (sender, engine) must see the same items. Videos: a Qwen2(.5)-VL prompt's
             # video_metadata covers all its videos, vLLM caches items one by one: no cache either
             composes = self.model_type in QWEN_VL and hasattr(LLM, "_render_and_add_requests")
             self.pad = getattr(hf_config, "image_token_id", None) if composes else None
