@@ -36,9 +36,8 @@ def _call_key(prompts, n, temperature, top_p, max_tokens, seeds, lengths, logpro
     return (tuple(map(id, prompts)), n, temperature, top_p, max_tokens, tuple(seeds), repr(lengths), repr(logprobs))
 
 
-# What VLLMRollout._compose must make as vLLM would. The items' names (mm_hashes) are the pieces': vLLM's keys, or
-# with both its caches off (Qwen3.5: no prefix caching) a name for each request's item, so a picture's pieces name it
-# once and the engine encodes it once
+# What VLLMRollout._compose must make as vLLM would. Not the items' names: the pieces' (vLLM's keys, or with both its
+# caches off, as Qwen3.5's no prefix caching, one name a picture where vLLM names each request's: encoded once)
 _COMPOSED = ("prompt_token_ids", "mm_placeholders")
 
 
@@ -245,9 +244,8 @@ class VLLMRollout:
             engine_kwargs.pop("mm_processor_kwargs", None)
         if hasattr(hf_config, "vision_config"):  # text-only models reject these
             kw["limit_mm_per_prompt"] = limit_mm_per_prompt or {"image": 1, "video": 0}
-            # Qwen-VL's pictures are composed (_add; a vLLM with the renderer API, 0.26 run): vLLM's processor cache
-            # then stays off, its two halves (sender, engine) must see the same items. Videos: a Qwen2(.5)-VL prompt's
-            # video_metadata covers all its videos, vLLM caches items one by one: no cache either
+            # Composed Qwen-VL inputs (_add; vLLM 0.26 run): no processor cache, its sender and engine halves must see
+            # the same items. Videos neither: a Qwen2(.5)-VL prompt's video_metadata covers all, vLLM caches one by one
             composes = self.model_type in QWEN_VL and hasattr(LLM, "_render_and_add_requests")
             self.pad = getattr(hf_config, "image_token_id", None) if composes else None
             self.limit = kw["limit_mm_per_prompt"].get("image", 0)
@@ -374,11 +372,9 @@ class VLLMRollout:
         return True
 
     def _add(self, reqs, params):
-        """Into vLLM's queue -> vLLM's request ids. Qwen-VL prompts with pictures go composed: vLLM's processor
-        makes each picture's input once, on its pad alone, and a prompt's is its ids with each pad replaced by its
-        picture's. (vLLM's processor does that for each request with Python scans of the whole prompt, and its HF
-        processor even on cached pictures: ~5 ms a request, 2.6 s with the GPU idle before turn two of 512
-        trajectories on an H200's host.) The call's first composed input is checked against vLLM's own."""
+        """Into vLLM's queue -> its request ids. Qwen-VL prompts go composed: vLLM processes each picture once, on
+        its pad alone, and a prompt is its ids with each pad replaced by its picture's (vLLM's own processing: ~5 ms a
+        request, 2.4-4.2 s before turn two of 512 trajectories). The call's first is checked against vLLM's own."""
         if self.pad is None:
             return list(self.llm.enqueue(reqs, params, use_tqdm=False))
         old, self.pieces = self.pieces, {}  # (the pictures of this call and the last: turn two finds turn one's)
